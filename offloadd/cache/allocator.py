@@ -1,0 +1,157 @@
+"""Byte-range allocator over the cache arena.
+
+Contract:
+- The arena is ``[0, capacity)``, with ``capacity`` rounded down to a multiple of ``align``.
+- ``alloc(size)`` returns the offset of an extent of ``alloc_size(size)`` bytes (``size`` rounded
+  up to ``align``), or None when no free extent is large enough. Offsets are multiples of
+  ``align``. Best fit: a free extent of exactly that size if there is one, else the smallest
+  larger one, split.
+- ``free(offset, size)`` takes back an extent, with ``size`` as passed to ``alloc``, and merges it
+  with free neighbours, so freeing everything always leaves one extent of ``capacity`` bytes.
+  Freeing something that is not allocated (or freeing twice) is a bug and raises ValueError.
+- Allocated extents never overlap and ``used_bytes <= capacity`` always holds.
+
+Pure Python: no I/O and no locks (the daemon calls it from one thread). Free extents live in
+three maps (start -> size, end -> start, size -> starts) plus a sorted list of distinct free
+sizes, so an exact fit is O(1), a best fit is a bisect, and coalescing is two dict lookups.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+
+__all__ = ["ExtentAllocator"]
+
+
+class ExtentAllocator:
+    """Best-fit extent allocator with coalescing; see the module docstring for the contract."""
+
+    __slots__ = (
+        "_align",
+        "_allocated",
+        "_by_size",
+        "_capacity",
+        "_free_end",
+        "_free_start",
+        "_sizes",
+        "_used",
+    )
+
+    def __init__(self, capacity: int, align: int = 4096) -> None:
+        if align <= 0:
+            raise ValueError(f"align must be positive, got {align}")
+        if capacity < 0:
+            raise ValueError(f"capacity must not be negative, got {capacity}")
+        self._align = align
+        self._capacity = capacity - capacity % align
+        self._used = 0
+        self._free_start: dict[int, int] = {}
+        self._free_end: dict[int, int] = {}
+        self._by_size: dict[int, set[int]] = {}
+        self._sizes: list[int] = []
+        # offset -> rounded size; what makes a bad or double free detectable.
+        self._allocated: dict[int, int] = {}
+        if self._capacity:
+            self._add_free(0, self._capacity)
+
+    @property
+    def capacity(self) -> int:
+        """Usable arena bytes (the requested capacity rounded down to ``align``)."""
+        return self._capacity
+
+    @property
+    def align(self) -> int:
+        """Granularity of offsets and sizes."""
+        return self._align
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in allocated extents (rounded sizes)."""
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated, however fragmented."""
+        return self._capacity - self._used
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest free extent: the biggest ``alloc_size`` that can succeed now."""
+        return self._sizes[-1] if self._sizes else 0
+
+    def alloc_size(self, size: int) -> int:
+        """Bytes an ``alloc(size)`` takes from the arena."""
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        return -(-size // self._align) * self._align
+
+    def alloc(self, size: int) -> int | None:
+        """Offset of a new extent of ``alloc_size(size)`` bytes, or None if nothing fits."""
+        need = self.alloc_size(size)
+        bucket = self._by_size.get(need)
+        if bucket is None:
+            i = bisect_right(self._sizes, need)
+            if i == len(self._sizes):
+                return None
+            have = self._sizes[i]
+            bucket = self._by_size[have]
+        else:
+            have = need
+        start = bucket.pop()
+        if not bucket:
+            del self._by_size[have]
+            del self._sizes[bisect_left(self._sizes, have)]
+        del self._free_start[start]
+        del self._free_end[start + have]
+        if have > need:
+            self._add_free(start + need, have - need)
+        self._allocated[start] = need
+        self._used += need
+        return start
+
+    def free(self, offset: int, size: int) -> None:
+        """Return the extent ``alloc`` gave at ``offset`` for ``size``; merges free neighbours."""
+        need = self.alloc_size(size)
+        if self._allocated.get(offset) != need:
+            raise ValueError(f"extent ({offset}, {size}) is not allocated")
+        del self._allocated[offset]
+        self._used -= need
+        start, end = offset, offset + need
+        left = self._free_end.get(start)
+        if left is not None:
+            self._remove_free(left, start - left)
+            start = left
+        right_size = self._free_start.get(end)
+        if right_size is not None:
+            self._remove_free(end, right_size)
+            end += right_size
+        self._add_free(start, end - start)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Free extents as sorted ``(offset, size)`` pairs (diagnostics and tests; O(n log n))."""
+        return sorted(self._free_start.items())
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtentAllocator(capacity={self._capacity}, used={self._used}, "
+            f"free_extents={len(self._free_start)}, largest_free={self.largest_free})"
+        )
+
+    def _add_free(self, start: int, size: int) -> None:
+        self._free_start[start] = size
+        self._free_end[start + size] = start
+        bucket = self._by_size.get(size)
+        if bucket is None:
+            self._by_size[size] = {start}
+            insort(self._sizes, size)
+        else:
+            bucket.add(start)
+
+    def _remove_free(self, start: int, size: int) -> None:
+        del self._free_start[start]
+        del self._free_end[start + size]
+        bucket = self._by_size[size]
+        bucket.remove(start)
+        if not bucket:
+            del self._by_size[size]
+            del self._sizes[bisect_left(self._sizes, size)]

@@ -1,0 +1,111 @@
+"""The ``offloadd`` command line: ``serve`` and ``demo`` (more subcommands plug in here)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tomllib
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from offloadd import __version__
+from offloadd.settings import Settings, parse_size
+
+
+def load_settings(path: str | None, overrides: dict[str, dict[str, Any]]) -> Settings:
+    """Defaults < TOML file < command-line overrides; unknown keys and wrong types are errors."""
+    data: dict[str, dict[str, Any]] = {}
+    if path:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    for section, values in overrides.items():
+        data.setdefault(section, {}).update(values)
+    try:
+        return msgspec.convert(data, Settings)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"offloadd: invalid settings: {exc}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from offloadd.cache.arena import ArenaError
+    from offloadd.daemon import run
+    from offloadd.endpoint import EndpointInUse
+
+    overrides: dict[str, dict[str, Any]] = {}
+    if args.endpoint:
+        overrides.setdefault("server", {})["endpoint"] = args.endpoint
+    if args.arena:
+        overrides.setdefault("cache", {})["arena"] = args.arena
+    if args.capacity:
+        overrides.setdefault("cache", {})["capacity"] = parse_size(args.capacity)
+    if args.policy:
+        overrides.setdefault("cache", {})["policy"] = args.policy
+    if args.log_level:
+        overrides.setdefault("log", {})["level"] = args.log_level
+    settings = load_settings(args.config, overrides)
+    logging.basicConfig(
+        level=settings.log.level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        run(settings)
+    except (EndpointInUse, ArenaError) as exc:
+        print(f"offloadd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from offloadd.demo import main as demo_main
+
+    logging.basicConfig(level=logging.WARNING)
+    return demo_main(
+        args.endpoint,
+        engines=args.engines,
+        tp=args.tp,
+        chunks=args.chunks,
+        seed=args.seed,
+        phase=args.phase,
+        as_json=args.json,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(prog="offloadd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"offloadd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the daemon (built-in defaults need no file)")
+    serve.add_argument("--config", help="TOML settings file")
+    serve.add_argument(
+        "--endpoint", help="control endpoint, e.g. ipc:///run/offloadd/offloadd.sock"
+    )
+    serve.add_argument("--arena", help="arena file (default /dev/shm/offloadd-<uid>.arena)")
+    serve.add_argument("--capacity", help="arena size, e.g. 8GiB (default 1GiB)")
+    serve.add_argument("--policy", choices=["lru", "arc"], help="eviction policy")
+    serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    serve.set_defaults(handler=_serve)
+
+    demo = commands.add_parser("demo", help="simulate engines against a daemon, verify bytes")
+    demo.add_argument("--endpoint", help="use this running daemon instead of starting one")
+    demo.add_argument("--engines", type=int, default=2)
+    demo.add_argument("--tp", type=int, default=2)
+    demo.add_argument("--chunks", type=int, default=64)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--phase", choices=["store", "load", "both"], default="both")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``offloadd`` console script."""
+    args = build_parser().parse_args(argv)
+    handler = args.handler
+    status = handler(args)
+    assert isinstance(status, int)
+    return status

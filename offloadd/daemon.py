@@ -1,0 +1,753 @@
+"""The daemon's composition root: control socket, registry, cache, copies, lifecycle.
+
+Everything runs on one asyncio loop (uvloop when available) except byte copies, which the
+copy engine runs on its own threads. Each request is handled to completion without awaiting,
+so handlers never interleave; a store or load replies ``JobAccepted`` at once and its
+``JobDone`` is sent when the copy engine's future resolves. Any request that fails
+validation, and any bug inside a handler, is answered with an ``Error`` and the daemon goes
+on serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from offloadd.cache.arena import Arena
+from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.endpoint import EndpointClaim
+from offloadd.registry import (
+    Engine,
+    Namespace,
+    RegistrationError,
+    Registry,
+    Session,
+    group_of_key,
+)
+from offloadd.settings import Settings
+from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
+from offloadd.transfer.handles import HandleError, HandleTable, Import
+from offloadd.transfer.plan import block_id_problem, plan_chunk
+from protocol import PROTOCOL_VERSION
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    Bye,
+    DaemonStats,
+    EngineReady,
+    Error,
+    GetStats,
+    Hello,
+    JobAccepted,
+    JobDone,
+    Load,
+    Lookup,
+    LookupResult,
+    Ok,
+    Release,
+    Reply,
+    Request,
+    StatsResult,
+    Store,
+    Wait,
+    WaitResult,
+    Welcome,
+    decode_request,
+    encode,
+    peek_request_id,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_KEYS_PER_REQUEST = 1 << 16
+
+
+class _Refused(Exception):
+    """A request that gets an Error reply; raised inside handlers."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class _Job:
+    job_id: int
+    state: _SessionState
+    direction: Direction
+    keys: list[bytes]
+    failed_keys: list[bytes]
+    nbytes: int
+    writes: list[ShardWrite] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    abandoned: bool = False
+
+
+@dataclass(eq=False)
+class _Waiter:
+    request_id: int
+    job_ids: list[int]
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
+class _SessionState:
+    """The daemon's runtime view of one registry session."""
+
+    identity: bytes
+    session: Session
+    imports: list[Import]
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    done: OrderedDict[int, JobDone] = field(default_factory=OrderedDict)
+    waiters: list[_Waiter] = field(default_factory=list)
+    alive: bool = True
+
+
+@dataclass
+class _Counters:
+    protocol_errors: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    jobs_failed: int = 0
+
+
+class Daemon:
+    """One offloadd instance. Use ``async with Daemon(settings) as d: await d.serve(stop)``."""
+
+    def __init__(self, settings: Settings, *, copy_engine: CopyEngine | None = None) -> None:
+        self.settings = settings
+        self.endpoint = settings.endpoint()
+        self._copy = copy_engine
+        self._claim: EndpointClaim | None = None
+        self._arena: Arena | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._handles: HandleTable | None = None
+        self._cache: ChunkCache | None = None
+        self.registry = Registry()
+        self._states: dict[str, _SessionState] = {}
+        self._jobs_in_flight = 0
+        self._idle = asyncio.Event()
+        self._draining = False
+        self._started = time.monotonic()
+        self.counters = _Counters()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> Daemon:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        """Claim the endpoint, create the arena, bind the socket. Ready when it returns."""
+        settings = self.settings
+        self._claim = EndpointClaim(self.endpoint)
+        try:
+            self._arena = Arena(settings.arena_path(), settings.cache.capacity)
+            self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
+            self._handles = HandleTable(settings.server.shm_dirs, forbidden=[self._arena.path])
+            if self._copy is None:
+                self._copy = CpuCopyEngine()
+            self._ctx = zmq.asyncio.Context()
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
+            sock.setsockopt(zmq.MAXMSGSIZE, settings.server.max_frame_bytes * 4)
+            sock.bind(self.endpoint)
+            self._sock = sock
+        except BaseException:
+            self._release_resources()
+            raise
+        logger.info(
+            "offloadd serving on %s (arena %s, %d MiB, %s eviction, %s copies)",
+            self.endpoint,
+            self._arena.path,
+            settings.cache.capacity >> 20,
+            settings.cache.policy,
+            self._copy.name,
+        )
+
+    async def serve(self, shutdown: asyncio.Event) -> None:
+        """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
+        receiver = asyncio.create_task(self._receive_loop())
+        stopper = asyncio.create_task(shutdown.wait())
+        try:
+            done, _ = await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if receiver in done:
+                receiver.result()  # a crash of the receive loop is a bug: surface it
+            self._draining = True
+            await self._drain()
+        finally:
+            for task in (receiver, stopper):
+                task.cancel()
+            for task in (receiver, stopper):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _drain(self) -> None:
+        if self._jobs_in_flight == 0:
+            return
+        grace = self.settings.server.drain_seconds
+        logger.info("draining %d in-flight jobs (up to %.0fs)", self._jobs_in_flight, grace)
+        self._idle.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except TimeoutError:
+            logger.warning("%d jobs still in flight after %.0fs", self._jobs_in_flight, grace)
+
+    async def close(self) -> None:
+        """Release everything; idempotent."""
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self._copy is not None:
+            self._copy.close()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._handles is not None:
+            self._handles.close()
+            self._handles = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+    # ----------------------------------------------------------------- socket
+
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart()
+            identity = frames[0]
+            try:
+                self._on_frames(identity, frames[1:])
+            except Exception:
+                # A bug must not take the daemon down; the peer still gets an answer.
+                logger.exception("internal error while handling a request")
+                self._send(identity, Error(0, ErrorCode.INTERNAL, "internal error; see daemon log"))
+
+    def _send(self, identity: bytes, message: Reply) -> None:
+        """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
+        if self._sock is None:
+            return
+        # With DONTWAIT pyzmq tries the send at once and hands back a finished future.
+        future = cast(
+            "asyncio.Future[object]",
+            self._sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT),
+        )
+        if future.done() and future.exception() is not None:
+            logger.debug("dropped a reply to a peer that is gone or not reading")
+
+    def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._protocol_error(identity, 0, ErrorCode.MALFORMED, "expected exactly one frame")
+            return
+        frame = frames[0]
+        if len(frame) > self.settings.server.max_frame_bytes:
+            self._protocol_error(
+                identity,
+                0,
+                ErrorCode.TOO_LARGE,
+                f"frame of {len(frame)} bytes exceeds {self.settings.server.max_frame_bytes}",
+            )
+            return
+        try:
+            request = decode_request(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._protocol_error(identity, peek_request_id(frame), ErrorCode.MALFORMED, str(exc))
+            return
+        try:
+            reply = self._dispatch(identity, request)
+        except _Refused as refused:
+            self._protocol_error(identity, request.request_id, refused.code, str(refused))
+            return
+        if reply is not None:
+            self._send(identity, reply)
+
+    def _protocol_error(
+        self, identity: bytes, request_id: int, code: ErrorCode, message: str
+    ) -> None:
+        self.counters.protocol_errors += 1
+        logger.debug("refused request %d: %s %s", request_id, code.name, message)
+        self._send(identity, Error(request_id, code, message))
+
+    # ----------------------------------------------------------------- dispatch
+
+    def _dispatch(self, identity: bytes, request: Request) -> Reply | None:
+        if isinstance(request, Hello):
+            return self._hello(identity, request)
+        if isinstance(request, GetStats):
+            return StatsResult(request.request_id, self.stats())
+        state = self._states.get(identity.hex())
+        if state is None:
+            raise _Refused(ErrorCode.NOT_REGISTERED, "say Hello first")
+        match request:
+            case Lookup():
+                return self._lookup(state, request)
+            case Store():
+                return self._store(state, request)
+            case Load():
+                return self._load(state, request)
+            case Release():
+                _engine, namespace = self._ready_engine(state)
+                cache = self._require_cache()
+                count = cache.release(namespace.name, request.keys, state.session.session_id)
+                return Ok(request.request_id, count)
+            case Wait():
+                return self._wait(state, request)
+            case Bye():
+                self._end_session(state, "said goodbye")
+                return Ok(request.request_id)
+        raise _Refused(ErrorCode.MALFORMED, f"unexpected message {type(request).__name__}")
+
+    # ----------------------------------------------------------------- hello
+
+    def _hello(self, identity: bytes, hello: Hello) -> Reply | None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise _Refused(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol_version {hello.protocol_version} is not {PROTOCOL_VERSION}",
+            )
+        if self._draining:
+            raise _Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        session_id = identity.hex()
+        imports = self._open_regions(hello)
+        try:
+            outcome = self.registry.hello(session_id, hello)
+        except RegistrationError as exc:
+            self._release_imports(imports)
+            raise _Refused(exc.code, str(exc)) from None
+        for old in outcome.replaced:
+            old_state = self._states.get(old.session_id)
+            if old_state is not None:
+                self._drop_state(old_state, "replaced by a new Hello")
+        state = _SessionState(identity, outcome.session, imports)
+        self._states[session_id] = state
+        engine = outcome.engine
+        logger.info(
+            "%s connected (pid %d, %d regions); engine %s",
+            outcome.session.describe(),
+            hello.pid,
+            len(hello.regions),
+            "ready" if engine.ready else f"waiting for ranks {engine.missing_ranks()}",
+        )
+        self._send(
+            identity,
+            Welcome(hello.request_id, PROTOCOL_VERSION, session_id, engine.state()),
+        )
+        if outcome.became_ready:
+            self._engine_became_ready(engine)
+        return None
+
+    def _open_regions(self, hello: Hello) -> list[Import]:
+        handles = self._require_handles()
+        imports: list[Import] = []
+        for index, region in enumerate(hello.regions):
+            try:
+                imports.append(handles.open(region.handle))
+            except HandleError as exc:
+                self._release_imports(imports)
+                raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
+        return imports
+
+    def _release_imports(self, imports: Sequence[Import]) -> None:
+        if self._handles is None:
+            return
+        for imported in imports:
+            self._handles.release(imported)
+
+    def _engine_became_ready(self, engine: Engine) -> None:
+        assert engine.namespace is not None
+        logger.info(
+            "engine %s dp %d ready: %d ranks, namespace %s",
+            engine.key[0],
+            engine.key[1],
+            engine.world_size,
+            engine.namespace.name,
+        )
+        message = EngineReady(engine.state())
+        for session in engine.sessions():
+            state = self._states.get(session.session_id)
+            if state is not None:
+                self._send(state.identity, message)
+
+    def _end_session(self, state: _SessionState, reason: str) -> None:
+        outcome = self.registry.remove(state.session.session_id)
+        self._drop_state(state, reason)
+        if outcome is not None and outcome.was_ready and not outcome.engine_dropped:
+            logger.info(
+                "engine %s dp %d waiting for ranks %s",
+                outcome.engine.key[0],
+                outcome.engine.key[1],
+                outcome.engine.missing_ranks(),
+            )
+
+    def _drop_state(self, state: _SessionState, reason: str) -> None:
+        """Fail the session's jobs so nothing half-written becomes visible; free its pins."""
+        if not state.alive:
+            return
+        state.alive = False
+        if self._states.get(state.session.session_id) is state:
+            del self._states[state.session.session_id]
+        cache = self._require_cache()
+        for job in state.jobs.values():
+            job.abandoned = True
+            if job.direction is Direction.STORE:
+                cache.abandon(job.writes)
+        cache.release_owner(state.session.session_id)
+        for waiter in state.waiters:
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+        state.waiters.clear()
+        self._release_imports(state.imports)  # in-flight jobs hold their own references
+        state.imports = []
+        logger.info(
+            "%s left (%s); %d jobs abandoned", state.session.describe(), reason, len(state.jobs)
+        )
+
+    # ----------------------------------------------------------------- requests
+
+    def _ready_engine(self, state: _SessionState) -> tuple[Engine, Namespace]:
+        engine = self.registry.engine(state.session.engine_key)
+        if engine is None or engine.namespace is None:
+            missing = engine.missing_ranks() if engine else []
+            raise _Refused(ErrorCode.ENGINE_NOT_READY, f"engine waits for ranks {missing}")
+        return engine, engine.namespace
+
+    def _check_keys(self, keys: list[bytes], engine: Engine) -> None:
+        if len(keys) > _MAX_KEYS_PER_REQUEST:
+            raise _Refused(ErrorCode.TOO_LARGE, f"more than {_MAX_KEYS_PER_REQUEST} keys")
+        groups = len(engine.config.groups)
+        for key in keys:
+            if len(key) < 5:
+                raise _Refused(
+                    ErrorCode.BAD_REQUEST, f"key {key.hex()} is shorter than hash + 4-byte group"
+                )
+            group = group_of_key(key)
+            if group >= groups:
+                raise _Refused(
+                    ErrorCode.BAD_REQUEST,
+                    f"key {key.hex()} names group {group}, the engine has {groups}",
+                )
+
+    def _lookup(self, state: _SessionState, request: Lookup) -> Reply:
+        engine, namespace = self._ready_engine(state)
+        self._check_keys(request.keys, engine)
+        lease = request.lease_seconds or self.settings.cache.pin_lease_seconds
+        outcome = self._require_cache().lookup(
+            namespace.name,
+            request.keys,
+            pin_owner=state.session.session_id if request.pin else None,
+            lease=lease if request.pin else 0.0,
+        )
+        return LookupResult(request.request_id, outcome.hits, outcome.pending, outcome.pinned)
+
+    def _worker_job_checks(
+        self, state: _SessionState, job_id: int, keys: list[bytes]
+    ) -> tuple[Engine, Namespace]:
+        if self._draining:
+            raise _Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if state.session.role != "worker":
+            raise _Refused(ErrorCode.WRONG_ROLE, "only worker ranks store and load")
+        engine, namespace = self._ready_engine(state)
+        if job_id in state.jobs:
+            raise _Refused(ErrorCode.DUPLICATE_JOB, f"job {job_id} is still running")
+        self._check_keys(keys, engine)
+        return engine, namespace
+
+    def _store(self, state: _SessionState, request: Store) -> Reply | None:
+        _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
+        bpc = namespace.blocks_per_chunk
+        if len(request.block_ids) != len(request.keys) * bpc:
+            raise _Refused(
+                ErrorCode.BAD_REQUEST,
+                f"{len(request.keys)} keys need {len(request.keys) * bpc} block ids "
+                f"({bpc} per chunk), got {len(request.block_ids)}",
+            )
+        self._check_block_ids(state, request.block_ids)
+        session = state.session
+        job = _Job(request.job_id, state, Direction.STORE, request.keys, [], 0)
+        if namespace.replicated and session.rank != 0:
+            # Replicated layout: rank 0's shard is every rank's; the others ack at once.
+            return self._accept_without_copy(state, request.request_id, job)
+        shard = 0 if namespace.replicated else session.rank
+        cache = self._require_cache()
+        reservation = cache.begin_store(
+            namespace.name, request.keys, shard, namespace.shard_sizes_for_key
+        )
+        self._announce_removed(namespace, reservation.evicted)
+        job.failed_keys = [request.keys[i] for i in reservation.refused]
+        job.writes = reservation.writes
+        if job.failed_keys:
+            logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
+        arena = self._require_arena()
+        moves: list[Triple] = []
+        for write in reservation.writes:
+            ids = request.block_ids[write.index * bpc : (write.index + 1) * bpc]
+            layout = session.layouts[group_of_key(request.keys[write.index])]
+            for move in plan_chunk(layout, session.regions, ids, blocks_per_chunk=bpc):
+                if move.shard_offset + move.nbytes > write.size:
+                    raise AssertionError("shard plan exceeds its slot")
+                moves.append(
+                    (
+                        self._region_address(state, move.region, move.region_offset, move.nbytes),
+                        arena.address + write.offset + move.shard_offset,
+                        move.nbytes,
+                    )
+                )
+                job.nbytes += move.nbytes
+        return self._submit(state, request.request_id, job, moves)
+
+    def _load(self, state: _SessionState, request: Load) -> Reply | None:
+        _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
+        bpc = namespace.blocks_per_chunk
+        skip = request.skip
+        expected = len(request.keys) * bpc - skip
+        if not request.keys or not 0 <= skip < bpc or len(request.block_ids) != expected:
+            raise _Refused(
+                ErrorCode.BAD_REQUEST,
+                f"{len(request.keys)} keys with skip={skip} need {expected} block ids "
+                f"({bpc} per chunk, 0 <= skip < {bpc}), got {len(request.block_ids)}",
+            )
+        self._check_block_ids(state, request.block_ids)
+        session = state.session
+        job = _Job(request.job_id, state, Direction.LOAD, request.keys, [], 0)
+        cache = self._require_cache()
+        reservation = cache.begin_load(namespace.name, request.keys)
+        if reservation.missing:
+            job.failed_keys = list(reservation.missing)
+            return self._accept_without_copy(state, request.request_id, job, "keys not in cache")
+        job.entries = reservation.entries
+        shard = 0 if namespace.replicated else session.rank
+        arena = self._require_arena()
+        moves: list[Triple] = []
+        position = 0
+        for index, entry in enumerate(reservation.entries):
+            first = skip if index == 0 else 0
+            ids = request.block_ids[position : position + bpc - first]
+            position += len(ids)
+            layout = session.layouts[group_of_key(entry.key)]
+            for move in plan_chunk(
+                layout, session.regions, ids, blocks_per_chunk=bpc, first_sub_block=first
+            ):
+                if move.shard_offset + move.nbytes > entry.sizes[shard]:
+                    raise AssertionError("shard plan exceeds its slot")
+                moves.append(
+                    (
+                        arena.address + entry.offsets[shard] + move.shard_offset,
+                        self._region_address(state, move.region, move.region_offset, move.nbytes),
+                        move.nbytes,
+                    )
+                )
+                job.nbytes += move.nbytes
+        return self._submit(state, request.request_id, job, moves)
+
+    def _check_block_ids(self, state: _SessionState, block_ids: list[int]) -> None:
+        problem = block_id_problem(block_ids, state.session.num_blocks)
+        if problem:
+            raise _Refused(ErrorCode.BAD_REQUEST, problem)
+
+    def _region_address(self, state: _SessionState, region: int, offset: int, nbytes: int) -> int:
+        imported = state.imports[region]
+        # Defence in depth: geometry and block ids were validated, but never trust arithmetic
+        # with another process's memory.
+        if offset < 0 or offset + nbytes > imported.size:
+            raise AssertionError(f"copy outside region {region}")
+        return imported.address + offset
+
+    def _accept_without_copy(
+        self, state: _SessionState, request_id: int, job: _Job, error: str = ""
+    ) -> Reply | None:
+        self._send(state.identity, JobAccepted(request_id, job.job_id))
+        self._complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
+        return None
+
+    def _submit(
+        self, state: _SessionState, request_id: int, job: _Job, moves: list[Triple]
+    ) -> Reply | None:
+        if not moves:
+            if job.direction is Direction.STORE:
+                self._require_cache().finish_store(job.writes, ok=True)
+            return self._accept_without_copy(state, request_id, job)
+        assert self._copy is not None and self._handles is not None
+        for imported in state.imports:
+            self._handles.retain(imported)
+        imports = list(state.imports)
+        state.jobs[job.job_id] = job
+        self._jobs_in_flight += 1
+        loop = asyncio.get_running_loop()
+        future = self._copy.submit(job.direction, moves)
+
+        def on_done(done: Future[float]) -> None:
+            loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
+
+        future.add_done_callback(on_done)
+        return JobAccepted(request_id, job.job_id)
+
+    def _copy_finished(self, job: _Job, imports: list[Import], future: Future[float]) -> None:
+        self._jobs_in_flight -= 1
+        try:
+            seconds = future.result()
+            error = ""
+        except Exception as exc:
+            logger.error(
+                "%s: job %d copy failed: %s", job.state.session.describe(), job.job_id, exc
+            )
+            seconds, error = 0.0, f"copy failed: {exc}"
+        cache = self._require_cache()
+        copied = not error
+        if job.direction is Direction.STORE:
+            committed = cache.finish_store(job.writes, ok=copied and not job.abandoned)
+            engine = self.registry.engine(job.state.session.engine_key)
+            if engine is not None and engine.namespace is not None:
+                self._announce_stored(engine.namespace, committed)
+            if copied:
+                self.counters.bytes_stored += job.nbytes
+        else:
+            cache.finish_load(job.entries)
+            if copied:
+                self.counters.bytes_loaded += job.nbytes
+        self._release_imports(imports)
+        if not copied:
+            job.failed_keys = list(job.keys)
+        self._complete(job, ok=copied and not job.failed_keys, seconds=seconds, error=error)
+        if self._jobs_in_flight == 0:
+            self._idle.set()
+
+    def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str) -> None:
+        state = job.state
+        state.jobs.pop(job.job_id, None)
+        if not ok:
+            self.counters.jobs_failed += 1
+        if job.abandoned or not state.alive:
+            return
+        done = JobDone(job.job_id, ok, job.failed_keys, job.nbytes, seconds, error)
+        state.done[job.job_id] = done
+        while len(state.done) > self.settings.server.recent_jobs:
+            state.done.popitem(last=False)
+        self._send(state.identity, done)
+        self._wake_waiters(state)
+
+    # ----------------------------------------------------------------- wait
+
+    def _wait(self, state: _SessionState, request: Wait) -> Reply | None:
+        unknown = [j for j in request.job_ids if j not in state.jobs and j not in state.done]
+        if unknown:
+            raise _Refused(ErrorCode.BAD_REQUEST, f"unknown job ids {unknown[:10]}")
+        waiter = _Waiter(request.request_id, list(request.job_ids))
+        if not any(j in state.jobs for j in waiter.job_ids) or request.timeout <= 0:
+            return self._wait_result(state, waiter)
+        loop = asyncio.get_running_loop()
+        waiter.timer = loop.call_later(request.timeout, self._wait_timed_out, state, waiter)
+        state.waiters.append(waiter)
+        return None
+
+    def _wait_result(self, state: _SessionState, waiter: _Waiter) -> WaitResult:
+        done = [state.done[j] for j in waiter.job_ids if j in state.done]
+        pending = [j for j in waiter.job_ids if j in state.jobs]
+        return WaitResult(waiter.request_id, done, pending)
+
+    def _wake_waiters(self, state: _SessionState) -> None:
+        for waiter in list(state.waiters):
+            if not any(j in state.jobs for j in waiter.job_ids):
+                state.waiters.remove(waiter)
+                if waiter.timer is not None:
+                    waiter.timer.cancel()
+                self._send(state.identity, self._wait_result(state, waiter))
+
+    def _wait_timed_out(self, state: _SessionState, waiter: _Waiter) -> None:
+        if waiter in state.waiters and state.alive:
+            state.waiters.remove(waiter)
+            self._send(state.identity, self._wait_result(state, waiter))
+
+    # ----------------------------------------------------------------- events (hooks)
+
+    def _announce_stored(self, namespace: Namespace, entries: list[Entry]) -> None:
+        """Chunks that just became visible (the events publisher hooks in here)."""
+        if entries:
+            logger.debug("namespace %s: %d chunks committed", namespace.name, len(entries))
+
+    def _announce_removed(self, namespace: Namespace, entries: list[Entry]) -> None:
+        """Chunks evicted to make room (the events publisher hooks in here)."""
+        if entries:
+            logger.debug("evicted %d chunks for namespace %s", len(entries), namespace.name)
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> DaemonStats:
+        """Counters for GetStats."""
+        cache = self._require_cache().stats()
+        return DaemonStats(
+            uptime_seconds=time.monotonic() - self._started,
+            capacity_bytes=cache.capacity,
+            used_bytes=cache.used_bytes,
+            entries=cache.entries,
+            committed_entries=cache.committed,
+            lookups=cache.lookups,
+            hits=cache.hit_keys,
+            misses=cache.miss_keys,
+            stores_refused=cache.stores_refused,
+            evictions=cache.evictions,
+            bytes_stored=self.counters.bytes_stored,
+            bytes_loaded=self.counters.bytes_loaded,
+            protocol_errors=self.counters.protocol_errors,
+            sessions=len(self._states),
+            engines=[engine.state() for engine in self.registry.engines()],
+        )
+
+    def _require_cache(self) -> ChunkCache:
+        assert self._cache is not None, "daemon not started"
+        return self._cache
+
+    def _require_arena(self) -> Arena:
+        assert self._arena is not None, "daemon not started"
+        return self._arena
+
+    def _require_handles(self) -> HandleTable:
+        assert self._handles is not None, "daemon not started"
+        return self._handles
+
+
+async def serve(settings: Settings, *, shutdown: asyncio.Event | None = None) -> None:
+    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given."""
+    stop = shutdown or asyncio.Event()
+    if shutdown is None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+    async with Daemon(settings) as daemon:
+        await daemon.serve(stop)
+    logger.info("offloadd stopped")
+
+
+def run(settings: Settings) -> None:
+    """Blocking entry point for ``offloadd serve``: uvloop when installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but keep serving without
+        asyncio.run(serve(settings))
+        return
+    uvloop.run(serve(settings))

@@ -1,0 +1,440 @@
+"""Handshakes -> one shared config per engine, keyed by ``(engine_id, data_parallel_index)``.
+
+Pure logic, no I/O. Contract:
+- ``hello(session_id, hello)`` validates a rank's (or scheduler's) Hello against itself and
+  against the engine it joins. On success it registers the session, replacing any earlier
+  session of the same sender or of the same engine rank, and says whether the engine just
+  became ready. On failure it raises ``RegistrationError`` and changes nothing: an engine that
+  is already registered is never disturbed by a disagreeing rank.
+- An engine is ready when every rank in ``[0, world_size)`` has a worker session. Its
+  namespace (which engines' bytes are interchangeable) is fixed then, because it covers
+  every rank's geometry.
+- ``remove(session_id)`` forgets a session; an engine with no sessions left is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from offloadd.transfer.plan import GroupLayout, group_layouts
+from protocol.config import OffloadingConfig, config_differences
+from protocol.errors import ErrorCode
+from protocol.handles import KVRegion, region_problem
+from protocol.messages import EngineState, Hello, Role
+
+EngineKey = tuple[str, int]
+
+# Fields a rank may legitimately hold differently from its peers.
+_PER_RANK_FIELDS = frozenset({"parallel.rank", "worker_kv_bytes_per_block"})
+# extra_config keys that never change the bytes (tuning knobs), so they may differ per rank.
+PRIVATE_CACHE_KEY = "private_cache"
+NAMESPACE_SALT_KEY = "namespace"
+
+
+class RegistrationError(Exception):
+    """A Hello that cannot be accepted; ``code`` is the wire error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Session:
+    """One connected rank or scheduler."""
+
+    session_id: str
+    role: Role
+    engine_key: EngineKey
+    config: OffloadingConfig
+    regions: tuple[KVRegion, ...]
+    layouts: list[GroupLayout]
+    device_uuid: str = ""
+    pid: int = 0
+
+    @property
+    def rank(self) -> int:
+        """The engine rank (0 for a scheduler, which is told apart by role)."""
+        return self.config.parallel.rank
+
+    @property
+    def num_blocks(self) -> int:
+        """GPU blocks in each of this rank's regions (all regions agree)."""
+        return self.regions[0].num_blocks if self.regions else 0
+
+    def describe(self) -> str:
+        """``engine_id/dp rank N`` for log lines."""
+        engine_id, dp = self.engine_key
+        who = "scheduler" if self.role == "scheduler" else f"rank {self.rank}"
+        return f"engine {engine_id} dp {dp} {who}"
+
+
+@dataclass(eq=False)
+class Namespace:
+    """Engines whose cached bytes are interchangeable; keys are looked up inside one."""
+
+    name: str
+    blocks_per_chunk: int
+    # shard_sizes[group] -> one size per shard (one shard when the layout is replicated)
+    shard_sizes: list[tuple[int, ...]]
+    replicated: bool
+    engines: set[EngineKey] = field(default_factory=set)
+
+    def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
+        """Shard sizes of the chunk ``key`` names (its group is the key's last 4 bytes)."""
+        return self.shard_sizes[group_of_key(key)]
+
+
+@dataclass(eq=False)
+class Engine:
+    """The shared state of one engine: its agreed config and the sessions of its ranks."""
+
+    key: EngineKey
+    config: OffloadingConfig
+    workers: dict[int, Session] = field(default_factory=dict)
+    schedulers: dict[str, Session] = field(default_factory=dict)
+    namespace: Namespace | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the engine needs before it is ready."""
+        return self.config.parallel.world_size
+
+    @property
+    def ready(self) -> bool:
+        """Every rank has said Hello with an agreeing config."""
+        return len(self.workers) == self.world_size
+
+    def sessions(self) -> Iterator[Session]:
+        """Every session of the engine, workers first."""
+        yield from self.workers.values()
+        yield from self.schedulers.values()
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks the engine still waits for."""
+        return [r for r in range(self.world_size) if r not in self.workers]
+
+    def state(self) -> EngineState:
+        """Wire view of the engine."""
+        return EngineState(
+            engine_id=self.key[0],
+            data_parallel_index=self.key[1],
+            world_size=self.world_size,
+            ready=self.ready,
+            ranks_present=sorted(self.workers),
+            namespace=self.namespace.name if self.namespace else "",
+            schedulers=len(self.schedulers),
+        )
+
+
+@dataclass
+class HelloOutcome:
+    """What a successful Hello changed."""
+
+    session: Session
+    engine: Engine
+    replaced: list[Session]
+    became_ready: bool
+
+
+@dataclass
+class RemoveOutcome:
+    """What forgetting a session changed."""
+
+    session: Session
+    engine: Engine
+    was_ready: bool
+    engine_dropped: bool
+
+
+def group_of_key(key: bytes) -> int:
+    """The KV-cache group of an OffloadKey (``block_hash ‖ u32be(group_idx)``)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+class Registry:
+    """Sessions and engines; see the module docstring for the contract."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._engines: dict[EngineKey, Engine] = {}
+        self._namespaces: dict[str, Namespace] = {}
+
+    def session(self, session_id: str) -> Session | None:
+        """The live session ``session_id``, if any."""
+        return self._sessions.get(session_id)
+
+    def engine(self, key: EngineKey) -> Engine | None:
+        """The engine ``key``, if registered."""
+        return self._engines.get(key)
+
+    def engines(self) -> list[Engine]:
+        """All registered engines."""
+        return list(self._engines.values())
+
+    def namespaces(self) -> list[Namespace]:
+        """Namespaces of ready engines."""
+        return list(self._namespaces.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def hello(self, session_id: str, hello: Hello) -> HelloOutcome:
+        """Register ``hello``; raises RegistrationError and changes nothing on bad input."""
+        config = hello.config
+        key: EngineKey = (config.engine_id, config.parallel.data_parallel_index)
+        layouts = _check_own(hello)
+
+        engine = self._engines.get(key)
+        replaced = self._sessions_replaced_by(session_id, hello, engine)
+        peers = [s for s in engine.sessions() if s not in replaced] if engine else []
+        if peers:
+            assert engine is not None
+            _check_agreement(engine, peers, hello)
+
+        for old in replaced:
+            self._forget(old)
+        engine = self._engines.get(key)
+        if engine is None or not peers:
+            engine = Engine(key, config)
+            self._engines[key] = engine
+        was_ready = engine.ready
+        session = Session(
+            session_id=session_id,
+            role=hello.role,
+            engine_key=key,
+            config=config,
+            regions=hello.regions,
+            layouts=layouts,
+            device_uuid=hello.device_uuid,
+            pid=hello.pid,
+        )
+        self._sessions[session_id] = session
+        if hello.role == "worker":
+            engine.workers[session.rank] = session
+        else:
+            engine.schedulers[session_id] = session
+        became_ready = engine.ready and not was_ready
+        if became_ready:
+            self._join_namespace(engine)
+        return HelloOutcome(session, engine, replaced, became_ready)
+
+    def remove(self, session_id: str) -> RemoveOutcome | None:
+        """Forget ``session_id``; None when it is unknown."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return None
+        engine = self._engines[session.engine_key]
+        was_ready = engine.ready
+        self._forget(session)
+        return RemoveOutcome(session, engine, was_ready, session.engine_key not in self._engines)
+
+    def _sessions_replaced_by(
+        self, session_id: str, hello: Hello, engine: Engine | None
+    ) -> list[Session]:
+        replaced = []
+        own = self._sessions.get(session_id)
+        if own is not None:
+            replaced.append(own)
+        if engine is not None and hello.role == "worker":
+            same_rank = engine.workers.get(hello.config.parallel.rank)
+            if same_rank is not None and same_rank is not own:
+                replaced.append(same_rank)
+        return replaced
+
+    def _forget(self, session: Session) -> None:
+        self._sessions.pop(session.session_id, None)
+        engine = self._engines.get(session.engine_key)
+        if engine is None:
+            return
+        if session.role == "worker":
+            if engine.workers.get(session.rank) is session:
+                del engine.workers[session.rank]
+        else:
+            engine.schedulers.pop(session.session_id, None)
+        if not engine.ready:
+            self._leave_namespace(engine)
+        if not engine.workers and not engine.schedulers:
+            del self._engines[session.engine_key]
+
+    def _join_namespace(self, engine: Engine) -> None:
+        name, shard_sizes = namespace_of(engine)
+        namespace = self._namespaces.get(name)
+        if namespace is None:
+            namespace = Namespace(
+                name=name,
+                blocks_per_chunk=engine.config.cache.blocks_per_chunk,
+                shard_sizes=shard_sizes,
+                replicated=engine.config.replicated_layout,
+            )
+            self._namespaces[name] = namespace
+        namespace.engines.add(engine.key)
+        engine.namespace = namespace
+
+    def _leave_namespace(self, engine: Engine) -> None:
+        namespace = engine.namespace
+        if namespace is None:
+            return
+        namespace.engines.discard(engine.key)
+        engine.namespace = None
+        # The namespace object goes when its last engine leaves; the cache keeps its chunks
+        # under the same name, so an engine that comes back finds them again.
+        if not namespace.engines:
+            del self._namespaces[namespace.name]
+
+
+def _check_own(hello: Hello) -> list[GroupLayout]:
+    """Checks that need only this Hello; returns the rank's group layouts."""
+    config = hello.config
+    parallel = config.parallel
+    if parallel.world_size < 1:
+        raise RegistrationError(
+            ErrorCode.BAD_REQUEST, f"parallel.world_size={parallel.world_size} must be >= 1"
+        )
+    if not 0 <= parallel.rank < parallel.world_size:
+        raise RegistrationError(
+            ErrorCode.BAD_REQUEST,
+            f"parallel.rank={parallel.rank} outside [0, world_size={parallel.world_size})",
+        )
+    if config.cache.blocks_per_chunk < 1:
+        raise RegistrationError(
+            ErrorCode.BAD_REQUEST,
+            f"cache.blocks_per_chunk={config.cache.blocks_per_chunk} must be >= 1",
+        )
+    if hello.role == "scheduler":
+        if hello.regions:
+            raise RegistrationError(ErrorCode.BAD_REQUEST, "a scheduler registers no KV regions")
+        return []
+    return _check_geometry(hello)
+
+
+def _check_geometry(hello: Hello) -> list[GroupLayout]:
+    config = hello.config
+    regions = hello.regions
+    for index, region in enumerate(regions):
+        problem = region_problem(region)
+        if problem:
+            raise RegistrationError(ErrorCode.BAD_GEOMETRY, f"region {index}: {problem}")
+    if len({region.num_blocks for region in regions}) > 1:
+        raise RegistrationError(
+            ErrorCode.BAD_GEOMETRY,
+            "num_blocks differs between regions: "
+            + ", ".join(str(region.num_blocks) for region in regions),
+        )
+    known_layers = {name for group in config.groups for name in group.layer_names}
+    for index, region in enumerate(regions):
+        unknown = set(region.layer_names) - known_layers
+        if unknown:
+            raise RegistrationError(
+                ErrorCode.BAD_GEOMETRY,
+                f"region {index} holds layers that no group of the config names: {sorted(unknown)}",
+            )
+    if config.worker_kv_bytes_per_block > 0:
+        per_block = sum(region.block_stride for region in regions)
+        if per_block != config.worker_kv_bytes_per_block:
+            raise RegistrationError(
+                ErrorCode.BAD_GEOMETRY,
+                f"worker_kv_bytes_per_block: the config says {config.worker_kv_bytes_per_block}"
+                f" but the regions hold {per_block} bytes per block",
+            )
+    layouts = group_layouts(regions, config.groups)
+    if regions:
+        for index, (group, layout) in enumerate(zip(config.groups, layouts, strict=True)):
+            if group.layer_names and not layout.regions:
+                raise RegistrationError(
+                    ErrorCode.BAD_GEOMETRY, f"no region holds a layer of group {index}"
+                )
+    return layouts
+
+
+def _geometry(session: Session) -> list[tuple[int, tuple[str, ...]]]:
+    return [(region.page_size, region.layer_names) for region in session.regions]
+
+
+def _check_agreement(engine: Engine, peers: list[Session], hello: Hello) -> None:
+    """The new rank must agree with the engine on every field but its per-rank ones."""
+    rank = hello.config.parallel.rank
+    ignore = _PER_RANK_FIELDS
+    if hello.config.parallel.pp_size > 1:
+        # Each pipeline stage holds its own layers, so group layer names differ per rank.
+        ignore = ignore | {"groups[*].layer_names"}
+    for path, ours, theirs in config_differences(peers[0].config, hello.config, ignore=ignore):
+        raise RegistrationError(
+            ErrorCode.CONFIG_MISMATCH,
+            f"{path}: engine {engine.key[0]} dp {engine.key[1]} has {ours!r}, "
+            f"{hello.role} rank {rank} sent {theirs!r}",
+        )
+    if hello.role != "worker":
+        return
+    workers = [s for s in peers if s.role == "worker"]
+    if not workers:
+        return
+    first = workers[0]
+    if hello.regions and first.regions and first.num_blocks != hello.regions[0].num_blocks:
+        raise RegistrationError(
+            ErrorCode.CONFIG_MISMATCH,
+            f"num_blocks: rank {first.rank} has {first.num_blocks}, "
+            f"rank {rank} sent {hello.regions[0].num_blocks}",
+        )
+    # Without pipeline parallelism every rank holds the same layers: its geometry must match.
+    if hello.config.parallel.pp_size == 1:
+        if first.config.worker_kv_bytes_per_block != hello.config.worker_kv_bytes_per_block:
+            raise RegistrationError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"worker_kv_bytes_per_block: rank {first.rank} has "
+                f"{first.config.worker_kv_bytes_per_block}, rank {rank} sent "
+                f"{hello.config.worker_kv_bytes_per_block}",
+            )
+        theirs = [(region.page_size, region.layer_names) for region in hello.regions]
+        if _geometry(first) != theirs:
+            raise RegistrationError(
+                ErrorCode.CONFIG_MISMATCH,
+                f"geometry: rank {first.rank} has regions {_geometry(first)}, "
+                f"rank {rank} sent {theirs}",
+            )
+
+
+def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
+    """The engine's namespace name and per-group shard sizes (engine must be ready).
+
+    Engines share chunks when their bytes are interchangeable: same model, dtype, groups,
+    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt.
+    ``extra_config["private_cache"]`` opts an engine out by adding its identity.
+    """
+    config = engine.config
+    ranks = [engine.workers[r] for r in range(engine.world_size)]
+    bpc = config.cache.blocks_per_chunk
+    extra: dict[str, Any] = dict(config.extra_config)
+    identity: list[Any] = [
+        config.model.name,
+        config.model.dtype,
+        [(g.tokens_per_block, list(g.layer_names)) for g in config.groups],
+        config.cache.tokens_per_hash,
+        bpc,
+        [
+            config.parallel.tp_size,
+            config.parallel.pp_size,
+            config.parallel.pcp_size,
+            config.parallel.dcp_size,
+            config.parallel.world_size,
+        ],
+        config.replicated_layout,
+        [_geometry(session) for session in ranks],
+        str(extra.get("kv_cache_layout", "")),
+        str(extra.get(NAMESPACE_SALT_KEY, "")),
+    ]
+    if extra.get(PRIVATE_CACHE_KEY):
+        identity.append(list(engine.key))
+    digest = hashlib.sha256(msgspec.msgpack.encode(identity)).hexdigest()[:16]
+    name = f"{config.model.name}@{digest}"
+    writers = ranks[:1] if config.replicated_layout else ranks
+    shard_sizes = [
+        tuple(session.layouts[group].shard_bytes(bpc) for session in writers)
+        for group in range(len(config.groups))
+    ]
+    return name, shard_sizes

@@ -1,0 +1,1 @@
+"""Moving bytes: opening memory handles, planning block copies, copy engines."""

@@ -1,0 +1,80 @@
+"""Copy engines: submit a batch of moves in one direction, get a completion.
+
+Contract (every engine, cpu now and cuda later):
+- ``submit(direction, moves)`` takes absolute ``(src, dst, nbytes)`` triples, already
+  validated to lie inside their regions, and returns a ``concurrent.futures.Future`` that
+  resolves to the seconds the copy took, or raises if it failed.
+- Jobs of one direction complete in submission order (FIFO per direction); the two
+  directions run independently.
+- The caller keeps source and destination mapped until the future resolves.
+- ``close()`` waits for submitted copies and stops the engine; it is idempotent.
+The daemon's event loop never copies bytes itself: it only submits and awaits futures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+
+class Direction(enum.Enum):
+    """STORE moves rank memory to the host cache; LOAD moves the cache back to the rank."""
+
+    STORE = "store"
+    LOAD = "load"
+
+
+Triple = tuple[int, int, int]
+
+
+class CopyEngine(Protocol):
+    """What the daemon needs from a copy engine; see the module docstring."""
+
+    name: str
+
+    def submit(self, direction: Direction, moves: Sequence[Triple]) -> Future[float]:
+        """Start copying ``moves``; the future gives the seconds spent."""
+        ...
+
+    def close(self) -> None:
+        """Drain and stop."""
+        ...
+
+
+def _copy_all(moves: Sequence[Triple]) -> float:
+    started = time.perf_counter()
+    memmove = ctypes.memmove
+    for src, dst, nbytes in moves:
+        memmove(dst, src, nbytes)  # releases the GIL while it copies
+    return time.perf_counter() - started
+
+
+class CpuCopyEngine:
+    """Copies between host mappings with memmove on one worker thread per direction."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._pools = {
+            direction: ThreadPoolExecutor(1, thread_name_prefix=f"offloadd-{direction.value}")
+            for direction in Direction
+        }
+        self._closed = False
+
+    def submit(self, direction: Direction, moves: Sequence[Triple]) -> Future[float]:
+        """Queue ``moves`` behind earlier jobs of the same direction."""
+        if self._closed:
+            raise RuntimeError("copy engine is closed")
+        return self._pools[direction].submit(_copy_all, list(moves))
+
+    def close(self) -> None:
+        """Wait for queued copies, then stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)

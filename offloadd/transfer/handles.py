@@ -1,0 +1,142 @@
+"""Opening memory handles: one refcounted table of imports per process.
+
+``HandleTable.open(handle)`` maps the memory a handle names and returns an ``Import`` whose
+``address`` is the first byte of the region. Opening the same underlying object twice (the
+same shm file, the same CUDA allocation) reuses the existing mapping; it is unmapped when
+the last user calls ``release``. Copies hold a reference while they run, so a mapping never
+goes away under an in-flight copy.
+
+Shared-memory handles are confined to ``allowed_dirs`` (a rank must not make the daemon map,
+and later write, an arbitrary file) and may never name the daemon's own arena.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from protocol.handles import CudaIpcHandle, MemoryHandle, ShmHandle
+
+
+class HandleError(Exception):
+    """A handle that cannot be opened; the message says why."""
+
+
+@dataclass(eq=False)
+class _Mapping:
+    key: tuple[object, ...]
+    size: int
+    base: int
+    refs: int
+    close: object  # zero-argument callable that unmaps
+
+
+@dataclass(eq=False)
+class Import:
+    """An opened region: ``address`` .. ``address + size`` is the region's memory."""
+
+    handle: MemoryHandle
+    address: int
+    size: int
+    _mapping: _Mapping = field(repr=False)
+
+
+class HandleTable:
+    """Process-wide refcounted imports; see the module docstring."""
+
+    def __init__(
+        self, allowed_dirs: Sequence[str] = ("/dev/shm",), forbidden: Sequence[str] = ()
+    ) -> None:
+        self._allowed = [os.path.realpath(d) for d in allowed_dirs]
+        self._forbidden = {_file_id(p) for p in forbidden if os.path.exists(p)}
+        self._mappings: dict[tuple[object, ...], _Mapping] = {}
+
+    def __len__(self) -> int:
+        """Mappings currently open."""
+        return len(self._mappings)
+
+    def open(self, handle: MemoryHandle) -> Import:
+        """Map ``handle`` (or reuse its mapping); raises HandleError."""
+        match handle:
+            case ShmHandle():
+                mapping = self._open_shm(handle)
+            case CudaIpcHandle():
+                raise HandleError(
+                    "CUDA IPC handles need the cuda copy engine, which this daemon does not run"
+                )
+        if handle.offset + handle.size > mapping.size:
+            self._unref(mapping)
+            raise HandleError(
+                f"region [{handle.offset}, {handle.offset + handle.size}) lies outside the "
+                f"{mapping.size}-byte object it names"
+            )
+        return Import(handle, mapping.base + handle.offset, handle.size, mapping)
+
+    def release(self, imported: Import) -> None:
+        """Drop one reference taken by ``open``."""
+        self._unref(imported._mapping)
+
+    def retain(self, imported: Import) -> None:
+        """Take one more reference (e.g. for a copy in flight)."""
+        imported._mapping.refs += 1
+
+    def close(self) -> None:
+        """Unmap everything (at daemon exit, after copies drained)."""
+        for mapping in list(self._mappings.values()):
+            mapping.refs = 1
+            self._unref(mapping)
+
+    def _open_shm(self, handle: ShmHandle) -> _Mapping:
+        path = os.path.realpath(handle.path)
+        if not any(
+            os.path.dirname(path) == d or path.startswith(d + os.sep) for d in self._allowed
+        ):
+            raise HandleError(f"{handle.path} is outside the shared-memory dirs {self._allowed}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise HandleError(f"cannot open {handle.path}: {exc.strerror}") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise HandleError(f"{handle.path} is not a regular file")
+            key = ("shm", info.st_dev, info.st_ino)
+            if (info.st_dev, info.st_ino) in self._forbidden:
+                raise HandleError(f"{handle.path} is the daemon's own arena")
+            existing = self._mappings.get(key)
+            if existing is not None:
+                existing.refs += 1
+                return existing
+            if info.st_size == 0:
+                raise HandleError(f"{handle.path} is empty")
+            mm = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        # A ctypes view gives the mapping's address; it must be dropped before unmapping.
+        view = (ctypes.c_char * info.st_size).from_buffer(mm)
+        holder = [view]
+
+        def unmap() -> None:
+            holder.clear()
+            mm.close()
+
+        mapping = _Mapping(key, info.st_size, ctypes.addressof(view), 1, unmap)
+        self._mappings[key] = mapping
+        return mapping
+
+    def _unref(self, mapping: _Mapping) -> None:
+        mapping.refs -= 1
+        if mapping.refs == 0:
+            del self._mappings[mapping.key]
+            close = mapping.close
+            assert callable(close)
+            close()
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_dev, info.st_ino

@@ -1,0 +1,265 @@
+"""Requests and replies between ranks and the daemon: one msgpack frame per message.
+
+Every message is a tagged msgspec Struct (short explicit tags, so renaming a class never
+changes the wire). Requests carry a ``request_id`` that their reply echoes; ``JobDone`` and
+``EngineReady`` arrive unasked. Fields are only ever appended, with defaults
+(``protocol_version`` in ``Hello`` says which revision a peer speaks).
+
+Conversation of one rank:
+    Hello -> Welcome (then EngineReady once every rank of the engine said Hello)
+    Lookup -> LookupResult
+    Store / Load -> JobAccepted, later JobDone(job_id)
+    Wait -> WaitResult (when the jobs are done or the timeout passes)
+    Release / Bye -> Ok
+    GetStats -> StatsResult
+Any request may instead be answered by Error(code, message, request_id).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from protocol.config import OffloadingConfig
+from protocol.handles import KVRegion
+
+Role = Literal["worker", "scheduler"]
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """First message of a session: who the rank is, its config, and its KV regions.
+
+    A scheduler sends no regions. Saying Hello again replaces the sender's earlier session
+    (and any other session of the same engine, dp index and rank).
+    """
+
+    request_id: int
+    protocol_version: int
+    role: Role
+    config: OffloadingConfig
+    regions: tuple[KVRegion, ...] = ()
+    device_uuid: str = ""
+    pid: int = 0
+    client_name: str = ""
+
+
+class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
+    """How many leading ``keys`` are committed; ``pin`` holds those hits for a lease."""
+
+    request_id: int
+    keys: list[bytes]
+    pin: bool = False
+    lease_seconds: float = 0.0  # 0: the daemon's default lease
+
+
+class Store(msgspec.Struct, frozen=True, tag="store"):
+    """Copy this rank's shard of each key from its GPU blocks into the host cache.
+
+    ``block_ids`` holds ``blocks_per_chunk`` ids per key, key after key.
+    """
+
+    request_id: int
+    job_id: int
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+class Load(msgspec.Struct, frozen=True, tag="load"):
+    """Copy committed shards back into this rank's GPU blocks.
+
+    ``skip`` leading blocks of the first chunk are not loaded (a load that starts
+    mid-chunk), so ``len(block_ids) == len(keys) * blocks_per_chunk - skip``.
+    """
+
+    request_id: int
+    job_id: int
+    keys: list[bytes]
+    block_ids: list[int]
+    skip: int = 0
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    """Drop this session's pins on ``keys``."""
+
+    request_id: int
+    keys: list[bytes]
+
+
+class Wait(msgspec.Struct, frozen=True, tag="wait"):
+    """Answer once every listed job of this session is done, or after ``timeout`` seconds."""
+
+    request_id: int
+    job_ids: list[int]
+    timeout: float
+
+
+class GetStats(msgspec.Struct, frozen=True, tag="stats"):
+    """Ask for the daemon's counters."""
+
+    request_id: int
+
+
+class Bye(msgspec.Struct, frozen=True, tag="bye"):
+    """End this session now instead of waiting to be reaped."""
+
+    request_id: int
+
+
+Request = Hello | Lookup | Store | Load | Release | Wait | GetStats | Bye
+
+
+class EngineState(msgspec.Struct, frozen=True):
+    """An engine as the daemon sees it: ready once all ``world_size`` ranks said Hello."""
+
+    engine_id: str
+    data_parallel_index: int
+    world_size: int
+    ready: bool
+    ranks_present: list[int]
+    namespace: str = ""  # set once ready: engines with the same namespace share chunks
+    schedulers: int = 0
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
+    """Reply to Hello: the session is registered."""
+
+    request_id: int
+    protocol_version: int
+    session_id: str
+    engine: EngineState
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
+    """Sent unasked to every session of an engine when its last rank arrives."""
+
+    engine: EngineState
+
+
+class LookupResult(msgspec.Struct, frozen=True, tag="lookup_r"):
+    """``hits`` leading keys are committed; ``pending`` are indices of keys still being stored."""
+
+    request_id: int
+    hits: int
+    pending: list[int]
+    pinned: int = 0
+
+
+class JobAccepted(msgspec.Struct, frozen=True, tag="accepted"):
+    """The Store or Load passed validation; its JobDone follows."""
+
+    request_id: int
+    job_id: int
+
+
+class JobDone(msgspec.Struct, frozen=True, tag="done"):
+    """A job finished. ``ok`` is false when any key failed (refused store, missing load key).
+
+    Keys in ``failed_keys`` were not stored (no room) or not loaded (missing); for a load the
+    GPU blocks of failed keys hold no valid data and must be recomputed.
+    """
+
+    job_id: int
+    ok: bool
+    failed_keys: list[bytes]
+    nbytes: int
+    seconds: float
+    error: str = ""
+
+
+class WaitResult(msgspec.Struct, frozen=True, tag="wait_r"):
+    """Jobs that finished (with their outcome) and those still running at the timeout."""
+
+    request_id: int
+    done: list[JobDone]
+    pending: list[int]
+
+
+class DaemonStats(msgspec.Struct, frozen=True):
+    """Counters since the daemon started."""
+
+    uptime_seconds: float
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    committed_entries: int
+    lookups: int
+    hits: int
+    misses: int
+    stores_refused: int
+    evictions: int
+    bytes_stored: int
+    bytes_loaded: int
+    protocol_errors: int
+    sessions: int
+    engines: list[EngineState]
+
+
+class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):
+    """Reply to GetStats."""
+
+    request_id: int
+    stats: DaemonStats
+
+
+class Ok(msgspec.Struct, frozen=True, tag="ok"):
+    """Plain acknowledgement (Release: ``count`` pins dropped; Bye)."""
+
+    request_id: int
+    count: int = 0
+
+
+class Error(msgspec.Struct, frozen=True, tag="error"):
+    """The request failed; ``code`` is a ``protocol.errors.ErrorCode`` value.
+
+    ``request_id`` is 0 when the request could not be decoded far enough to know it.
+    """
+
+    request_id: int
+    code: int
+    message: str
+
+
+Reply = (
+    Welcome
+    | EngineReady
+    | LookupResult
+    | JobAccepted
+    | JobDone
+    | WaitResult
+    | StatsResult
+    | Ok
+    | Error
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Request | Reply) -> bytes:
+    """One msgpack frame for ``message``."""
+    return _encoder.encode(message)
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    """Decode a request; raises ``msgspec.DecodeError`` / ``ValidationError`` on bad input."""
+    return _request_decoder.decode(frame)
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    """Decode a reply; raises ``msgspec.DecodeError`` / ``ValidationError`` on bad input."""
+    return _reply_decoder.decode(frame)
+
+
+def peek_request_id(frame: bytes | memoryview) -> int:
+    """Best-effort ``request_id`` of a frame that failed to decode as a request (else 0)."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(raw, dict):
+        value = raw.get("request_id")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0

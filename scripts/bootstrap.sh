@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv and installs offloadd with its test tools. Safe to run again: it only
+# reinstalls when pyproject.toml changed. torch is pinned first so that the CPU wheel on
+# this machine is used instead of a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+stamp=.venv/.offloadd-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+    touch "$stamp"
+fi

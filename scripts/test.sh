@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole check: lint, types, tests. Exit status 5 from pytest (nothing collected) is a
+# failure here: this project always has tests, so collecting none means something broke.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+.venv/bin/ruff check protocol offloadd tests benchmarks
+.venv/bin/ruff format --check protocol offloadd tests benchmarks
+.venv/bin/mypy
+set +e
+.venv/bin/python -m pytest "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$status"

@@ -1,0 +1,194 @@
+"""ExtentAllocator: alignment, best fit, splitting, coalescing, and a model-based check."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from offloadd.cache.allocator import ExtentAllocator
+
+A = 4096
+
+
+def test_offsets_and_sizes_are_aligned() -> None:
+    alloc = ExtentAllocator(64 * A)
+    assert alloc.alloc_size(1) == A
+    assert alloc.alloc_size(A) == A
+    assert alloc.alloc_size(A + 1) == 2 * A
+    offsets = [alloc.alloc(size) for size in (1, A + 1, 3 * A - 7, 100)]
+    assert all(off is not None and off % A == 0 for off in offsets)
+    assert alloc.used_bytes == A + 2 * A + 3 * A + A
+    assert alloc.free_bytes == 64 * A - alloc.used_bytes
+
+
+def test_capacity_rounds_down_to_align() -> None:
+    alloc = ExtentAllocator(10 * A + 123)
+    assert alloc.capacity == 10 * A
+    assert alloc.free_extents() == [(0, 10 * A)]
+    assert ExtentAllocator(A - 1).alloc(1) is None
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        ExtentAllocator(A, align=0)
+    with pytest.raises(ValueError):
+        ExtentAllocator(-1)
+    with pytest.raises(ValueError):
+        ExtentAllocator(A).alloc(0)
+
+
+def test_exact_fit_reuses_the_hole_of_the_same_size() -> None:
+    alloc = ExtentAllocator(16 * A)
+    a = alloc.alloc(2 * A)
+    b = alloc.alloc(3 * A)
+    c = alloc.alloc(2 * A)
+    assert (a, b, c) == (0, 2 * A, 5 * A)
+    alloc.free(b, 3 * A)
+    # Free: a 3-page hole at 2A and the 9-page tail at 7A. A 3-page request takes the hole.
+    assert alloc.alloc(3 * A) == 2 * A
+    assert alloc.free_extents() == [(7 * A, 9 * A)]
+
+
+def test_best_fit_splits_the_smallest_larger_extent() -> None:
+    alloc = ExtentAllocator(20 * A)
+    offs = [alloc.alloc(A) for _ in range(20)]
+    assert offs == [i * A for i in range(20)]
+    # Holes of 3 pages (at 0) and 2 pages (at 10A): a 1-page request splits the 2-page hole.
+    for i in (0, 1, 2, 10, 11):
+        alloc.free(i * A, A)
+    assert alloc.free_extents() == [(0, 3 * A), (10 * A, 2 * A)]
+    assert alloc.largest_free == 3 * A
+    assert alloc.alloc(A) == 10 * A
+    assert alloc.free_extents() == [(0, 3 * A), (11 * A, A)]
+    assert alloc.alloc(4 * A) is None
+    assert alloc.alloc(3 * A) == 0
+
+
+def test_freeing_everything_in_random_order_coalesces_to_one_extent() -> None:
+    rng = random.Random(7)
+    alloc = ExtentAllocator(1000 * A)
+    held: list[tuple[int, int]] = []
+    while True:
+        size = rng.randint(1, 5 * A)
+        off = alloc.alloc(size)
+        if off is None:
+            break
+        held.append((off, size))
+    rng.shuffle(held)
+    for off, size in held:
+        alloc.free(off, size)
+    assert alloc.used_bytes == 0
+    assert alloc.free_extents() == [(0, 1000 * A)]
+    assert alloc.largest_free == 1000 * A
+
+
+def test_double_free_and_bad_free_raise() -> None:
+    alloc = ExtentAllocator(8 * A)
+    off = alloc.alloc(2 * A)
+    assert off is not None
+    with pytest.raises(ValueError):
+        alloc.free(off, 3 * A)  # wrong size
+    with pytest.raises(ValueError):
+        alloc.free(off + A, A)  # inside an extent, not its start
+    alloc.free(off, 2 * A)
+    with pytest.raises(ValueError):
+        alloc.free(off, 2 * A)
+    assert alloc.used_bytes == 0
+    assert alloc.free_extents() == [(0, 8 * A)]
+
+
+def test_extents_never_overlap_under_random_churn() -> None:
+    rng = random.Random(11)
+    cap = 256
+    alloc = ExtentAllocator(cap * A)
+    owner = bytearray(cap)  # one byte per page: 0 free, 1 allocated
+    held: dict[int, int] = {}
+    for _ in range(5000):
+        if held and rng.random() < 0.45:
+            off = rng.choice(list(held))
+            size = held.pop(off)
+            alloc.free(off, size)
+            owner[off // A : off // A + -(-size // A)] = bytes(-(-size // A))
+        else:
+            size = rng.randint(1, 9 * A)
+            off = alloc.alloc(size)
+            if off is None:
+                continue
+            pages = -(-size // A)
+            assert off % A == 0 and off + pages * A <= cap * A
+            assert not any(owner[off // A : off // A + pages]), "overlap"
+            owner[off // A : off // A + pages] = b"\x01" * pages
+            held[off] = size
+        assert alloc.used_bytes == sum(owner) * A
+
+
+class AllocatorModel(RuleBasedStateMachine):
+    """The allocator against a sorted list of allocated intervals."""
+
+    CAP = 48 * A
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = ExtentAllocator(self.CAP)
+        self.held: dict[int, int] = {}  # offset -> requested size
+
+    def gaps(self) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        cursor = 0
+        for off in sorted(self.held):
+            if off > cursor:
+                out.append((cursor, off - cursor))
+            cursor = off + self.alloc.alloc_size(self.held[off])
+        if cursor < self.CAP:
+            out.append((cursor, self.CAP - cursor))
+        return out
+
+    @rule(size=st.integers(min_value=1, max_value=12 * A))
+    def alloc_some(self, size: int) -> None:
+        need = self.alloc.alloc_size(size)
+        fitting = [g for g in self.gaps() if g[1] >= need]
+        off = self.alloc.alloc(size)
+        if off is None:
+            assert not fitting
+            return
+        exact = [g for g in fitting if g[1] == need]
+        best = min(g[1] for g in fitting)
+        gap = next(g for g in fitting if g[0] <= off < g[0] + g[1])
+        assert off + need <= gap[0] + gap[1]
+        if exact:
+            assert gap in exact
+        else:
+            assert gap[1] == best and off == gap[0]
+        self.held[off] = size
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data())
+    def free_some(self, data: st.DataObject) -> None:
+        off = data.draw(st.sampled_from(sorted(self.held)))
+        self.alloc.free(off, self.held.pop(off))
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data())
+    def double_free_fails(self, data: st.DataObject) -> None:
+        off = data.draw(st.sampled_from(sorted(self.held)))
+        size = self.held.pop(off)
+        self.alloc.free(off, size)
+        with pytest.raises(ValueError):
+            self.alloc.free(off, size)
+
+    @invariant()
+    def matches_model(self) -> None:
+        used = sum(self.alloc.alloc_size(s) for s in self.held.values())
+        assert self.alloc.used_bytes == used <= self.CAP
+        gaps = self.gaps()
+        # Fully coalesced: the free extents are exactly the gaps between allocations.
+        assert self.alloc.free_extents() == gaps
+        assert self.alloc.largest_free == max((g[1] for g in gaps), default=0)
+
+
+TestAllocatorModel = AllocatorModel.TestCase
+TestAllocatorModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
