@@ -232,6 +232,7 @@ class OffloadClient:
     def store(self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Start storing this rank's shard of ``keys`` from ``block_ids``."""
         request = Store(self._core.next_id(), job_id, list(keys), list(block_ids))
+        self._core.finished.pop(job_id, None)  # a reused id must not see the old result
         self._core.expect(self._request(request), JobAccepted)
 
     def load(
@@ -239,6 +240,7 @@ class OffloadClient:
     ) -> None:
         """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0)."""
         request = Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip)
+        self._core.finished.pop(job_id, None)
         self._core.expect(self._request(request), JobAccepted)
 
     def wait(
@@ -371,6 +373,7 @@ class AsyncOffloadClient:
     async def store(self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Start storing this rank's shard of ``keys`` from ``block_ids``."""
         request = Store(self._core.next_id(), job_id, list(keys), list(block_ids))
+        self._core.finished.pop(job_id, None)  # a reused id must not see the old result
         self._core.expect(await self._request(request), JobAccepted)
 
     async def load(
@@ -378,6 +381,7 @@ class AsyncOffloadClient:
     ) -> None:
         """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0)."""
         request = Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip)
+        self._core.finished.pop(job_id, None)
         self._core.expect(await self._request(request), JobAccepted)
 
     async def wait(

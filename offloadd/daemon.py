@@ -476,6 +476,7 @@ class Daemon:
         if job_id in state.jobs:
             raise _Refused(ErrorCode.DUPLICATE_JOB, f"job {job_id} is still running")
         self._check_keys(keys, engine)
+        state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
 
     def _store(self, state: _SessionState, request: Store) -> Reply | None:

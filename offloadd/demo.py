@@ -190,7 +190,8 @@ async def _load_phase(ranks: list[_Rank], keys: list[bytes]) -> tuple[int, int, 
             expected = source_pages(rank.seed, rank.rank, layer, chunks)[expected_blocks]
             got = kv.pages(destination)
             checked += got.numel()
-            bad += int((got != expected).view(len(present), -1).any(dim=1).sum())
+            if present:
+                bad += int((got != expected).view(len(present), -1).any(dim=1).sum())
         return len(present), checked, bad
 
     results = await asyncio.gather(*(load(rank) for rank in ranks))

@@ -67,6 +67,7 @@ _BY_CODE: dict[int, type[RequestFailed]] = {
     ErrorCode.DUPLICATE_JOB: InvalidRequest,
     ErrorCode.WRONG_ROLE: InvalidRequest,
     ErrorCode.TOO_LARGE: InvalidRequest,
+    ErrorCode.HANDLE_OPEN_FAILED: InvalidRequest,
 }
 
 

@@ -406,8 +406,10 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
     hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt.
     ``extra_config["private_cache"]`` opts an engine out by adding its identity.
     """
-    config = engine.config
     ranks = [engine.workers[r] for r in range(engine.world_size)]
+    # Rank 0's config, not the engine's (whoever said Hello first): under pipeline parallelism
+    # group layer names differ per rank, and the name must not depend on arrival order.
+    config = ranks[0].config
     bpc = config.cache.blocks_per_chunk
     extra: dict[str, Any] = dict(config.extra_config)
     identity: list[Any] = [

@@ -244,19 +244,31 @@ def encode(message: Request | Reply) -> bytes:
 
 def decode_request(frame: bytes | memoryview) -> Request:
     """Decode a request; raises ``msgspec.DecodeError`` / ``ValidationError`` on bad input."""
-    return _request_decoder.decode(frame)
+    try:
+        return _request_decoder.decode(frame)
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     """Decode a reply; raises ``msgspec.DecodeError`` / ``ValidationError`` on bad input."""
-    return _reply_decoder.decode(frame)
+    try:
+        return _reply_decoder.decode(frame)
+    except RecursionError:
+        raise _too_deep() from None
+
+
+def _too_deep() -> msgspec.DecodeError:
+    # msgspec gives up on deep nesting (a few bytes per level) with RecursionError; to a
+    # caller that is just another malformed frame.
+    return msgspec.DecodeError("MessagePack data is nested too deeply")
 
 
 def peek_request_id(frame: bytes | memoryview) -> int:
     """Best-effort ``request_id`` of a frame that failed to decode as a request (else 0)."""
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return 0
     if isinstance(raw, dict):
         value = raw.get("request_id")

@@ -514,7 +514,7 @@ class ChunkCache:
             if ns == namespace and key in protected:
                 continue
             entry = tables[ns][key]
-            if entry.readers or entry.writing or self._pinned(entry, now):
+            if entry.readers or self._pinned(entry, now):
                 continue
             yield entry
 

@@ -61,6 +61,12 @@ class HandleTable:
 
     def open(self, handle: MemoryHandle) -> Import:
         """Map ``handle`` (or reuse its mapping); raises HandleError."""
+        # Handles are opened before the registry checks geometry: never hand out an address
+        # before the mapping.
+        if handle.offset < 0 or handle.size < 0:
+            raise HandleError(
+                f"region offset {handle.offset} and size {handle.size} must not be negative"
+            )
         match handle:
             case ShmHandle():
                 mapping = self._open_shm(handle)

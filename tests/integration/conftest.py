@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from offloadd.transfer.engine import CopyEngine
+from tests.integration.harness import DaemonThread, Rank
+
+DaemonFactory = Callable[..., DaemonThread]
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator[DaemonFactory]:
+    started: list[DaemonThread] = []
+
+    def start(capacity: int = 64 << 20, copy_engine: CopyEngine | None = None) -> DaemonThread:
+        daemon = DaemonThread(capacity, copy_engine).start()
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory: DaemonFactory) -> DaemonThread:
+    return daemon_factory()
+
+
+@pytest.fixture
+def ranks() -> Iterator[list[Rank]]:
+    """Ranks a test creates are appended here and closed afterwards."""
+    created: list[Rank] = []
+    yield created
+    for rank in created:
+        rank.close()

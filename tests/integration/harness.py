@@ -1,0 +1,223 @@
+"""A real daemon on its own thread and loop, and simulated ranks on shared-memory tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from offloadd.client import OffloadClient
+from offloadd.daemon import Daemon
+from offloadd.settings import CacheSettings, ServerSettings, Settings
+from offloadd.shm import SharedKVTensor
+from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
+from protocol.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+
+class DaemonThread:
+    """Runs ``Daemon`` on a private endpoint and arena until ``stop()``."""
+
+    def __init__(self, capacity: int = 64 << 20, copy_engine: CopyEngine | None = None) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
+        self.endpoint = f"ipc://{self.workdir}/d.sock"
+        self.arena_path = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+        self.settings = Settings(
+            server=ServerSettings(endpoint=self.endpoint, drain_seconds=5.0),
+            cache=CacheSettings(arena=self.arena_path, capacity=capacity),
+        )
+        self.copy_engine = copy_engine
+        self.daemon: Daemon | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="offloadd-test", daemon=True)
+
+    def start(self) -> DaemonThread:
+        self._thread.start()
+        if not self._started.wait(30):
+            raise RuntimeError("daemon did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            try:
+                daemon = Daemon(self.settings, copy_engine=self.copy_engine)
+                daemon.start()
+            except BaseException as exc:
+                self._error = exc
+                self._started.set()
+                return
+            self.daemon = daemon
+            self._started.set()
+            try:
+                await daemon.serve(self._stop)
+            finally:
+                await daemon.close()
+
+        asyncio.run(main())
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class GatedCopyEngine:
+    """A CPU engine whose copies wait until the test opens the gate (to catch jobs mid-flight)."""
+
+    name = "gated-cpu"
+
+    def __init__(self) -> None:
+        self.inner = CpuCopyEngine()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Semaphore(0)
+
+    def submit(self, direction: Direction, moves: Sequence[Triple]) -> Future[float]:
+        result: Future[float] = Future()
+
+        def wait_then_copy() -> None:
+            self.started.release()
+            self.gate.wait(30)
+            inner = self.inner.submit(direction, moves)
+            try:
+                result.set_result(inner.result())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        threading.Thread(target=wait_then_copy, daemon=True).start()
+        return result
+
+    def close(self) -> None:
+        self.gate.set()
+        self.inner.close()
+
+
+LAYERS = ("layer.0", "layer.1", "layer.2")
+TOKENS_PER_BLOCK = 16
+
+
+def make_config(
+    *,
+    engine_id: str = "engine-a",
+    dp: int = 0,
+    rank: int = 0,
+    tp: int = 2,
+    model: str = "test/model",
+    dtype: str = "bfloat16",
+    blocks_per_chunk: int = 2,
+    bytes_per_block: int = 0,
+    tokens_per_hash: int = TOKENS_PER_BLOCK,
+    extra: dict[str, object] | None = None,
+) -> OffloadingConfig:
+    """A one-group config shaped like build_offloading_config's output."""
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=LAYERS),),
+        worker_kv_bytes_per_block=bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config=dict(extra or {}),
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(
+            tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk
+        ),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=dp,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:
+    """Chained 32-byte hashes + u32be group, like vLLM's OffloadKeys."""
+    keys, parent = [], salt
+    for index in range(count):
+        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
+        keys.append(parent + group.to_bytes(4, "big"))
+    return keys
+
+
+@dataclass
+class Rank:
+    """One simulated rank: shared-memory regions (one per layer) and a connected client."""
+
+    tensors: list[SharedKVTensor]
+    config: OffloadingConfig
+    client: OffloadClient | None = None
+    extra_files: list[SharedKVTensor] = field(default_factory=list)
+
+    def fill(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for kv in self.tensors:
+            kv.tensor.copy_(
+                torch.randint(0, 256, kv.tensor.shape, generator=generator, dtype=torch.uint8)
+            )
+
+    def pages(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        return [kv.pages(block_ids) for kv in self.tensors]
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        for kv in self.tensors:
+            kv.close()
+
+
+def make_rank(
+    endpoint: str | None,
+    *,
+    num_blocks: int = 256,
+    page: int = 4096,
+    stride: int | None = None,
+    connect: bool = True,
+    **config_args: object,
+) -> Rank:
+    """Regions for each layer of LAYERS, filled later; connects unless told not to."""
+    stride = stride or page
+    tensors = [
+        SharedKVTensor.create(num_blocks, page, [layer], block_stride=stride, prefix="od-test")
+        for layer in LAYERS
+    ]
+    config = make_config(bytes_per_block=stride * len(LAYERS), **config_args)  # type: ignore[arg-type]
+    rank = Rank(tensors, config)
+    if connect:
+        assert endpoint is not None
+        rank.client = OffloadClient.connect(endpoint, config, [kv.region for kv in tensors])
+    return rank
+
+
+def chunk_block_ids(chunks: Sequence[int], blocks_per_chunk: int, base: int = 0) -> list[int]:
+    """Block ids of chunk i: base + i*bpc ... base + i*bpc + bpc - 1."""
+    return [base + c * blocks_per_chunk + j for c in chunks for j in range(blocks_per_chunk)]
+
+
+def shm_leftovers() -> list[str]:
+    """Test files still in /dev/shm (fixtures must remove what they create)."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith("od-test")]

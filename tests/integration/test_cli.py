@@ -1,0 +1,130 @@
+"""The command line as a user runs it: real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from offloadd.client import OffloadClient
+from offloadd.errors import DaemonUnavailable
+
+
+def _offloadd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "offloadd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``offloadd serve`` on a private endpoint and arena."""
+    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
+    endpoint = f"ipc://{workdir}/d.sock"
+    arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "offloadd",
+            "serve",
+            "--endpoint",
+            endpoint,
+            "--arena",
+            arena,
+            "--capacity",
+            "64MiB",
+        ],
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        assert process.poll() is None, "daemon exited at start"
+        try:
+            with OffloadClient(endpoint, timeout=0.5) as client:
+                client.stats()
+            break
+        except DaemonUnavailable:
+            assert time.monotonic() < deadline, "daemon did not start"
+    yield endpoint, process
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert not os.path.exists(workdir + "/d.sock"), "socket file left behind"
+    assert not os.path.exists(arena), "arena left behind"
+    os.rmdir(workdir)
+
+
+def test_demo_starts_its_own_daemon_and_verifies_every_byte() -> None:
+    result = _offloadd("demo", "--json", "--chunks", "32")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["mismatches"] == 0
+    assert summary["chunks_stored"] == 32
+    assert summary["hits"] == 64  # two engines, each sees all 32 chunks
+    assert summary["chunks_loaded"] == 64
+    assert summary["bytes_verified"] == 2 * 2 * 32 * 2 * 2 * (32 << 10)
+
+
+def test_demo_phases_against_one_running_daemon(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    endpoint, _ = served
+    stored = _offloadd("demo", "--endpoint", endpoint, "--phase", "store", "--json", "--seed", "5")
+    assert stored.returncode == 0, stored.stderr
+    assert json.loads(stored.stdout)["chunks_stored"] == 64
+
+    loaded = _offloadd("demo", "--endpoint", endpoint, "--phase", "load", "--json", "--seed", "5")
+    assert loaded.returncode == 0, loaded.stderr
+    summary = json.loads(loaded.stdout)
+    assert summary["hits"] == 128 and summary["mismatches"] == 0
+    assert summary["bytes_verified"] > 0
+
+    # Another seed means other prefixes: nothing cached, the demo says so and fails.
+    other = _offloadd("demo", "--endpoint", endpoint, "--phase", "load", "--json", "--seed", "6")
+    assert other.returncode == 1
+    assert json.loads(other.stdout)["hits"] == 0
+
+
+def test_second_daemon_does_not_take_over_a_live_endpoint(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    endpoint, process = served
+    second = _offloadd(
+        "serve",
+        "--endpoint",
+        endpoint,
+        "--arena",
+        "/dev/shm/od-test-second",
+        "--capacity",
+        "16MiB",
+        timeout=30,
+    )
+    assert second.returncode == 1
+    assert "already serves" in second.stderr
+    assert not os.path.exists("/dev/shm/od-test-second")
+    with OffloadClient(endpoint, timeout=2) as client:
+        assert client.stats().sessions == 0  # the first daemon still answers
+    assert process.poll() is None
+
+
+def test_demo_against_missing_daemon_fails_clearly() -> None:
+    result = _offloadd("demo", "--endpoint", "ipc:///tmp/od-nothing-here.sock", timeout=60)
+    assert result.returncode == 1
+    assert "no answer" in result.stderr
+
+
+def test_version() -> None:
+    result = _offloadd("--version")
+    assert result.returncode == 0
+    assert result.stdout.startswith("offloadd ")
