@@ -1,9 +1,12 @@
-"""The ``offloadd`` command line: ``serve`` and ``demo`` (more subcommands plug in here)."""
+"""The ``offloadd`` command line: ``serve``, ``demo`` and ``events`` (more plug in here)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import signal
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -12,7 +15,7 @@ from typing import Any
 import msgspec
 
 from offloadd import __version__
-from offloadd.settings import Settings, parse_size
+from offloadd.settings import EventSettings, Settings, parse_size
 
 
 def load_settings(path: str | None, overrides: dict[str, dict[str, Any]]) -> Settings:
@@ -73,6 +76,53 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _events(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=(args.log_level or "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(
+            _watch_events(args.endpoint, args.replay or None, topic=args.topic, as_json=args.json)
+        )
+    except KeyboardInterrupt:  # arrived before the signal handlers were installed
+        return 0
+
+
+async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_json: bool) -> int:
+    """Print events until SIGINT/SIGTERM (or until the output goes away)."""
+    from offloadd.subscriber import Subscriber, event_lines, event_records
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+    async def show(subscriber: Subscriber) -> None:
+        async for received in subscriber:
+            if as_json:
+                for record in event_records(received):
+                    sys.stdout.write(msgspec.json.encode(record).decode() + "\n")
+            else:
+                for line in event_lines(received):
+                    sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    async with Subscriber(endpoint, replay, topic=topic) as subscriber:
+        printer = asyncio.create_task(show(subscriber))
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({printer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (printer, stopper):
+            task.cancel()
+        await asyncio.gather(printer, stopper, return_exceptions=True)
+    exc = None if printer.cancelled() else printer.exception()
+    if isinstance(exc, BrokenPipeError):  # the reader went away (| head): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    elif exc is not None:
+        raise exc
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="offloadd", description=__doc__)
@@ -99,6 +149,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--phase", choices=["store", "load", "both"], default="both")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(handler=_demo)
+
+    event_defaults = EventSettings()
+    events = commands.add_parser(
+        "events",
+        help="print KV-cache events from a daemon or a vLLM engine, one line per event",
+        description="Subscribe to KV-cache events (vLLM's ZMQ protocol): replays what the "
+        "publisher still buffers, then follows live, filling gaps from replay. Stops "
+        "cleanly on Ctrl-C or SIGTERM.",
+    )
+    events.add_argument(
+        "--endpoint",
+        default=event_defaults.endpoint,
+        help=f"PUB endpoint to subscribe to (default {event_defaults.endpoint})",
+    )
+    events.add_argument(
+        "--replay",
+        default=event_defaults.replay_endpoint,
+        help=f"replay endpoint (default {event_defaults.replay_endpoint}; '' for none)",
+    )
+    events.add_argument("--topic", default="", help="topic prefix (default: every topic)")
+    events.add_argument("--json", action="store_true", help="one JSON object per event")
+    events.add_argument("--log-level", help="DEBUG, INFO, WARNING (default), ...")
+    events.set_defaults(handler=_events)
     return parser
 
 

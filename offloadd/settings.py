@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from typing import Literal
 
 import msgspec
@@ -39,12 +40,36 @@ class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     level: str = "INFO"
 
 
+class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """KV-cache events: vLLM-compatible PUB socket and replay ROUTER.
+
+    Loopback by default; listening on another address is an explicit setting.
+    """
+
+    enabled: bool = True
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str = "tcp://127.0.0.1:5558"  # "" disables replay
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # PUB high-water mark, in batches
+    max_queue: int = 100_000  # batches waiting to be sent; more are dropped and counted
+    topic_template: str = "kv@{pod}@{model}"  # placeholders: {pod} {model} {engine_id} {dp}
+    pod: str = ""  # empty: the host name
+    # vLLM's convention: the engine with dp index k publishes on endpoint port + k (and
+    # replay port + k); otherwise one publisher serves every dp index.
+    port_per_dp: bool = False
+
+    def pod_name(self) -> str:
+        """The ``{pod}`` of topics, defaulted to the host name."""
+        return self.pod or socket.gethostname()
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the daemon reads at start."""
 
     server: ServerSettings = ServerSettings()
     cache: CacheSettings = CacheSettings()
     log: LogSettings = LogSettings()
+    events: EventSettings = EventSettings()
 
     def endpoint(self) -> str:
         """The control endpoint, defaulted."""

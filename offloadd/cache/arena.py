@@ -47,6 +47,7 @@ class Arena:
         directory = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(directory):
             raise ArenaError(f"arena directory {directory} does not exist")
+        created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -67,6 +68,9 @@ class Arena:
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
+            if created:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             raise
         self._fd = fd
         self._view: ctypes.Array[ctypes.c_char] | None = (ctypes.c_char * size).from_buffer(
@@ -105,7 +109,12 @@ class Arena:
         if self._view is None:
             return
         self._view = None
-        self._mmap.close()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Someone still holds a view: the pages stay mapped until it goes, but the file
+            # and the lock are released now.
+            logger.warning("arena %s still has views open at close", self.path)
         if self._unlink_on_close:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)

@@ -514,7 +514,7 @@ class ChunkCache:
             if ns == namespace and key in protected:
                 continue
             entry = tables[ns][key]
-            if entry.readers or self._pinned(entry, now):
+            if entry.readers or entry.writing or self._pinned(entry, now):
                 continue
             yield entry
 
@@ -526,13 +526,14 @@ class ChunkCache:
         evicted: list[Entry],
     ) -> list[int] | None:
         """Extents for a new entry's shards, evicting in policy order if needed."""
-        offsets = self._try_alloc(sizes)
-        if offsets is not None:
-            return offsets
         alloc = self._alloc
         need = sum(alloc.alloc_size(size) for size in sizes)
         if need > alloc.capacity:
             return None
+        if alloc.free_bytes >= need:
+            offsets = self._try_alloc(sizes)
+            if offsets is not None:
+                return offsets
         now = self._clock()
         victims: list[Entry] = []
         found = alloc.free_bytes

@@ -47,7 +47,7 @@ def test_exact_fit_reuses_the_hole_of_the_same_size() -> None:
     b = alloc.alloc(3 * A)
     c = alloc.alloc(2 * A)
     assert (a, b, c) == (0, 2 * A, 5 * A)
-    alloc.free(b, 3 * A)
+    alloc.free(2 * A, 3 * A)
     # Free: a 3-page hole at 2A and the 9-page tail at 7A. A 3-page request takes the hole.
     assert alloc.alloc(3 * A) == 2 * A
     assert alloc.free_extents() == [(7 * A, 9 * A)]
@@ -115,9 +115,10 @@ def test_extents_never_overlap_under_random_churn() -> None:
             owner[off // A : off // A + -(-size // A)] = bytes(-(-size // A))
         else:
             size = rng.randint(1, 9 * A)
-            off = alloc.alloc(size)
-            if off is None:
+            got = alloc.alloc(size)
+            if got is None:
                 continue
+            off = got
             pages = -(-size // A)
             assert off % A == 0 and off + pages * A <= cap * A
             assert not any(owner[off // A : off // A + pages]), "overlap"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import pytest
 from hypothesis import settings
@@ -64,7 +65,7 @@ def test_two_phase_store_becomes_visible_after_the_last_shard() -> None:
     keys = [k(0), k(1)]
     r0 = cache.begin_store(NS, keys, 0, two_shards)
     assert [w.index for w in r0.writes] == [0, 1]
-    assert r0.skipped == r0.refused == r0.evicted == []
+    assert r0.skipped == r0.refused == [] and r0.evicted == []
     assert cache.finish_store(r0.writes, ok=True) == []
 
     out = cache.lookup(NS, keys)
@@ -201,8 +202,8 @@ def test_pinned_and_loading_entries_are_never_evicted() -> None:
     assert cache.lookup(NS, [k(0), k(1), k(2), k(3)]).hits == 4
     cache.finish_load(load.entries)
     # Six new keys: everything but the two pinned ones goes, k(2) and k(3) included.
-    evicted = evicted_keys(store(cache, [k(i) for i in range(200, 206)]))
-    assert len(evicted) == 6 and {k(2), k(3)} <= set(evicted)
+    gone = evicted_keys(store(cache, [k(i) for i in range(200, 206)]))
+    assert len(gone) == 6 and {k(2), k(3)} <= set(gone)
     assert cache.lookup(NS, [k(0), k(1)]).hits == 2
 
 
@@ -220,6 +221,17 @@ def test_store_is_refused_when_nothing_is_evictable() -> None:
     cache.finish_load(load.entries)
     res = cache.begin_store(NS, [k(7)], 0, one_shard)
     assert evicted_keys(res.evicted) == [k(3)]  # the load touched k(3), then k(2)
+
+
+def test_a_store_that_cannot_fit_evicts_nothing() -> None:
+    cache = ChunkCache(4 * A)
+    store(cache, [k(0), k(1), k(2)])
+    cache.lookup(NS, [k(0), k(1)], pin_owner="s", lease=60.0)
+    # One free page plus the evictable k(2) make two pages: a three-page key cannot fit.
+    res = cache.begin_store(NS, [k(9)], 0, lambda _: (3 * A,))
+    assert res.refused == [0] and res.evicted == []
+    assert cache.lookup(NS, [k(2)]).hits == 1
+    assert cache.stats().evictions == 0
 
 
 def test_refusal_covers_the_rest_of_the_request() -> None:
@@ -475,6 +487,19 @@ class CacheMachine(RuleBasedStateMachine):
     def evictable(self, m: Model) -> bool:
         return not m.readers and not m.writing and all(exp <= self.now for exp in m.pins.values())
 
+    def room(self, ns: str, keys: list[bytes]) -> int:
+        """Free bytes plus the bytes a store of ``keys`` in ``ns`` may evict."""
+        s = self.cache.stats()
+        return (
+            s.capacity
+            - s.used_bytes
+            + sum(
+                footprint(m.entry.sizes)
+                for (mns, mkey), m in self.model.items()
+                if self.evictable(m) and not (mns == ns and mkey in keys)
+            )
+        )
+
     def live(self, ns: str, key: bytes, entry: Entry) -> Model | None:
         m = self.model.get((ns, key))
         return m if m is not None and m.entry is entry else None
@@ -483,9 +508,12 @@ class CacheMachine(RuleBasedStateMachine):
         ns=st.sampled_from(sorted(NS_SIZES)),
         keys=st.lists(st.sampled_from(KEYS), unique=True, min_size=1, max_size=4),
         owner=st.sampled_from([None, *OWNERS]),
-        lease=st.sampled_from([0.0, 5.0]),
+        lease=st.sampled_from([0.0, 5.0, 100.0]),
     )
     def lookup(self, ns: str, keys: list[bytes], owner: str | None, lease: float) -> None:
+        self._lookup(ns, keys, owner, lease)
+
+    def _lookup(self, ns: str, keys: list[bytes], owner: str | None, lease: float) -> None:
         hits = 0
         while hits < len(keys) and (m := self.model.get((ns, keys[hits]))) and m.committed:
             hits += 1
@@ -501,6 +529,22 @@ class CacheMachine(RuleBasedStateMachine):
                 pins[owner] = max(pins.get(owner, 0.0), self.now + lease)
         else:
             assert out.pinned == 0
+
+    @precondition(lambda self: any(m.committed for m in self.model.values()))
+    @rule(
+        data=st.data(),
+        owner=st.sampled_from(OWNERS),
+        lease=st.sampled_from([0.0, 5.0, 100.0]),
+    )
+    def lookup_committed(self, data: st.DataObject, owner: str, lease: float) -> None:
+        """A lookup that starts with committed keys, so that hits and pins are common."""
+        ns = data.draw(
+            st.sampled_from(sorted({n for (n, _), m in self.model.items() if m.committed}))
+        )
+        committed = sorted(key for (n, key), m in self.model.items() if n == ns and m.committed)
+        head = data.draw(st.lists(st.sampled_from(committed), unique=True, min_size=1))
+        tail = data.draw(st.lists(st.sampled_from([k for k in KEYS if k not in head]), unique=True))
+        self._lookup(ns, head + tail, owner, lease)
 
     @rule(
         ns=st.sampled_from(sorted(NS_SIZES)),
@@ -525,6 +569,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _begin_store(self, ns: str, keys: list[bytes], shard: int) -> list[ShardWrite]:
         sizes = NS_SIZES[ns]
         before = {key: self.model.get((ns, key)) for key in keys}
+        room_before = self.room(ns, keys)
         res = self.cache.begin_store(ns, keys, shard, lambda _: sizes)
 
         for e in res.evicted:
@@ -558,13 +603,16 @@ class CacheMachine(RuleBasedStateMachine):
 
         if res.refused:
             assert before[keys[cut]] is None, "only a new key needs room"
-            room = sum(
-                footprint(m.entry.sizes)
-                for (mns, mkey), m in self.model.items()
-                if self.evictable(m) and not (mns == ns and mkey in keys)
+            # Refused only if the evictable bytes could not make room, or all were evicted
+            # and the arena is still too fragmented.
+            room = self.room(ns, keys)
+            assert room == self.cache.stats().capacity - self.cache.stats().used_bytes or (
+                room < footprint(sizes)
             )
-            free = self.cache.stats().capacity - self.cache.stats().used_bytes
-            assert room == 0 or free + room < footprint(sizes)
+            if all(before[key] is not None for key in keys[:cut]) and room_before < footprint(
+                sizes
+            ):
+                assert res.evicted == [], "evicted for a store that could not fit (no dry run)"
         return res.writes
 
     @precondition(lambda self: bool(self.stores))
@@ -666,7 +714,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = self.cache.release(ns, keys, owner)
         assert sum(exp > self.now for exp in held) <= n <= len(held)
 
-    @rule(dt=st.sampled_from([1.0, 3.0]))
+    @rule(dt=st.sampled_from([1.0, 3.0, 10.0]))
     def advance(self, dt: float) -> None:
         self.now += dt
 
@@ -697,9 +745,11 @@ class CacheMachine(RuleBasedStateMachine):
         extents = []
         for e in holders.values():
             assert len(e.offsets) == len(e.sizes)
-            extents += [(off, -(-size // A) * A) for off, size in zip(e.offsets, e.sizes)]
+            extents += [
+                (off, -(-size // A) * A) for off, size in zip(e.offsets, e.sizes, strict=True)
+            ]
         extents.sort()
-        for (a_off, a_len), (b_off, _) in zip(extents, extents[1:]):
+        for (a_off, a_len), (b_off, _) in pairwise(extents):
             assert a_off + a_len <= b_off, "extents overlap"
         assert all(off + n <= CAP for off, n in extents)
         assert sum(n for _, n in extents) == self.cache.stats().used_bytes

@@ -187,6 +187,15 @@ def test_contiguous_unpadded_blocks_merge_into_one_move_per_region() -> None:
     assert moves == [Move(0, 3 * 16, 0, 3 * 16), Move(1, 3 * 8, 3 * 16, 3 * 8)]
 
 
+def test_moves_never_merge_across_regions() -> None:
+    # Region 0's page of block 1 ends at byte 16, region 1's block 1 starts at byte 16, and
+    # the shard parts are back to back: contiguous offsets, but different memory.
+    regions = [make_region(0, 8, 8, 4), make_region(1, 8, 16, 4)]
+    layout = GroupLayout((0, 1), (8, 8))
+    moves = plan_chunk(layout, regions, [1], blocks_per_chunk=1)
+    assert moves == [Move(0, 8, 0, 8), Move(1, 16, 8, 8)]
+
+
 def test_mid_chunk_load_offsets_into_each_part() -> None:
     regions = [make_region(0, 16, 16, 10), make_region(1, 8, 8, 10)]
     layout = GroupLayout((0, 1), (16, 8))

@@ -1,0 +1,458 @@
+"""KV-cache event publisher: vLLM's ZmqEventPublisher protocol on the daemon's event loop.
+
+``EventPublisher`` owns a PUB socket and, optionally, a replay ROUTER socket:
+
+* ``publish(topic, batch)`` may be called any time from the event loop. It never blocks
+  and never raises on back-pressure: it appends to a bounded queue and returns True, or,
+  when the queue is full or the publisher closed, drops the batch, counts it in
+  ``dropped`` and returns False (vLLM blocks its engine thread here instead).
+* ``run()`` (a task) drains the queue in order: each batch gets the next ``seq`` (from 0,
+  +1 per batch, for this publisher's lifetime), is encoded once and sent as
+  ``[topic, seq (8 bytes big-endian), payload]`` without blocking. A batch the PUB socket
+  refuses is counted in ``dropped`` but still kept for replay. The last ``buffer_steps``
+  batches are kept as ``(topic, seq, payload)``.
+* The same task answers replay requests: ``[identity, b"", start_seq (8 bytes)]`` gets one
+  ``[identity, b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``,
+  then the end marker ``[identity, b"", b"", END_SEQ, b""]`` (vLLM >= 0.26). Anything
+  else is counted in ``invalid_replay_requests``, logged (rate-limited) and ignored.
+* ``close()`` sends what is still queued (bounded by a timeout), then closes the sockets
+  with linger 0. A subscriber that sees ``seq`` go backwards knows the publisher restarted;
+  nothing else on the wire says so (as in vLLM).
+
+``PublisherSet`` maps dp indexes to publishers: one per dp index on ``port + k`` when
+``EventSettings.port_per_dp`` (vLLM's convention), else one shared by all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from offloadd.settings import EventSettings
+from protocol.events import END_SEQ, KVEventBatch, encode_batch
+
+logger = logging.getLogger(__name__)
+
+_YIELD_EVERY = 64  # batches sent (or replayed) between yields to the event loop
+
+
+class LogLimiter:
+    """Logs a repeated message at most once per ``interval`` seconds, counting the rest."""
+
+    def __init__(self, log: logging.Logger, interval: float = 10.0) -> None:
+        self._log = log
+        self._interval = interval
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def __call__(self, level: int, msg: str, *args: object) -> None:
+        """Log ``msg % args`` at ``level`` unless one was logged less than interval ago."""
+        now = time.monotonic()
+        if now - self._last < self._interval:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, self._suppressed)
+        self._last = now
+        self._suppressed = 0
+        self._log.log(level, msg, *args)
+
+
+def offset_endpoint_port(endpoint: str, k: int) -> str:
+    """The endpoint of dp index ``k``, as vLLM derives it.
+
+    ``tcp://host:P`` -> ``tcp://host:(P+k)``, ``inproc://x`` -> ``inproc://x_dp{k}``;
+    ``k == 0`` returns the endpoint unchanged. Other schemes (``ipc://`` included) cannot
+    be offset and raise ValueError.
+    """
+    if k < 0:
+        raise ValueError(f"dp index must be >= 0, not {k}")
+    if k == 0 or not endpoint:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{k}"
+    if endpoint.startswith("tcp://"):
+        base, sep, port = endpoint.rpartition(":")
+        if not sep or base == "tcp" or not port.isdigit():
+            raise ValueError(
+                f"cannot offset {endpoint!r} for dp index {k}: it needs an explicit port "
+                "(tcp://host:PORT)"
+            )
+        return f"{base}:{int(port) + k}"
+    raise ValueError(
+        f"cannot offset {endpoint!r} for dp index {k}: only tcp:// and inproc:// endpoints "
+        "get one endpoint per dp index (set port_per_dp = false to share one publisher)"
+    )
+
+
+def topic_for(template: str, *, pod: str, model: str, engine_id: str, dp: int) -> str:
+    """Fill a topic template such as ``kv@{pod}@{model}``.
+
+    Placeholders: ``{pod}``, ``{model}``, ``{engine_id}``, ``{dp}``. Raises ValueError on
+    any other placeholder or a malformed template.
+    """
+    try:
+        return template.format(pod=pod, model=model, engine_id=engine_id, dp=dp)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"bad topic template {template!r} ({exc!r}); placeholders are "
+            "{pod} {model} {engine_id} {dp}"
+        ) from None
+
+
+class PublisherStats(msgspec.Struct, frozen=True):
+    """Counters of one publisher, or summed over a PublisherSet."""
+
+    published: int = 0
+    dropped: int = 0
+    invalid_replay_requests: int = 0
+    publishers: int = 0
+
+
+class EventPublisher:
+    """PUB socket + replay ROUTER speaking vLLM's KV-event protocol (see module docstring).
+
+    ``start()`` binds; ``run()`` is the task that sends and answers replays (the async
+    context manager starts both and closes on exit). Counters: ``published``, ``dropped``,
+    ``invalid_replay_requests``, ``next_seq``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str,
+        *,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue: int = 100_000,
+        ctx: zmq.asyncio.Context,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.published = 0
+        self.dropped = 0
+        self.invalid_replay_requests = 0
+        self.next_seq = 0
+        self._hwm = hwm
+        self._buffer_steps = buffer_steps
+        self._ctx = ctx
+        self._queue: asyncio.Queue[tuple[str, KVEventBatch]] = asyncio.Queue(max_queue)
+        self._buffer: deque[tuple[bytes, int, bytes]] = deque(maxlen=buffer_steps)
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._closed = asyncio.Event()
+        self._warn_full = LogLimiter(logger)
+        self._warn_send = LogLimiter(logger)
+        self._warn_replay = LogLimiter(logger)
+
+    def start(self) -> None:
+        """Bind the PUB socket and, when a replay endpoint is set, the replay ROUTER."""
+        if self._pub is not None:
+            return
+        if self._closing:
+            raise RuntimeError("publisher is closed")
+        pub = self._ctx.socket(zmq.PUB)
+        replay: zmq.asyncio.Socket | None = None
+        try:
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, self._hwm)
+            # vLLM binds or connects the PUB socket depending on the endpoint's shape (it
+            # may push to a remote proxy); the daemon owns its endpoints, so it always binds.
+            pub.bind(self.endpoint)
+            if self.replay_endpoint:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                # ROUTER drops (rather than blocks) above the per-client high-water mark:
+                # leave room for one whole replay per client.
+                replay.setsockopt(zmq.SNDHWM, max(self._hwm, self._buffer_steps + 1))
+                replay.bind(self.replay_endpoint)
+        except BaseException:
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            raise
+        self._pub = pub
+        self._replay = replay
+        logger.info(
+            "KV events on %s (replay %s)", self.endpoint, self.replay_endpoint or "disabled"
+        )
+
+    def publish(self, topic: str, batch: KVEventBatch) -> bool:
+        """Queue ``batch`` for ``topic``; False (and counted in ``dropped``) if it was dropped.
+
+        Never blocks and never raises on back-pressure.
+        """
+        if self._closing:
+            self.dropped += 1
+            return False
+        try:
+            self._queue.put_nowait((topic, batch))
+        except asyncio.QueueFull:
+            self.dropped += 1
+            self._warn_full(
+                logging.WARNING,
+                "KV event queue of %s full (%d batches): dropping; %d dropped so far",
+                self.endpoint,
+                self._queue.maxsize,
+                self.dropped,
+            )
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Send queued batches and answer replay requests until the publisher closes."""
+        if self._pub is None:
+            raise RuntimeError("start() the publisher before run()")
+        tasks = {
+            asyncio.create_task(self._drain()),
+            asyncio.create_task(self._closed.wait()),
+        }
+        if self._replay is not None:
+            tasks.add(asyncio.create_task(self._serve_replay()))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                raise exc
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """Send what is queued (for at most ``timeout`` seconds), then close. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closing = True
+        if self._pub is not None:
+            deadline = time.monotonic() + timeout
+            while not self._queue.empty() and time.monotonic() < deadline:
+                await self._send(*self._queue.get_nowait())
+        if not self._queue.empty():
+            logger.warning(
+                "KV event publisher %s closed with %d batches unsent",
+                self.endpoint,
+                self._queue.qsize(),
+            )
+        self._closed.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+
+    async def __aenter__(self) -> EventPublisher:
+        self.start()
+        self._task = asyncio.create_task(self.run(), name=f"events {self.endpoint}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def queued(self) -> int:
+        """Batches waiting to be sent."""
+        return self._queue.qsize()
+
+    def stats(self) -> PublisherStats:
+        """This publisher's counters."""
+        return PublisherStats(
+            published=self.published,
+            dropped=self.dropped,
+            invalid_replay_requests=self.invalid_replay_requests,
+            publishers=1,
+        )
+
+    async def _drain(self) -> None:
+        for count in itertools.count(1):
+            topic, batch = await self._queue.get()
+            await self._send(topic, batch)
+            if count % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a long backlog must not starve the loop
+
+    async def _send(self, topic: str, batch: KVEventBatch) -> None:
+        # Nothing below waits: seq order, the PUB stream and the replay buffer stay in step.
+        assert self._pub is not None
+        try:
+            payload = encode_batch(batch)
+        except (TypeError, ValueError, OverflowError) as exc:  # a malformed event: no seq
+            self.dropped += 1
+            self._warn_send(logging.ERROR, "KV event batch not encodable, dropped: %s", exc)
+            return
+        seq = self.next_seq
+        self.next_seq += 1
+        topic_bytes = topic.encode()
+        self._buffer.append((topic_bytes, seq, payload))
+        frames = (topic_bytes, seq.to_bytes(8, "big"), payload)
+        try:
+            await self._pub.send_multipart(frames, flags=zmq.DONTWAIT)
+        except zmq.Again:
+            self.dropped += 1  # still in the replay buffer
+            self._warn_send(logging.WARNING, "KV event PUB socket full: seq %d not sent", seq)
+        except zmq.ZMQError as exc:
+            self.dropped += 1
+            self._warn_send(logging.ERROR, "KV event seq %d not sent: %s", seq, exc)
+        else:
+            self.published += 1
+
+    async def _serve_replay(self) -> None:
+        assert self._replay is not None
+        replay = self._replay
+        while True:
+            try:
+                frames = await replay.recv_multipart()
+            except zmq.ZMQError as exc:
+                self._warn_replay(logging.ERROR, "replay socket error: %s", exc)
+                await asyncio.sleep(0.1)  # back off instead of spinning on a broken socket
+                continue
+            start = _parse_replay_request(frames)
+            if start is None:
+                self.invalid_replay_requests += 1
+                self._warn_replay(
+                    logging.WARNING,
+                    "invalid replay request on %s: %d frames, sizes %s",
+                    self.replay_endpoint,
+                    len(frames),
+                    [len(frame) for frame in frames[:8]],
+                )
+                continue
+            await self._answer_replay(replay, frames[0], start)
+
+    async def _answer_replay(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
+        # Seqs in the buffer are consecutive: index instead of scanning, copy before yielding.
+        first = self._buffer[0][1] if self._buffer else 0
+        items = list(itertools.islice(self._buffer, max(0, start - first), None))
+        logger.debug("replay from %d: %d batches", start, len(items))
+        try:
+            for count, (topic, seq, payload) in enumerate(items, 1):
+                frames = (identity, b"", topic, seq.to_bytes(8, "big"), payload)
+                await replay.send_multipart(frames, flags=zmq.DONTWAIT)
+                if count % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+            await replay.send_multipart((identity, b"", b"", END_SEQ, b""), flags=zmq.DONTWAIT)
+        except zmq.ZMQError as exc:  # the client's pipe is full or it went away
+            self._warn_replay(logging.WARNING, "replay from %d cut short: %s", start, exc)
+
+
+def _parse_replay_request(frames: list[bytes]) -> int | None:
+    """``[identity, b"", start_seq (8 bytes)]`` -> start_seq; None if malformed."""
+    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        return None
+    return int.from_bytes(frames[2], "big")
+
+
+class PublisherSet:
+    """The daemon's publishers: one per dp index (``port_per_dp``) or one for all.
+
+    ``publish(topic, dp, batch)`` fills the batch's ``data_parallel_rank`` with ``dp`` when
+    unset and, like ``EventPublisher.publish``, never blocks and never raises. With events
+    disabled nothing is bound and ``publish`` returns False.
+    """
+
+    def __init__(self, settings: EventSettings, ctx: zmq.asyncio.Context) -> None:
+        self.settings = settings
+        self._ctx = ctx
+        self._publishers: dict[int, EventPublisher] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._failed: set[int] = set()
+        self._unroutable = 0
+        self._closed = False
+
+    def start(self) -> None:
+        """Bind dp 0's publisher (the shared one without ``port_per_dp``) and start it."""
+        if self.settings.enabled:
+            self.publisher_for(0)
+
+    def publisher_for(self, dp: int) -> EventPublisher:
+        """The publisher of dp index ``dp``, bound and running (created on first use)."""
+        if self._closed:
+            raise RuntimeError("publisher set is closed")
+        key = dp if self.settings.port_per_dp else 0
+        publisher = self._publishers.get(key)
+        if publisher is not None:
+            return publisher
+        settings = self.settings
+        publisher = EventPublisher(
+            offset_endpoint_port(settings.endpoint, key),
+            offset_endpoint_port(settings.replay_endpoint, key),
+            buffer_steps=settings.buffer_steps,
+            hwm=settings.hwm,
+            max_queue=settings.max_queue,
+            ctx=self._ctx,
+        )
+        publisher.start()
+        self._publishers[key] = publisher
+        self._tasks[key] = asyncio.create_task(publisher.run(), name=f"events dp{key}")
+        return publisher
+
+    def publish(self, topic: str, dp: int, batch: KVEventBatch) -> bool:
+        """Queue ``batch`` on dp index ``dp``'s publisher; False if it was dropped."""
+        if not self.settings.enabled or self._closed:
+            return False
+        key = dp if self.settings.port_per_dp else 0
+        if key in self._failed:
+            self._unroutable += 1
+            return False
+        try:
+            publisher = self.publisher_for(dp)
+        except (zmq.ZMQError, ValueError) as exc:
+            self._failed.add(key)
+            self._unroutable += 1
+            logger.error("no KV event publisher for dp %d: %s; its events are dropped", dp, exc)
+            return False
+        if batch.data_parallel_rank is None:
+            batch = msgspec.structs.replace(batch, data_parallel_rank=dp)
+        return publisher.publish(topic, batch)
+
+    def stats(self) -> PublisherStats:
+        """Counters summed over the publishers (unroutable batches count as dropped)."""
+        publishers = list(self._publishers.values())
+        return PublisherStats(
+            published=sum(p.published for p in publishers),
+            dropped=self._unroutable + sum(p.dropped for p in publishers),
+            invalid_replay_requests=sum(p.invalid_replay_requests for p in publishers),
+            publishers=len(publishers),
+        )
+
+    async def close(self) -> None:
+        """Flush and close every publisher; cancel and await their tasks. Idempotent."""
+        self._closed = True
+        for publisher in self._publishers.values():
+            await publisher.close()
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, Exception):
+                logger.error("KV event publisher task failed: %r", result)
+
+    async def __aenter__(self) -> PublisherSet:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
