@@ -25,9 +25,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
 from offloadd.endpoint import EndpointClaim
+from offloadd.events import PublisherSet, topic_for
 from offloadd.registry import (
     Engine,
     Namespace,
@@ -42,8 +44,10 @@ from offloadd.transfer.handles import HandleError, HandleTable, Import
 from offloadd.transfer.plan import block_id_problem, plan_chunk
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
+from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
 from protocol.messages import (
     Bye,
+    Clear,
     DaemonStats,
     EngineReady,
     Error,
@@ -135,6 +139,7 @@ class Daemon:
         self._sock: zmq.asyncio.Socket | None = None
         self._handles: HandleTable | None = None
         self._cache: ChunkCache | None = None
+        self._events: PublisherSet | None = None
         self.registry = Registry()
         self._states: dict[str, _SessionState] = {}
         self._jobs_in_flight = 0
@@ -146,14 +151,14 @@ class Daemon:
     # ----------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> Daemon:
-        self.start()
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def start(self) -> None:
-        """Claim the endpoint, create the arena, bind the socket. Ready when it returns."""
+    async def start(self) -> None:
+        """Claim the endpoint, create the arena, bind the sockets. Ready when it returns."""
         settings = self.settings
         self._claim = EndpointClaim(self.endpoint)
         try:
@@ -171,7 +176,11 @@ class Daemon:
             sock.setsockopt(zmq.MAXMSGSIZE, settings.server.max_frame_bytes * 4)
             sock.bind(self.endpoint)
             self._sock = sock
+            if settings.events.enabled:
+                self._events = PublisherSet(settings.events, self._ctx)
+                self._events.start()
         except BaseException:
+            await self._close_events()
             self._release_resources()
             raise
         logger.info(
@@ -212,8 +221,14 @@ class Daemon:
             logger.warning("%d jobs still in flight after %.0fs", self._jobs_in_flight, grace)
 
     async def close(self) -> None:
-        """Release everything; idempotent."""
+        """Publish the last events, then release everything; idempotent."""
+        await self._close_events()
         self._release_resources()
+
+    async def _close_events(self) -> None:
+        if self._events is not None:
+            events, self._events = self._events, None
+            await events.close()
 
     def _release_resources(self) -> None:
         if self._copy is not None:
@@ -318,6 +333,8 @@ class Daemon:
                 return Ok(request.request_id, count)
             case Wait():
                 return self._wait(state, request)
+            case Clear():
+                return self._clear(state, request)
             case Bye():
                 self._end_session(state, "said goodbye")
                 return Ok(request.request_id)
@@ -388,6 +405,10 @@ class Daemon:
             engine.world_size,
             engine.namespace.name,
         )
+        # Routers learn at once what this node already holds for the engine.
+        snapshot = self._require_cache().keys_in(engine.namespace.name)
+        if snapshot:
+            self._publish_to(engine, stored_events(snapshot, raw_hashes=self._raw_hashes(engine)))
         message = EngineReady(engine.state())
         for session in engine.sessions():
             state = self._states.get(session.session_id)
@@ -499,7 +520,7 @@ class Daemon:
         reservation = cache.begin_store(
             namespace.name, request.keys, shard, namespace.shard_sizes_for_key
         )
-        self._announce_removed(namespace, reservation.evicted)
+        self._announce_removed(reservation.evicted)
         job.failed_keys = [request.keys[i] for i in reservation.refused]
         job.writes = reservation.writes
         if job.failed_keys:
@@ -684,17 +705,76 @@ class Daemon:
             state.waiters.remove(waiter)
             self._send(state.identity, self._wait_result(state, waiter))
 
-    # ----------------------------------------------------------------- events (hooks)
+    # ----------------------------------------------------------------- events
+
+    def _clear(self, state: _SessionState, request: Clear) -> Reply:
+        engine, namespace = self._ready_engine(state)
+        removed = self._require_cache().clear_namespace(namespace.name)
+        keys = [entry.key for entry in removed if entry.committed]
+        logger.info(
+            "%s cleared namespace %s: %d chunks",
+            state.session.describe(),
+            namespace.name,
+            len(keys),
+        )
+        self._publish_to(engine, [AllBlocksCleared()])
+        for other in self._event_engines(namespace):
+            if other is not engine:
+                self._publish_to(other, removed_events(keys, raw_hashes=self._raw_hashes(other)))
+        return Ok(request.request_id, len(keys))
 
     def _announce_stored(self, namespace: Namespace, entries: list[Entry]) -> None:
-        """Chunks that just became visible (the events publisher hooks in here)."""
-        if entries:
-            logger.debug("namespace %s: %d chunks committed", namespace.name, len(entries))
+        """Chunks that just became visible: every engine of the namespace hears of them."""
+        if not entries or self._events is None:
+            return
+        keys = [entry.key for entry in entries]
+        for engine in self._event_engines(namespace):
+            self._publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
 
-    def _announce_removed(self, namespace: Namespace, entries: list[Entry]) -> None:
-        """Chunks evicted to make room (the events publisher hooks in here)."""
-        if entries:
-            logger.debug("evicted %d chunks for namespace %s", len(entries), namespace.name)
+    def _announce_removed(self, entries: list[Entry]) -> None:
+        """Chunks evicted or removed: announced in their own namespace (never-committed
+        entries were never announced, so their removal is not either)."""
+        if self._events is None:
+            return
+        by_namespace: dict[str, list[bytes]] = {}
+        for entry in entries:
+            if entry.committed:
+                by_namespace.setdefault(entry.namespace, []).append(entry.key)
+        for name, keys in by_namespace.items():
+            namespace = self.registry.namespace(name)
+            if namespace is None:
+                continue  # no engine of that namespace is connected: nobody to tell
+            for engine in self._event_engines(namespace):
+                self._publish_to(engine, removed_events(keys, raw_hashes=self._raw_hashes(engine)))
+
+    def _event_engines(self, namespace: Namespace) -> list[Engine]:
+        engines = (self.registry.engine(key) for key in sorted(namespace.engines))
+        return [e for e in engines if e is not None and e.config.enable_kv_cache_events]
+
+    def _raw_hashes(self, engine: Engine) -> bool:
+        first = engine.workers.get(0)
+        return first is not None and first.kv_events_raw_hashes
+
+    def _topic(self, engine: Engine) -> str:
+        first = engine.workers.get(0)
+        if first is not None and first.kv_events_topic:
+            return first.kv_events_topic
+        settings = self.settings.events
+        return topic_for(
+            settings.topic_template,
+            pod=settings.pod_name(),
+            model=engine.config.model.name,
+            engine_id=engine.key[0],
+            dp=engine.key[1],
+        )
+
+    def _publish_to(self, engine: Engine, events: list[KVEvent]) -> None:
+        """Queue ``events`` under the engine's topic and dp index; never blocks."""
+        if self._events is None or not events or not engine.config.enable_kv_cache_events:
+            return
+        topic, dp = self._topic(engine), engine.key[1]
+        for chunk in in_batches(events):
+            self._events.publish(topic, dp, KVEventBatch(time.time(), chunk, dp))
 
     # ----------------------------------------------------------------- stats
 

@@ -55,7 +55,7 @@ class LogLimiter:
         self._last = -float("inf")
         self._suppressed = 0
 
-    def __call__(self, level: int, msg: str, *args: object) -> None:
+    def __call__(self, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
         """Log ``msg % args`` at ``level`` unless one was logged less than interval ago."""
         now = time.monotonic()
         if now - self._last < self._interval:
@@ -66,7 +66,7 @@ class LogLimiter:
             args = (*args, self._suppressed)
         self._last = now
         self._suppressed = 0
-        self._log.log(level, msg, *args)
+        self._log.log(level, msg, *args, exc_info=exc_info)
 
 
 def offset_endpoint_port(endpoint: str, k: int) -> str:
@@ -175,9 +175,10 @@ class EventPublisher:
             if self.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                # ROUTER drops (rather than blocks) above the per-client high-water mark:
-                # leave room for one whole replay per client.
-                replay.setsockopt(zmq.SNDHWM, max(self._hwm, self._buffer_steps + 1))
+                # ROUTER drops (rather than blocks) above the per-client high-water mark,
+                # and zmq only learns what the reader consumed every hwm/2 messages: leave
+                # room for one whole replay (buffer + end marker) per client, twice over.
+                replay.setsockopt(zmq.SNDHWM, max(self._hwm, 2 * (self._buffer_steps + 1)))
                 replay.bind(self.replay_endpoint)
         except BaseException:
             pub.close(linger=0)
@@ -338,12 +339,15 @@ class EventPublisher:
                     [len(frame) for frame in frames[:8]],
                 )
                 continue
-            await self._answer_replay(replay, frames[0], start)
+            try:
+                await self._answer_replay(replay, frames[0], start)
+            except Exception:  # replay is a courtesy: it must never take publishing down
+                self._warn_replay(logging.ERROR, "replay from %d failed", start, exc_info=True)
 
     async def _answer_replay(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
         # Seqs in the buffer are consecutive: index instead of scanning, copy before yielding.
-        first = self._buffer[0][1] if self._buffer else 0
-        items = list(itertools.islice(self._buffer, max(0, start - first), None))
+        skip = max(0, start - self._buffer[0][1]) if self._buffer else 0
+        items = list(itertools.islice(self._buffer, skip, None)) if skip < len(self._buffer) else []
         logger.debug("replay from %d: %d batches", start, len(items))
         try:
             for count, (topic, seq, payload) in enumerate(items, 1):

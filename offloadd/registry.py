@@ -56,6 +56,8 @@ class Session:
     layouts: list[GroupLayout]
     device_uuid: str = ""
     pid: int = 0
+    kv_events_topic: str = ""
+    kv_events_raw_hashes: bool = False
 
     @property
     def rank(self) -> int:
@@ -177,6 +179,10 @@ class Registry:
         """All registered engines."""
         return list(self._engines.values())
 
+    def namespace(self, name: str) -> Namespace | None:
+        """The namespace ``name`` while a ready engine uses it."""
+        return self._namespaces.get(name)
+
     def namespaces(self) -> list[Namespace]:
         """Namespaces of ready engines."""
         return list(self._namespaces.values())
@@ -213,6 +219,8 @@ class Registry:
             layouts=layouts,
             device_uuid=hello.device_uuid,
             pid=hello.pid,
+            kv_events_topic=hello.kv_events_topic,
+            kv_events_raw_hashes=hello.kv_events_raw_hashes,
         )
         self._sessions[session_id] = session
         if hello.role == "worker":

@@ -5,7 +5,7 @@ order and with the same struct options, so a stock vLLM subscriber decodes what 
 publishes and the daemon's subscriber decodes what vLLM publishes:
 
 * ``KVEventBatch`` is a msgpack array ``[ts, events, data_parallel_rank]`` (``array_like``;
-  a ``None`` rank is omitted, publishers always fill it).
+  msgspec ignores ``omit_defaults`` for arrays, so a ``None`` rank is sent as nil).
 * Each event is a msgpack map tagged ``"type"`` with the class name (``"BlockStored"``,
   ``"BlockRemoved"``, ``"AllBlocksCleared"``). Fields that still hold their default are
   omitted; required fields are always present, even when ``None``.
@@ -13,9 +13,9 @@ publishes and the daemon's subscriber decodes what vLLM publishes:
   (vLLM's default) or the raw digest bytes.
 
 ``decode_batch`` also accepts the legacy encoding of vLLM <= 0.23, where each event is a
-tagged array ``["BlockStored", block_hashes, parent, token_ids, ...]`` with trailing
-defaults omitted, and ignores map keys it does not know (fields added by later vLLM
-versions).
+tagged array ``["BlockStored", block_hashes, parent, token_ids, ...]`` (shorter arrays from
+releases with fewer fields too, longer ones from newer releases), and ignores map keys it
+does not know (fields added by later vLLM versions).
 
 Live messages and replay (the socket protocol, implemented in ``offloadd.events`` and
 ``offloadd.subscriber``):

@@ -10,7 +10,7 @@ Conversation of one rank:
     Lookup -> LookupResult
     Store / Load -> JobAccepted, later JobDone(job_id)
     Wait -> WaitResult (when the jobs are done or the timeout passes)
-    Release / Bye -> Ok
+    Release / Clear / Bye -> Ok
     GetStats -> StatsResult
 Any request may instead be answered by Error(code, message, request_id).
 """
@@ -42,6 +42,11 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     device_uuid: str = ""
     pid: int = 0
     client_name: str = ""
+    # KV events for this engine (used when config.enable_kv_cache_events): the topic to
+    # publish under ("" = the daemon's template) and raw hash bytes instead of vLLM's
+    # default low-64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+    kv_events_topic: str = ""
+    kv_events_raw_hashes: bool = False
 
 
 class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
@@ -100,13 +105,22 @@ class GetStats(msgspec.Struct, frozen=True, tag="stats"):
     request_id: int
 
 
+class Clear(msgspec.Struct, frozen=True, tag="clear"):
+    """Drop every cached chunk of this engine's namespace (a scheduler's cache reset).
+
+    Engines sharing the namespace lose those chunks too; the daemon announces it to them.
+    """
+
+    request_id: int
+
+
 class Bye(msgspec.Struct, frozen=True, tag="bye"):
     """End this session now instead of waiting to be reaped."""
 
     request_id: int
 
 
-Request = Hello | Lookup | Store | Load | Release | Wait | GetStats | Bye
+Request = Hello | Lookup | Store | Load | Release | Wait | GetStats | Clear | Bye
 
 
 class EngineState(msgspec.Struct, frozen=True):

@@ -17,7 +17,7 @@ import torch
 
 from offloadd.client import OffloadClient
 from offloadd.daemon import Daemon
-from offloadd.settings import CacheSettings, ServerSettings, Settings
+from offloadd.settings import CacheSettings, EventSettings, ServerSettings, Settings
 from offloadd.shm import SharedKVTensor
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from protocol.config import (
@@ -39,7 +39,14 @@ class DaemonThread:
         self.settings = Settings(
             server=ServerSettings(endpoint=self.endpoint, drain_seconds=5.0),
             cache=CacheSettings(arena=self.arena_path, capacity=capacity),
+            events=EventSettings(
+                endpoint=f"ipc://{self.workdir}/ev.sock",
+                replay_endpoint=f"ipc://{self.workdir}/replay.sock",
+                pod="test-pod",
+            ),
         )
+        self.events_endpoint = self.settings.events.endpoint
+        self.replay_endpoint = self.settings.events.replay_endpoint
         self.copy_engine = copy_engine
         self.daemon: Daemon | None = None
         self._started = threading.Event()
@@ -62,7 +69,7 @@ class DaemonThread:
             self._stop = asyncio.Event()
             try:
                 daemon = Daemon(self.settings, copy_engine=self.copy_engine)
-                daemon.start()
+                await daemon.start()
             except BaseException as exc:
                 self._error = exc
                 self._started.set()

@@ -21,6 +21,7 @@ from protocol.config import (
 from protocol.handles import CudaIpcHandle, KVRegion, ShmHandle
 from protocol.messages import (
     Bye,
+    Clear,
     DaemonStats,
     EngineReady,
     EngineState,
@@ -130,6 +131,8 @@ requests: st.SearchStrategy[Request] = st.one_of(
         device_uuid=names,
         pid=wire_ints,
         client_name=names,
+        kv_events_topic=names,
+        kv_events_raw_hashes=st.booleans(),
     ),
     st.builds(
         Lookup, request_id=wire_ints, keys=keys, pin=st.booleans(), lease_seconds=finite_floats
@@ -149,6 +152,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
     ),
     st.builds(GetStats, request_id=wire_ints),
     st.builds(Bye, request_id=wire_ints),
+    st.builds(Clear, request_id=wire_ints),
 )
 
 engine_states = st.builds(
@@ -315,6 +319,7 @@ REQUEST_TAGS: dict[type, str] = {
     Release: "release",
     Wait: "wait",
     GetStats: "stats",
+    Clear: "clear",
     Bye: "bye",
 }
 REPLY_TAGS: dict[type, str] = {
