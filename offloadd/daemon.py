@@ -39,6 +39,7 @@ from offloadd.registry import (
     group_of_key,
 )
 from offloadd.settings import Settings
+from offloadd.systemd import Notifier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable, Import
 from offloadd.transfer.plan import block_id_problem, plan_chunk
@@ -129,8 +130,15 @@ class _Counters:
 class Daemon:
     """One offloadd instance. Use ``async with Daemon(settings) as d: await d.serve(stop)``."""
 
-    def __init__(self, settings: Settings, *, copy_engine: CopyEngine | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        copy_engine: CopyEngine | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
         self.settings = settings
+        self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
         self._copy = copy_engine
         self._claim: EndpointClaim | None = None
@@ -162,7 +170,10 @@ class Daemon:
         settings = self.settings
         self._claim = EndpointClaim(self.endpoint)
         try:
-            self._arena = Arena(settings.arena_path(), settings.cache.capacity)
+            self._notify.status("preparing the arena")
+            self._arena = Arena(
+                settings.arena_path(), settings.cache.capacity, progress=self._prefault_progress
+            )
             self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
             self._handles = HandleTable(settings.server.shm_dirs, forbidden=[self._arena.path])
             if self._copy is None:
@@ -183,6 +194,7 @@ class Daemon:
             await self._close_events()
             self._release_resources()
             raise
+        self._notify.ready(f"serving on {self.endpoint}; no engines yet")
         logger.info(
             "offloadd serving on %s (arena %s, %d MiB, %s eviction, %s copies)",
             self.endpoint,
@@ -196,18 +208,42 @@ class Daemon:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
         receiver = asyncio.create_task(self._receive_loop())
         stopper = asyncio.create_task(shutdown.wait())
+        background = [receiver, stopper]
+        if self._notify.watchdog_seconds:
+            background.append(asyncio.create_task(self._watchdog(self._notify.watchdog_seconds)))
         try:
             done, _ = await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if receiver in done:
                 receiver.result()  # a crash of the receive loop is a bug: surface it
             self._draining = True
+            self._notify.stopping(f"draining {self._jobs_in_flight} jobs")
+            logger.info("stopping: no new jobs, draining copies in flight")
             await self._drain()
         finally:
-            for task in (receiver, stopper):
+            for task in background:
                 task.cancel()
-            for task in (receiver, stopper):
+            for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def _watchdog(self, interval: float) -> None:
+        # Pinged from the event loop itself, so a wedged loop stops the pings and systemd
+        # restarts the daemon.
+        while True:
+            self._notify.watchdog()
+            await asyncio.sleep(interval / 2)
+
+    def _prefault_progress(self, fraction: float) -> None:
+        self._notify.status(f"pre-faulting the arena: {fraction:.0%}")
+        self._notify.extend_timeout(30)
+
+    def _report_status(self) -> None:
+        engines = self.registry.engines()
+        ready = sum(engine.ready for engine in engines)
+        self._notify.status(
+            f"serving on {self.endpoint}; {len(engines)} engines ({ready} ready), "
+            f"{len(self._states)} sessions"
+        )
 
     async def _drain(self) -> None:
         if self._jobs_in_flight == 0:
@@ -248,6 +284,7 @@ class Daemon:
         if self._claim is not None:
             self._claim.release()
             self._claim = None
+        self._notify.close()
 
     # ----------------------------------------------------------------- socket
 
@@ -377,6 +414,7 @@ class Daemon:
         )
         if outcome.became_ready:
             self._engine_became_ready(engine)
+        self._report_status()
         return None
 
     def _open_regions(self, hello: Hello) -> list[Import]:
@@ -418,6 +456,7 @@ class Daemon:
     def _end_session(self, state: _SessionState, reason: str) -> None:
         outcome = self.registry.remove(state.session.session_id)
         self._drop_state(state, reason)
+        self._report_status()
         if outcome is not None and outcome.was_ready and not outcome.engine_dropped:
             logger.info(
                 "engine %s dp %d waiting for ranks %s",

@@ -137,12 +137,13 @@ def make_config(
     bytes_per_block: int = 0,
     tokens_per_hash: int = TOKENS_PER_BLOCK,
     extra: dict[str, object] | None = None,
+    events: bool = False,
 ) -> OffloadingConfig:
     """A one-group config shaped like build_offloading_config's output."""
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=LAYERS),),
         worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=events,
         extra_config=dict(extra or {}),
         engine_id=engine_id,
         model=OffloadingModelConfig(name=model, dtype=dtype),
