@@ -36,6 +36,7 @@ from protocol.config import OffloadingConfig
 from protocol.handles import KVRegion
 from protocol.messages import (
     Bye,
+    Clear,
     DaemonStats,
     EngineReady,
     EngineState,
@@ -262,6 +263,10 @@ class OffloadClient:
         reply = self._request(Release(self._core.next_id(), list(keys)))
         return self._core.expect(reply, Ok).count
 
+    def clear(self) -> int:
+        """Drop every chunk of this engine's namespace (a cache reset); returns how many."""
+        return self._core.expect(self._request(Clear(self._core.next_id())), Ok).count
+
     def stats(self) -> DaemonStats:
         """The daemon's counters (works without Hello)."""
         return self._core.expect(self._request(GetStats(self._core.next_id())), StatsResult).stats
@@ -402,6 +407,10 @@ class AsyncOffloadClient:
         """Drop this session's pins on ``keys``."""
         reply = await self._request(Release(self._core.next_id(), list(keys)))
         return self._core.expect(reply, Ok).count
+
+    async def clear(self) -> int:
+        """Drop every chunk of this engine's namespace (a cache reset); returns how many."""
+        return self._core.expect(await self._request(Clear(self._core.next_id())), Ok).count
 
     async def stats(self) -> DaemonStats:
         """The daemon's counters (works without Hello)."""

@@ -1,0 +1,206 @@
+"""KV events from a real daemon: attribution, eviction, snapshot on join, clear."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from offloadd.subscriber import Received, Subscriber
+from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_for_wire
+from tests.integration.harness import DaemonThread, Rank, chain_keys, chunk_block_ids, make_rank
+
+BPC = 2
+
+
+class Stream:
+    """Everything a subscriber has received so far, with waiting helpers."""
+
+    def __init__(self, subscriber: Subscriber) -> None:
+        self.subscriber = subscriber
+        self.batches: list[Received] = []
+
+    async def pump(self) -> None:
+        async for received in self.subscriber:
+            self.batches.append(received)
+
+    def events(self, topic: str, kind: type) -> list:  # type: ignore[type-arg]
+        return [
+            event
+            for received in self.batches
+            if received.topic == topic
+            for event in received.batch.events
+            if isinstance(event, kind)
+        ]
+
+    async def until(self, condition: object, timeout: float = 10.0) -> None:
+        assert callable(condition)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, "events did not arrive"
+            await asyncio.sleep(0.01)
+
+
+@pytest_asyncio.fixture
+async def stream(daemon: DaemonThread) -> AsyncIterator[Stream]:
+    subscriber = Subscriber(daemon.events_endpoint, daemon.replay_endpoint)
+    subscriber.connect()
+    collected = Stream(subscriber)
+    task = asyncio.create_task(collected.pump())
+    yield collected
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    subscriber.close()
+
+
+def _engine(endpoint: str, ranks: list[Rank], engine_id: str, dp: int, **kw: object) -> list[Rank]:
+    engine = [
+        make_rank(endpoint, rank=r, tp=2, engine_id=engine_id, dp=dp, events=True, **kw)
+        for r in range(2)
+    ]
+    ranks.extend(engine)
+    for seed, rank in enumerate(engine):
+        rank.fill(seed)
+    for rank in engine:
+        assert rank.client is not None
+        rank.client.wait_ready(5)
+    return engine
+
+
+def _store(engine: list[Rank], keys: list[bytes], chunks: list[int], job: int) -> None:
+    for rank in engine:
+        assert rank.client is not None
+        rank.client.store(job, [keys[i] for i in chunks], chunk_block_ids(chunks, BPC))
+    for rank in engine:
+        assert rank.client is not None
+        rank.client.wait([job], 10)
+
+
+def _hashes(keys: list[bytes]) -> list[int | bytes]:
+    return [hash_for_wire(key[:-4]) for key in keys]
+
+
+TOPIC_A = "kv@test-pod@test/model"
+
+
+@pytest.mark.asyncio
+async def test_commit_announced_to_every_engine_of_the_namespace(
+    daemon_factory: object, ranks: list[Rank]
+) -> None:
+    chunk = BPC * 4096 * 3
+    daemon = daemon_factory(capacity=4 * chunk * 2)  # type: ignore[operator]
+    subscriber = Subscriber(daemon.events_endpoint, daemon.replay_endpoint)
+    subscriber.connect()
+    stream = Stream(subscriber)
+    task = asyncio.create_task(stream.pump())
+    try:
+        a = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-a", 0)
+        b = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-b", 1)
+        keys = chain_keys(6)
+        await asyncio.to_thread(_store, a, keys, [0, 1], 1)
+
+        def stored(dp: int) -> list[BlockStored]:
+            return [
+                e
+                for r in stream.batches
+                if r.batch.data_parallel_rank == dp
+                for e in r.batch.events
+                if isinstance(e, BlockStored)
+            ]
+
+        await stream.until(lambda: len(stored(0)) == 2 and len(stored(1)) == 2)
+        for dp in (0, 1):
+            assert [e.block_hashes[0] for e in stored(dp)] == _hashes(keys[:2])
+            assert all(e.medium == "CPU" and e.group_idx == 0 for e in stored(dp))
+            assert all(e.token_ids == [] and e.block_size == 0 for e in stored(dp))
+        assert {r.topic for r in stream.batches} == {TOPIC_A}
+        assert b  # engine b is a separate engine in the same namespace
+
+        # The arena holds 4 chunks: storing 4 more evicts exactly the first two... and the
+        # removal names exactly the evicted hashes, under both engines.
+        await asyncio.to_thread(_store, a, keys, [2, 3], 2)
+        await asyncio.to_thread(_store, a, keys, [4, 5], 3)
+
+        def removed(dp: int) -> list[int | bytes]:
+            return [
+                h
+                for r in stream.batches
+                if r.batch.data_parallel_rank == dp
+                for e in r.batch.events
+                if isinstance(e, BlockRemoved)
+                for h in e.block_hashes
+            ]
+
+        await stream.until(lambda: len(removed(0)) == 2 and len(removed(1)) == 2)
+        assert removed(0) == removed(1) == _hashes(keys[:2])
+        seqs = [r.seq for r in stream.batches]
+        assert seqs == list(range(len(seqs)))  # one stream, every batch once, in order
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        subscriber.close()
+
+
+@pytest.mark.asyncio
+async def test_joining_engine_gets_snapshot_and_clear_is_announced(
+    daemon: DaemonThread, ranks: list[Rank], stream: Stream
+) -> None:
+    a = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-a", 0)
+    keys = chain_keys(5)
+    await asyncio.to_thread(_store, a, keys, list(range(5)), 1)
+    await stream.until(lambda: len(stream.events(TOPIC_A, BlockStored)) == 5)
+
+    # An engine of the same model joins later: its dp index gets the five chunks at once.
+    await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-b", 3)
+
+    def snapshot() -> list[int | bytes]:
+        return [
+            e.block_hashes[0]
+            for r in stream.batches
+            if r.batch.data_parallel_rank == 3
+            for e in r.batch.events
+            if isinstance(e, BlockStored)
+        ]
+
+    await stream.until(lambda: len(snapshot()) == 5)
+    assert snapshot() == _hashes(keys)
+
+    # Engine a's scheduler clears: a hears AllBlocksCleared, b the exact removals.
+    assert a[0].client is not None
+    assert await asyncio.to_thread(a[0].client.clear) == 5
+
+    def cleared(dp: int, kind: type) -> list:  # type: ignore[type-arg]
+        return [
+            e
+            for r in stream.batches
+            if r.batch.data_parallel_rank == dp
+            for e in r.batch.events
+            if isinstance(e, kind)
+        ]
+
+    await stream.until(lambda: cleared(0, AllBlocksCleared) and cleared(3, BlockRemoved))
+    assert [h for e in cleared(3, BlockRemoved) for h in e.block_hashes] == _hashes(keys)
+    assert not cleared(3, AllBlocksCleared)
+    assert a[0].client is not None
+    assert a[0].client.lookup(keys).hits == 0
+
+
+@pytest.mark.asyncio
+async def test_engines_without_events_publish_nothing(
+    daemon: DaemonThread, ranks: list[Rank], stream: Stream
+) -> None:
+    engine = [make_rank(daemon.endpoint, rank=r, tp=2) for r in range(2)]
+    ranks.extend(engine)
+    for rank in engine:
+        assert rank.client is not None
+        await asyncio.to_thread(rank.client.wait_ready, 5)
+    await asyncio.to_thread(_store, engine, chain_keys(2), [0, 1], 1)
+    # A later engine with events on joins: it sees the snapshot, proving the stream works,
+    # and nothing was published for the first engine.
+    await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-e", 2)
+    await stream.until(lambda: len(stream.batches) >= 1)
+    assert all(r.batch.data_parallel_rank == 2 for r in stream.batches)
