@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import zmq.asyncio
 from offloadd.errors import DaemonUnavailable, JobError, OffloaddError, error_from_reply
 from protocol import PROTOCOL_VERSION
 from protocol.config import OffloadingConfig
+from protocol.errors import ErrorCode
 from protocol.handles import KVRegion
 from protocol.messages import (
     Bye,
@@ -49,20 +51,20 @@ from protocol.messages import (
     Lookup,
     LookupResult,
     Ok,
+    Ping,
     Release,
     Reply,
     Request,
     Role,
     StatsResult,
     Store,
-    Wait,
-    WaitResult,
     Welcome,
     decode_reply,
     encode,
 )
 
 DEFAULT_TIMEOUT = 10.0
+DEFAULT_HEARTBEAT = 5.0
 _REMEMBERED_JOBS = 65536
 
 R = TypeVar("R")
@@ -77,8 +79,12 @@ class _ClientCore:
         self.welcome: Welcome | None = None
         self.engine: EngineState | None = None
         self.finished: OrderedDict[int, JobDone] = OrderedDict()
+        self.submitted: set[int] = set()  # accepted jobs whose JobDone has not arrived
+        self._hello: Hello | None = None
+        self.last_request = time.monotonic()
 
     def next_id(self) -> int:
+        self.last_request = time.monotonic()
         return next(self._ids)
 
     def hello(
@@ -88,8 +94,11 @@ class _ClientCore:
         role: Role,
         device_uuid: str,
         name: str,
+        events_topic: str = "",
+        raw_hashes: bool = False,
     ) -> Hello:
-        return Hello(
+        """The Hello to send; remembered so that a lost session can say it again."""
+        self._hello = Hello(
             request_id=self.next_id(),
             protocol_version=PROTOCOL_VERSION,
             role=role,
@@ -98,7 +107,44 @@ class _ClientCore:
             device_uuid=device_uuid,
             pid=os.getpid(),
             client_name=name,
+            kv_events_topic=events_topic,
+            kv_events_raw_hashes=raw_hashes,
+            pid_namespace=_pid_namespace(),
         )
+        return self._hello
+
+    def hello_again(self, reply: Reply) -> Hello | None:
+        """The Hello to resend when ``reply`` says the daemon no longer knows this session.
+
+        That happens after a daemon restart or a reap. Jobs accepted by the lost session
+        will never complete: they are recorded as failed so that ``wait`` returns at once.
+        """
+        if not (isinstance(reply, Error) and reply.code == ErrorCode.NOT_REGISTERED):
+            return None
+        return self.lost_session()
+
+    def lost_session(self) -> Hello | None:
+        """Record the session's unfinished jobs as failed; the Hello that starts a new one."""
+        if self._hello is None:
+            return None
+        for job_id in sorted(self.submitted):
+            self.record(
+                JobDone(job_id, False, [], 0, 0.0, "session lost (daemon restarted or reaped)")
+            )
+        self._hello = msgspec.structs.replace(self._hello, request_id=self.next_id())
+        return self._hello
+
+    def accepted(self, job_id: int) -> None:
+        self.submitted.add(job_id)
+
+    def record(self, done: JobDone) -> None:
+        self.submitted.discard(done.job_id)
+        self.finished[done.job_id] = done
+        while len(self.finished) > _REMEMBERED_JOBS:
+            self.finished.popitem(last=False)
+
+    def ping(self, session: str = "") -> Ping:
+        return Ping(self.next_id(), session)
 
     def decode(self, frame: bytes) -> Reply | None:
         """Decode a frame; record unasked messages; None for garbage (ignored)."""
@@ -108,9 +154,7 @@ class _ClientCore:
             return None
         match reply:
             case JobDone():
-                self.finished[reply.job_id] = reply
-                while len(self.finished) > _REMEMBERED_JOBS:
-                    self.finished.popitem(last=False)
+                self.record(reply)
             case EngineReady():
                 self.engine = reply.engine
             case Welcome():
@@ -159,20 +203,46 @@ class _ClientCore:
 def _configure_dealer(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, identity: bytes) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, identity)
+    # Never queue a request while the daemon is away: delivered late (after a restart) a
+    # Store would copy GPU blocks the rank has reused since. Sends wait for a live pipe.
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # back off up to 5 s while it is down
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class OffloadClient:
-    """Blocking client; not thread-safe (one per rank thread)."""
+    """Blocking client; not thread-safe (one per rank thread).
 
-    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    A small background thread sends heartbeats on its own socket while the client is
+    connected, so an idle rank is not reaped. If the daemon restarts, the next request
+    says Hello again by itself (jobs of the lost session are reported failed).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        heartbeat: float = DEFAULT_HEARTBEAT,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.heartbeat = heartbeat
         self._core = _ClientCore()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         _configure_dealer(self._sock, self._core.identity)
         self._sock.connect(endpoint)
         self._closed = False
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
 
     @classmethod
     def connect(
@@ -184,16 +254,22 @@ class OffloadClient:
         role: Role = "worker",
         device_uuid: str = "",
         name: str = "",
+        events_topic: str = "",
+        raw_hashes: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
+        heartbeat: float = DEFAULT_HEARTBEAT,
     ) -> OffloadClient:
         """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable."""
-        client = cls(endpoint, timeout=timeout)
+        client = cls(endpoint, timeout=timeout, heartbeat=heartbeat)
         try:
-            hello = client._core.hello(config, regions, role, device_uuid, name)
-            client._core.expect(client._request(hello), Welcome)
+            hello = client._core.hello(
+                config, regions, role, device_uuid, name, events_topic, raw_hashes
+            )
+            client._core.expect(client._exchange(hello, timeout), Welcome)
         except BaseException:
             client.close(goodbye=False)
             raise
+        client._start_heartbeat()
         return client
 
     def __enter__(self) -> OffloadClient:
@@ -232,30 +308,37 @@ class OffloadClient:
 
     def store(self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Start storing this rank's shard of ``keys`` from ``block_ids``."""
-        request = Store(self._core.next_id(), job_id, list(keys), list(block_ids))
-        self._core.finished.pop(job_id, None)  # a reused id must not see the old result
-        self._core.expect(self._request(request), JobAccepted)
+        self._submit(Store(self._core.next_id(), job_id, list(keys), list(block_ids)))
 
     def load(
         self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int], *, skip: int = 0
     ) -> None:
         """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0)."""
-        request = Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip)
-        self._core.finished.pop(job_id, None)
+        self._submit(Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip))
+
+    def _submit(self, request: Store | Load) -> None:
+        self._core.finished.pop(request.job_id, None)  # a reused id must not see the old result
         self._core.expect(self._request(request), JobAccepted)
+        self._core.accepted(request.job_id)
 
     def wait(
-        self, job_ids: Sequence[int], timeout: float | None = None, *, raise_on_failure: bool = True
+        self,
+        job_ids: Sequence[int],
+        timeout: float | None = None,
+        *,
+        raise_on_failure: bool = True,
     ) -> list[JobDone]:
         """Block until the jobs are done; JobError if one failed or time ran out."""
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         done, missing = self._core.take_finished(job_ids)
-        if missing:
-            request = Wait(self._core.next_id(), missing, timeout)
-            result = self._core.expect(self._request(request, timeout + self.timeout), WaitResult)
-            done += result.done
-            self._core.check_jobs(done, result.pending, raise_on_failure)
-        self._core.check_jobs(done, [], raise_on_failure)
+        while missing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._read_one(remaining)
+            done, missing = self._core.take_finished(job_ids)
+        self._core.check_jobs(done, missing, raise_on_failure)
         return done
 
     def release(self, keys: Sequence[bytes]) -> int:
@@ -272,27 +355,46 @@ class OffloadClient:
         return self._core.expect(self._request(GetStats(self._core.next_id())), StatsResult).stats
 
     def close(self, *, goodbye: bool = True) -> None:
-        """Say goodbye (best effort) and close the socket. Idempotent."""
+        """Say goodbye (best effort) and close the sockets. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        self._stop_heartbeat.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join()
         if goodbye and self._core.welcome is not None:
             with contextlib.suppress(OffloaddError):
-                self._request(Bye(self._core.next_id()), min(self.timeout, 1.0))
+                self._exchange(Bye(self._core.next_id()), min(self.timeout, 1.0))
+        self._closed = True
         self._sock.close(linger=0)
         self._ctx.term()
 
     def _request(self, request: Request, timeout: float | None = None) -> Reply:
+        """Send and wait for the reply; says Hello again once if the session was lost."""
+        reply = self._exchange(request, timeout)
+        hello = self._core.hello_again(reply)
+        if hello is not None:
+            self._core.expect(self._exchange(hello, timeout), Welcome)
+            reply = self._exchange(request, timeout)
+        return reply
+
+    def _exchange(self, request: Request, timeout: float | None = None) -> Reply:
         if self._closed:
             raise OffloaddError("client is closed")
-        self._sock.send(encode(request))
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        frame = encode(request)
+        while True:
+            try:
+                self._sock.send(frame, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(int(remaining * 1000), zmq.POLLOUT):
+                    raise DaemonUnavailable(f"cannot reach {self.endpoint}") from None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise DaemonUnavailable(
-                    f"no answer from {self.endpoint} within {timeout or self.timeout:.1f}s"
-                )
+                raise DaemonUnavailable(f"no answer from {self.endpoint} within {timeout:.1f}s")
             reply = self._read_one(remaining)
             if reply is not None and getattr(reply, "request_id", None) == request.request_id:
                 return reply
@@ -302,13 +404,48 @@ class OffloadClient:
             return None
         return self._core.decode(self._sock.recv())
 
+    def _start_heartbeat(self) -> None:
+        if self.heartbeat <= 0:
+            return
+        session = self._core.identity.hex()
+        thread = threading.Thread(
+            target=self._heartbeat_loop, args=(session,), name="offloadd-heartbeat", daemon=True
+        )
+        self._heartbeat_thread = thread
+        thread.start()
+
+    def _heartbeat_loop(self, session: str) -> None:
+        # Its own socket: zmq sockets must not be shared between threads.
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        _configure_dealer(sock, uuid.uuid4().bytes)
+        sock.connect(self.endpoint)
+        try:
+            while not self._stop_heartbeat.wait(self.heartbeat):
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(encode(Ping(0, session)), zmq.NOBLOCK)
+                while sock.poll(0):  # replies only matter to the daemon's bookkeeping
+                    sock.recv()
+        finally:
+            sock.close(linger=0)
+
 
 class AsyncOffloadClient:
-    """asyncio client with the same methods as ``OffloadClient`` (awaitable)."""
+    """asyncio client with the same methods as ``OffloadClient`` (awaitable).
 
-    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    A reader task routes replies to their requests; a heartbeat task pings while idle. If
+    the daemon restarts, the next request says Hello again by itself.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        heartbeat: float = DEFAULT_HEARTBEAT,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.heartbeat = heartbeat
         self._core = _ClientCore()
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket = self._ctx.socket(zmq.DEALER)
@@ -317,6 +454,7 @@ class AsyncOffloadClient:
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._changed = asyncio.Event()
         self._reader = asyncio.create_task(self._read_loop())
+        self._heartbeat: asyncio.Task[None] | None = None
         self._closed = False
 
     @classmethod
@@ -329,16 +467,23 @@ class AsyncOffloadClient:
         role: Role = "worker",
         device_uuid: str = "",
         name: str = "",
+        events_topic: str = "",
+        raw_hashes: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
+        heartbeat: float = DEFAULT_HEARTBEAT,
     ) -> AsyncOffloadClient:
         """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable."""
-        client = cls(endpoint, timeout=timeout)
+        client = cls(endpoint, timeout=timeout, heartbeat=heartbeat)
         try:
-            hello = client._core.hello(config, regions, role, device_uuid, name)
-            client._core.expect(await client._request(hello), Welcome)
+            hello = client._core.hello(
+                config, regions, role, device_uuid, name, events_topic, raw_hashes
+            )
+            client._core.expect(await client._exchange(hello), Welcome)
         except BaseException:
             await client.close(goodbye=False)
             raise
+        if heartbeat > 0:
+            client._heartbeat = asyncio.create_task(client._heartbeat_loop())
         return client
 
     async def __aenter__(self) -> AsyncOffloadClient:
@@ -377,20 +522,25 @@ class AsyncOffloadClient:
 
     async def store(self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Start storing this rank's shard of ``keys`` from ``block_ids``."""
-        request = Store(self._core.next_id(), job_id, list(keys), list(block_ids))
-        self._core.finished.pop(job_id, None)  # a reused id must not see the old result
-        self._core.expect(await self._request(request), JobAccepted)
+        await self._submit(Store(self._core.next_id(), job_id, list(keys), list(block_ids)))
 
     async def load(
         self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int], *, skip: int = 0
     ) -> None:
         """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0)."""
-        request = Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip)
-        self._core.finished.pop(job_id, None)
+        await self._submit(Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip))
+
+    async def _submit(self, request: Store | Load) -> None:
+        self._core.finished.pop(request.job_id, None)  # a reused id must not see the old result
         self._core.expect(await self._request(request), JobAccepted)
+        self._core.accepted(request.job_id)
 
     async def wait(
-        self, job_ids: Sequence[int], timeout: float | None = None, *, raise_on_failure: bool = True
+        self,
+        job_ids: Sequence[int],
+        timeout: float | None = None,
+        *,
+        raise_on_failure: bool = True,
     ) -> list[JobDone]:
         """Wait until the jobs are done; JobError if one failed or time ran out."""
         timeout = self.timeout if timeout is None else timeout
@@ -418,16 +568,20 @@ class AsyncOffloadClient:
         return self._core.expect(reply, StatsResult).stats
 
     async def close(self, *, goodbye: bool = True) -> None:
-        """Say goodbye (best effort), stop the reader, close the socket. Idempotent."""
+        """Say goodbye (best effort), stop the tasks, close the socket. Idempotent."""
         if self._closed:
             return
+        tasks = [t for t in (self._heartbeat, self._reader) if t is not None]
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if goodbye and self._core.welcome is not None:
             with contextlib.suppress(OffloaddError):
-                await self._request(Bye(self._core.next_id()), min(self.timeout, 1.0))
+                await self._exchange(Bye(self._core.next_id()), min(self.timeout, 1.0))
         self._closed = True
         self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -437,19 +591,46 @@ class AsyncOffloadClient:
             await self._changed.wait()
 
     async def _request(self, request: Request, timeout: float | None = None) -> Reply:
+        """Send and wait for the reply; says Hello again once if the session was lost."""
+        reply = await self._exchange(request, timeout)
+        hello = self._core.hello_again(reply)
+        if hello is not None:
+            self._core.expect(await self._exchange(hello, timeout), Welcome)
+            self._changed.set()  # jobs of the lost session were just marked failed
+            reply = await self._exchange(request, timeout)
+        return reply
+
+    async def _exchange(self, request: Request, timeout: float | None = None) -> Reply:
         if self._closed:
             raise OffloaddError("client is closed")
+        timeout = self.timeout if timeout is None else timeout
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
         try:
-            await self._sock.send(encode(request))
-            return await asyncio.wait_for(future, self.timeout if timeout is None else timeout)
+            async with asyncio.timeout(timeout):
+                await self._sock.send(encode(request))
+                return await future
         except TimeoutError:
             raise DaemonUnavailable(
-                f"no answer from {self.endpoint} within {timeout or self.timeout:.1f}s"
+                f"no answer from {self.endpoint} within {timeout:.1f}s"
             ) from None
         finally:
             self._pending.pop(request.request_id, None)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            if time.monotonic() - self._core.last_request < self.heartbeat:
+                continue  # recent traffic already proves the session alive
+            with contextlib.suppress(OffloaddError):
+                reply = await self._exchange(self._core.ping(), self.heartbeat)
+                unknown = isinstance(reply, Ok) and reply.count == 0
+                hello = self._core.lost_session() if unknown else None
+                if hello is not None:
+                    # The daemon does not know us (it restarted): say Hello again now, so
+                    # the engine is whole again before the next request.
+                    self._core.expect(await self._exchange(hello), Welcome)
+                    self._changed.set()
 
     async def _read_loop(self) -> None:
         while True:

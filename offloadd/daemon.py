@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections import OrderedDict
@@ -60,6 +61,7 @@ from protocol.messages import (
     Lookup,
     LookupResult,
     Ok,
+    Ping,
     Release,
     Reply,
     Request,
@@ -117,6 +119,8 @@ class _SessionState:
     done: OrderedDict[int, JobDone] = field(default_factory=OrderedDict)
     waiters: list[_Waiter] = field(default_factory=list)
     alive: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    pidfd: int | None = None  # watched with the loop: readable once the process exited
 
 
 @dataclass
@@ -208,7 +212,7 @@ class Daemon:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
         receiver = asyncio.create_task(self._receive_loop())
         stopper = asyncio.create_task(shutdown.wait())
-        background = [receiver, stopper]
+        background = [receiver, stopper, asyncio.create_task(self._reap_silent_sessions())]
         if self._notify.watchdog_seconds:
             background.append(asyncio.create_task(self._watchdog(self._notify.watchdog_seconds)))
         try:
@@ -354,8 +358,14 @@ class Daemon:
         if isinstance(request, GetStats):
             return StatsResult(request.request_id, self.stats())
         state = self._states.get(identity.hex())
+        if isinstance(request, Ping):
+            vouched = self._states.get(request.session) if request.session else state
+            if vouched is not None:
+                vouched.last_seen = time.monotonic()
+            return Ok(request.request_id, int(vouched is not None))
         if state is None:
             raise _Refused(ErrorCode.NOT_REGISTERED, "say Hello first")
+        state.last_seen = time.monotonic()
         match request:
             case Lookup():
                 return self._lookup(state, request)
@@ -400,6 +410,7 @@ class Daemon:
                 self._drop_state(old_state, "replaced by a new Hello")
         state = _SessionState(identity, outcome.session, imports)
         self._states[session_id] = state
+        self._watch_process(state, hello)
         engine = outcome.engine
         logger.info(
             "%s connected (pid %d, %d regions); engine %s",
@@ -416,6 +427,37 @@ class Daemon:
             self._engine_became_ready(engine)
         self._report_status()
         return None
+
+    def _watch_process(self, state: _SessionState, hello: Hello) -> None:
+        """Reap the session the moment its process exits, when its pid is ours to watch."""
+        if hello.pid <= 0 or hello.pid_namespace != _own_pid_namespace():
+            return
+        try:
+            pidfd = os.pidfd_open(hello.pid)
+        except OSError:
+            return  # already gone or not visible: the heartbeat timeout covers it
+        state.pidfd = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._process_exited, state)
+
+    def _process_exited(self, state: _SessionState) -> None:
+        if state.alive:
+            self._end_session(state, "its process exited")
+
+    def _unwatch_process(self, state: _SessionState) -> None:
+        if state.pidfd is not None:
+            asyncio.get_running_loop().remove_reader(state.pidfd)
+            os.close(state.pidfd)
+            state.pidfd = None
+
+    async def _reap_silent_sessions(self) -> None:
+        """End sessions that neither a pidfd watches nor a heartbeat keeps alive."""
+        timeout = self.settings.server.session_timeout
+        while True:
+            await asyncio.sleep(max(0.05, timeout / 4))
+            deadline = time.monotonic() - timeout
+            for state in list(self._states.values()):
+                if state.pidfd is None and state.last_seen < deadline and state.alive:
+                    self._end_session(state, f"silent for {timeout:.0f}s")
 
     def _open_regions(self, hello: Hello) -> list[Import]:
         handles = self._require_handles()
@@ -470,6 +512,7 @@ class Daemon:
         if not state.alive:
             return
         state.alive = False
+        self._unwatch_process(state)
         if self._states.get(state.session.session_id) is state:
             del self._states[state.session.session_id]
         cache = self._require_cache()
@@ -861,6 +904,13 @@ async def serve(settings: Settings, *, shutdown: asyncio.Event | None = None) ->
     async with Daemon(settings) as daemon:
         await daemon.serve(stop)
     logger.info("offloadd stopped")
+
+
+def _own_pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return -1
 
 
 def run(settings: Settings) -> None:

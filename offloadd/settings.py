@@ -23,6 +23,9 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     shm_dirs: tuple[str, ...] = ("/dev/shm",)
     drain_seconds: float = 10.0
     recent_jobs: int = 4096  # finished jobs remembered per session for Wait
+    # A session whose process the daemon cannot watch (pidfd) is reaped after this long
+    # without any message; clients send heartbeats well within it.
+    session_timeout: float = 30.0
 
 
 class CacheSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

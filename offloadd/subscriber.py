@@ -94,7 +94,7 @@ class Subscriber:
         self.undecodable = 0
         self._rcvhwm = rcvhwm
         self._own_ctx = ctx is None
-        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
+        self._ctx = ctx
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._pending: deque[Received] = deque()
@@ -127,6 +127,8 @@ class Subscriber:
             raise RuntimeError("subscriber is closed")
         if self._sub is not None:
             return
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
@@ -149,7 +151,7 @@ class Subscriber:
             if sock is not None:
                 sock.close(linger=0)
         self._sub = self._dealer = None
-        if self._own_ctx:
+        if self._own_ctx and self._ctx is not None:
             self._ctx.term()
 
     def __aiter__(self) -> Subscriber:
@@ -161,9 +163,9 @@ class Subscriber:
                 if self._closed:
                     raise StopAsyncIteration
                 if not self._started:
-                    self._started = True
                     if self.replay_endpoint:
-                        await self._initial_replay()
+                        await self._initial_replay()  # retried if cancelled midway
+                    self._started = True
                     continue
                 await self._next_live()
         except asyncio.CancelledError:
@@ -272,7 +274,7 @@ class Subscriber:
             del payloads[first]
 
     def _new_dealer(self) -> zmq.asyncio.Socket:
-        assert self.replay_endpoint
+        assert self.replay_endpoint and self._ctx is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer may come back at once

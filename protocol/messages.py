@@ -10,7 +10,7 @@ Conversation of one rank:
     Lookup -> LookupResult
     Store / Load -> JobAccepted, later JobDone(job_id)
     Wait -> WaitResult (when the jobs are done or the timeout passes)
-    Release / Clear / Bye -> Ok
+    Release / Clear / Ping / Bye -> Ok
     GetStats -> StatsResult
 Any request may instead be answered by Error(code, message, request_id).
 """
@@ -47,6 +47,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     # default low-64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
     kv_events_topic: str = ""
     kv_events_raw_hashes: bool = False
+    # Inode of the sender's pid namespace (/proc/self/ns/pid): the daemon watches ``pid``
+    # through a pidfd only when it shares that namespace, since elsewhere the number names
+    # some other process.
+    pid_namespace: int = 0
 
 
 class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
@@ -114,13 +118,24 @@ class Clear(msgspec.Struct, frozen=True, tag="clear"):
     request_id: int
 
 
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """A heartbeat: ``session`` (another socket's session id) or the sender's own is alive.
+
+    Sessions whose process the daemon cannot watch are reaped after ``session_timeout``
+    seconds without any message; clients send this while idle.
+    """
+
+    request_id: int
+    session: str = ""
+
+
 class Bye(msgspec.Struct, frozen=True, tag="bye"):
     """End this session now instead of waiting to be reaped."""
 
     request_id: int
 
 
-Request = Hello | Lookup | Store | Load | Release | Wait | GetStats | Clear | Bye
+Request = Hello | Lookup | Store | Load | Release | Wait | GetStats | Clear | Ping | Bye
 
 
 class EngineState(msgspec.Struct, frozen=True):

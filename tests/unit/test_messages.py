@@ -34,6 +34,7 @@ from protocol.messages import (
     Lookup,
     LookupResult,
     Ok,
+    Ping,
     Release,
     Reply,
     Request,
@@ -133,6 +134,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
         client_name=names,
         kv_events_topic=names,
         kv_events_raw_hashes=st.booleans(),
+        pid_namespace=wire_ints,
     ),
     st.builds(
         Lookup, request_id=wire_ints, keys=keys, pin=st.booleans(), lease_seconds=finite_floats
@@ -153,6 +155,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(GetStats, request_id=wire_ints),
     st.builds(Bye, request_id=wire_ints),
     st.builds(Clear, request_id=wire_ints),
+    st.builds(Ping, request_id=wire_ints, session=names),
 )
 
 engine_states = st.builds(
@@ -320,6 +323,7 @@ REQUEST_TAGS: dict[type, str] = {
     Wait: "wait",
     GetStats: "stats",
     Clear: "clear",
+    Ping: "ping",
     Bye: "bye",
 }
 REPLY_TAGS: dict[type, str] = {
