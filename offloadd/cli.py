@@ -48,6 +48,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.setdefault("cache", {})["policy"] = args.policy
     if args.log_level:
         overrides.setdefault("log", {})["level"] = args.log_level
+    if args.events_endpoint is not None:
+        overrides.setdefault("events", {})["endpoint"] = args.events_endpoint
+    if args.events_replay_endpoint is not None:
+        overrides.setdefault("events", {})["replay_endpoint"] = args.events_replay_endpoint
     settings = load_settings(args.config, overrides)
     logging.basicConfig(
         level=settings.log.level.upper(),
@@ -73,6 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         phase=args.phase,
         as_json=args.json,
+        events=args.events,
     )
 
 
@@ -138,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--capacity", help="arena size, e.g. 8GiB (default 1GiB)")
     serve.add_argument("--policy", choices=["lru", "arc"], help="eviction policy")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    serve.add_argument(
+        "--events-endpoint", help="KV events PUB endpoint (default tcp://127.0.0.1:5557)"
+    )
+    serve.add_argument(
+        "--events-replay-endpoint",
+        help="KV events replay ROUTER endpoint (default tcp://127.0.0.1:5558; '' disables)",
+    )
     serve.set_defaults(handler=_serve)
 
     demo = commands.add_parser("demo", help="simulate engines against a daemon, verify bytes")
@@ -148,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--phase", choices=["store", "load", "both"], default="both")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument(
+        "--events",
+        help="KV events endpoint to watch (default: the demo's own daemon; with --endpoint: "
+        "tcp://127.0.0.1:5557, replay on port + 1; 'none' to skip)",
+    )
     demo.set_defaults(handler=_demo)
 
     event_defaults = EventSettings()

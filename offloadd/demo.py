@@ -29,7 +29,10 @@ import torch
 
 from offloadd.client import AsyncOffloadClient
 from offloadd.errors import DaemonUnavailable
+from offloadd.events import offset_endpoint_port
+from offloadd.settings import EventSettings
 from offloadd.shm import SharedKVTensor
+from offloadd.subscriber import Subscriber
 from protocol.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -37,6 +40,7 @@ from protocol.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from protocol.events import BlockRemoved, BlockStored
 
 Phase = Literal["store", "load", "both"]
 
@@ -46,6 +50,7 @@ BLOCKS_PER_CHUNK = 2
 PAGE_SIZE = 32 << 10
 BLOCK_STRIDE = PAGE_SIZE + (4 << 10)  # padded pages: only PAGE_SIZE bytes per block move
 CHUNKS_PER_JOB = 16
+DEFAULT_EVENTS = EventSettings().endpoint
 
 
 @dataclass
@@ -62,6 +67,9 @@ class DemoResult:
     bytes_verified: int
     mismatches: int
     seconds: float
+    event_batches: int = 0
+    events_stored: int = 0
+    events_removed: int = 0
 
 
 def demo_config(engine: int, rank: int, tp: int) -> OffloadingConfig:
@@ -203,13 +211,58 @@ async def _load_phase(ranks: list[_Rank], keys: list[bytes]) -> tuple[int, int, 
     return hits, loaded, verified, mismatches
 
 
+class _EventWatcher:
+    """Counts the KV events the daemon publishes while the demo runs."""
+
+    def __init__(self, endpoint: str, replay: str | None) -> None:
+        self.subscriber = Subscriber(endpoint, replay)
+        self.batches = self.stored = self.removed = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.subscriber.connect()
+        self._task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        async for received in self.subscriber:
+            self.batches += 1
+            for event in received.batch.events:
+                if isinstance(event, BlockStored):
+                    self.stored += 1
+                elif isinstance(event, BlockRemoved):
+                    self.removed += 1
+
+    async def settle(self, expected_stored: int, timeout: float = 3.0) -> None:
+        """Give in-flight events a moment to arrive (the stream is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while self.stored < expected_stored and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.subscriber.close()
+
+
 async def run_demo(
-    endpoint: str, *, engines: int, tp: int, chunks: int, seed: int, phase: Phase
+    endpoint: str,
+    *,
+    engines: int,
+    tp: int,
+    chunks: int,
+    seed: int,
+    phase: Phase,
+    events: tuple[str, str | None] | None = None,
 ) -> DemoResult:
-    """Simulate the engines against the daemon at ``endpoint``."""
+    """Simulate the engines against the daemon at ``endpoint`` (watching ``events``)."""
     started = time.perf_counter()
     keys = demo_keys(seed, chunks)
     ranks = [_Rank(e, r, tp, chunks, seed) for e in range(engines) for r in range(tp)]
+    watcher = _EventWatcher(*events) if events else None
+    if watcher is not None:
+        watcher.start()
     try:
         for rank in ranks:
             rank.fill_source()
@@ -221,11 +274,15 @@ async def run_demo(
         hits = loaded = verified = mismatches = 0
         if phase != "store":
             hits, loaded, verified, mismatches = await _load_phase(ranks, keys)
+        if watcher is not None:
+            await watcher.settle(stored * engines)
     finally:
         for rank in ranks:
             if rank.client is not None:
                 await rank.client.close()
             rank.close()
+        if watcher is not None:
+            await watcher.close()
     return DemoResult(
         phase=phase,
         engines=engines,
@@ -237,6 +294,9 @@ async def run_demo(
         bytes_verified=verified,
         mismatches=mismatches,
         seconds=round(time.perf_counter() - started, 3),
+        event_batches=watcher.batches if watcher else 0,
+        events_stored=watcher.stored if watcher else 0,
+        events_removed=watcher.removed if watcher else 0,
     )
 
 
@@ -248,10 +308,11 @@ def demo_capacity(engines: int, tp: int, chunks: int) -> int:
 
 
 @contextlib.contextmanager
-def spawned_daemon(capacity: int) -> Iterator[str]:
-    """A daemon subprocess on a private endpoint and arena; yields its endpoint."""
+def spawned_daemon(capacity: int) -> Iterator[tuple[str, tuple[str, str]]]:
+    """A daemon subprocess on private endpoints and arena; yields (control, (events, replay))."""
     workdir = tempfile.mkdtemp(prefix="offloadd-demo-")
     endpoint = f"ipc://{workdir}/offloadd.sock"
+    events = (f"ipc://{workdir}/events.sock", f"ipc://{workdir}/replay.sock")
     arena = f"/dev/shm/offloadd-demo-{os.getpid()}.arena"
     command = [
         sys.executable,
@@ -266,11 +327,15 @@ def spawned_daemon(capacity: int) -> Iterator[str]:
         str(capacity),
         "--log-level",
         "WARNING",
+        "--events-endpoint",
+        events[0],
+        "--events-replay-endpoint",
+        events[1],
     ]
     process = subprocess.Popen(command)
     try:
         _wait_until_serving(endpoint, process)
-        yield endpoint
+        yield endpoint, events
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -309,17 +374,34 @@ def main(
     seed: int,
     phase: Phase,
     as_json: bool,
+    events: str | None = None,
 ) -> int:
     """Run the demo; returns the process exit status (non-zero on any mismatch)."""
     if engines < 1 or tp < 1 or chunks < 1:
         print("--engines, --tp and --chunks must be at least 1", file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:
+        watch: tuple[str, str | None] | None = None
         if endpoint is None:
-            endpoint = stack.enter_context(spawned_daemon(demo_capacity(engines, tp, chunks)))
+            capacity = demo_capacity(engines, tp, chunks)
+            endpoint, watch = stack.enter_context(spawned_daemon(capacity))
+        else:
+            watch = (DEFAULT_EVENTS, offset_endpoint_port(DEFAULT_EVENTS, 1))
+        if events == "none":
+            watch = None
+        elif events:
+            watch = (events, offset_endpoint_port(events, 1) if events.startswith("tcp") else None)
         try:
             result = asyncio.run(
-                run_demo(endpoint, engines=engines, tp=tp, chunks=chunks, seed=seed, phase=phase)
+                run_demo(
+                    endpoint,
+                    engines=engines,
+                    tp=tp,
+                    chunks=chunks,
+                    seed=seed,
+                    phase=phase,
+                    events=watch,
+                )
             )
         except DaemonUnavailable as exc:
             print(f"offloadd demo: {exc}", file=sys.stderr)
@@ -347,4 +429,8 @@ def _print_summary(result: DemoResult) -> None:
             f"  verified  {result.bytes_verified / 2**20:.1f} MiB, "
             f"{result.mismatches} mismatched shards"
         )
+    print(
+        f"  events    {result.event_batches} batches: {result.events_stored} BlockStored, "
+        f"{result.events_removed} BlockRemoved"
+    )
     print(f"  took      {result.seconds:.2f}s")

@@ -1,0 +1,250 @@
+"""Shared pieces of the benchmarks: results, progress, statistics, scratch names, servers.
+
+Every figure is a ratio against a baseline measured in the same run, interleaved with it, so
+that the noise of a shared two-core machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHM_DIR = "/dev/shm"
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+@dataclass
+class Result:
+    """One line of the table and one object of the JSON list."""
+
+    name: str
+    value: float
+    unit: str
+    baseline: float
+    ratio: float
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "value": self.value,
+            "unit": self.unit,
+            "baseline": self.baseline,
+            "ratio": self.ratio,
+            "params": self.params,
+        }
+
+
+def ratio(value: float, baseline: float) -> float:
+    return value / baseline if baseline else float("nan")
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), nearest rank on the sorted values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def size_name(nbytes: int) -> str:
+    """``65536`` -> ``64KiB``, ``1048576`` -> ``1MiB``."""
+    if nbytes % MiB == 0:
+        return f"{nbytes // MiB}MiB"
+    if nbytes % KiB == 0:
+        return f"{nbytes // KiB}KiB"
+    return f"{nbytes}B"
+
+
+class Progress:
+    """Progress lines on stderr, stamped with the seconds since the run began."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self._started
+        print(f"[bench {elapsed:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+class Scratch:
+    """Private names for sockets (a /tmp directory) and /dev/shm files; removes them all."""
+
+    def __init__(self) -> None:
+        self.tag = f"offloadd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.workdir = tempfile.mkdtemp(prefix=f"{self.tag}-", dir="/tmp")
+        self._count = 0
+
+    def endpoint(self, name: str) -> str:
+        self._count += 1
+        return f"ipc://{self.workdir}/{name}-{self._count}.sock"
+
+    def shm_path(self, name: str) -> str:
+        self._count += 1
+        return os.path.join(SHM_DIR, f"{self.tag}-{name}-{self._count}")
+
+    @property
+    def shm_prefix(self) -> str:
+        return self.tag
+
+    def leftovers(self) -> list[str]:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith(self.tag)]
+
+    def close(self) -> None:
+        """Remove the socket directory and any /dev/shm file carrying this run's tag."""
+        for name in self.leftovers():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class Context:
+    """What every benchmark group gets."""
+
+    quick: bool
+    scratch: Scratch
+    progress: Progress
+    patterns: list[str]
+    profile_dir: str | None = None
+
+    def wanted(self, name: str) -> bool:
+        """Whether the result ``name`` was asked for (everything without --only)."""
+        return not self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+class ServerProcess:
+    """A ``benchmarks._servers`` subprocess: started, waited for, and always stopped.
+
+    It prints ``ready`` on stdout once it serves; line commands go to its stdin and each gets
+    one reply line. With ``profile`` (a file path), py-spy samples it until it exits.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        args: dict[str, Any],
+        *,
+        profile: str | None = None,
+        ready_timeout: float = 60.0,
+    ) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        command = [sys.executable, "-m", "benchmarks._servers", mode, json.dumps(args)]
+        self.mode = mode
+        self._profiler: subprocess.Popen[bytes] | None = None
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            line = self._read_line(ready_timeout)
+            if line != "ready":
+                raise RuntimeError(f"{mode} server said {line!r} instead of ready")
+            if profile:
+                self._profiler = _attach_py_spy(self.process.pid, profile)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def command(self, line: str, timeout: float = 60.0) -> str:
+        """Send one command line; return the reply line."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(line.encode() + b"\n")
+        self.process.stdin.flush()
+        return self._read_line(timeout)
+
+    def _read_line(self, timeout: float) -> str:
+        assert self.process.stdout is not None
+        stdout = self.process.stdout
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.mode} server did not answer within {timeout:.0f}s")
+            ready, _, _ = select.select([stdout], [], [], min(remaining, 0.5))
+            if ready:
+                line = stdout.readline()
+                if not line:
+                    raise RuntimeError(
+                        f"{self.mode} server exited (status {self.process.poll()})"
+                    )
+                return line.decode().strip()
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.mode} server exited with {self.process.returncode}")
+
+    def close(self) -> None:
+        """SIGTERM, wait, SIGKILL if needed; then let py-spy write its profile. Idempotent."""
+        process = self.process
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            try:
+                profiler.wait(60)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+                profiler.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _attach_py_spy(pid: int, output: str) -> subprocess.Popen[bytes] | None:
+    py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(py_spy):
+        print("[bench] py-spy not found: no profile", file=sys.stderr)
+        return None
+    command = [py_spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw"]
+    command += ["--threads", "--output", output]
+    profiler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # py-spy needs a moment to attach before the load starts
+    return profiler
+
+
+def timed(function: Callable[[], object]) -> float:
+    """Seconds ``function()`` took."""
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started

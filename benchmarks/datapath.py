@@ -1,0 +1,410 @@
+"""Data path over shared memory: store and load throughput through a real daemon.
+
+The daemon runs in a subprocess (``benchmarks._servers daemon``), as in production: its event
+loop and copy threads do not share a GIL with the ranks. The ranks are real ``OffloadClient``s
+on real ``SharedKVTensor``-style files in /dev/shm, one thread each, speaking over ipc://.
+
+Geometry: each rank registers ``LAYERS`` regions (one per layer); a chunk is
+``BLOCKS_PER_CHUNK`` blocks, so a rank's shard of a chunk is ``LAYERS * BLOCKS_PER_CHUNK``
+pages. Block ids are a fixed random permutation, so no two pages of a shard are neighbours
+in a region and every page is its own copy (the gather a real block table produces).
+
+Baseline: the very same ``(src, dst, nbytes)`` moves, from the same shm files into a
+same-size pre-faulted shm arena, with ``ctypes.memmove`` in a loop on one thread of this
+process (the daemon's CPU copy engine also copies on one thread per direction). Daemon and
+baseline runs alternate, warm-up first; the median of the repetitions is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import random
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks._util import (
+    Context,
+    MiB,
+    Result,
+    ServerProcess,
+    median,
+    ratio,
+    size_name,
+)
+from offloadd.cache.arena import Arena
+from offloadd.client import OffloadClient
+from offloadd.settings import CacheSettings, EventSettings, ServerSettings, Settings
+from offloadd.shm import SharedKVTensor
+from protocol.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from protocol.handles import KVRegion, ShmHandle
+
+SHARD_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
+RANK_COUNTS = (1, 4)
+LAYERS = 4
+BLOCKS_PER_CHUNK = 4
+BYTES_PER_RANK = 64 * MiB  # moved per rank per repetition (at least 8 chunks)
+MAX_CHUNKS_PER_JOB = 16
+MAX_JOB_BYTES = 16 * MiB
+SEED = 1234
+
+Triple = tuple[int, int, int]
+
+
+def result_names(shard: int, ranks: int) -> tuple[str, str]:
+    suffix = size_name(shard) + ("" if ranks == 1 else f"_{ranks}ranks")
+    return f"shm_store_{suffix}", f"shm_load_{suffix}"
+
+
+def engine_config(engine_id: str, rank: int, tp: int, page: int) -> OffloadingConfig:
+    layers = tuple(f"model.layers.{i}.attn" for i in range(LAYERS))
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=layers),),
+        worker_kv_bytes_per_block=page * LAYERS,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def chunk_keys(count: int, salt: bytes) -> list[bytes]:
+    """Chained sha256 keys + u32 group 0, like vLLM's offload keys."""
+    keys, parent = [], salt
+    for index in range(count):
+        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
+        keys.append(parent + bytes(4))
+    return keys
+
+
+class RankMemory:
+    """One rank's layer files, filled once with random bytes, and a reference copy."""
+
+    def __init__(self, ctx: Context, rank: int, bytes_per_layer: int) -> None:
+        self.files: list[SharedKVTensor] = []
+        self.reference: list[torch.Tensor] = []
+        generator = torch.Generator().manual_seed(SEED + rank)
+        try:
+            for layer in range(LAYERS):
+                kv = SharedKVTensor.create(
+                    bytes_per_layer // 4096,
+                    4096,
+                    [f"model.layers.{layer}.attn"],
+                    prefix=f"{ctx.scratch.shm_prefix}-kv",
+                )
+                self.files.append(kv)
+                flat = kv.tensor.view(-1)
+                flat.copy_(
+                    torch.randint(0, 256, flat.shape, generator=generator, dtype=torch.uint8)
+                )
+                self.reference.append(flat.clone())
+        except BaseException:
+            self.close()
+            raise
+
+    def flat(self, layer: int) -> torch.Tensor:
+        return self.files[layer].tensor.view(-1)
+
+    def address(self, layer: int) -> int:
+        return int(self.flat(layer).data_ptr())
+
+    def regions(self, page: int, num_blocks: int) -> list[KVRegion]:
+        return [
+            KVRegion(
+                handle=ShmHandle(path=kv.path, offset=0, size=num_blocks * page),
+                num_blocks=num_blocks,
+                page_size=page,
+                block_stride=page,
+                layer_names=kv.region.layer_names,
+            )
+            for kv in self.files
+        ]
+
+    def close(self) -> None:
+        for kv in self.files:
+            kv.close()
+        self.files.clear()
+
+
+@dataclass
+class Layout:
+    """One configuration: shard size, ranks, the chunks, their blocks and the jobs."""
+
+    shard: int
+    ranks: int
+    page: int
+    chunks: int
+    num_blocks: int
+    keys: list[bytes]
+    blocks: list[int]  # blocks of chunk c: blocks[c*bpc:(c+1)*bpc]
+    jobs: list[tuple[list[bytes], list[int]]]
+
+    @classmethod
+    def build(cls, shard: int, ranks: int, rep_bytes: int) -> Layout:
+        page = shard // (LAYERS * BLOCKS_PER_CHUNK)
+        chunks = max(8, rep_bytes // shard)
+        num_blocks = chunks * BLOCKS_PER_CHUNK
+        blocks = list(range(num_blocks))
+        random.Random(SEED).shuffle(blocks)
+        keys = chunk_keys(chunks, f"{shard}-{ranks}".encode())
+        per_job = max(1, min(MAX_CHUNKS_PER_JOB, MAX_JOB_BYTES // shard))
+        jobs = []
+        for start in range(0, chunks, per_job):
+            stop = min(chunks, start + per_job)
+            ids = blocks[start * BLOCKS_PER_CHUNK : stop * BLOCKS_PER_CHUNK]
+            jobs.append((keys[start:stop], ids))
+        return cls(shard, ranks, page, chunks, num_blocks, keys, blocks, jobs)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.shard * self.chunks * self.ranks
+
+    def baseline_moves(self, memory: Sequence[RankMemory], arena: int) -> list[Triple]:
+        """The daemon's moves for a store (src = rank page, dst = arena), shard by shard."""
+        moves: list[Triple] = []
+        page, bpc = self.page, BLOCKS_PER_CHUNK
+        for rank in range(self.ranks):
+            bases = [memory[rank].address(layer) for layer in range(LAYERS)]
+            for chunk in range(self.chunks):
+                shard_base = arena + (rank * self.chunks + chunk) * self.shard
+                ids = self.blocks[chunk * bpc : (chunk + 1) * bpc]
+                for layer in range(LAYERS):
+                    part = shard_base + layer * page * bpc
+                    for j, block in enumerate(ids):
+                        moves.append((bases[layer] + block * page, part + j * page, page))
+        return moves
+
+
+def copy_moves(moves: Sequence[Triple]) -> float:
+    """The baseline: the daemon's copy loop, in this process."""
+    memmove = ctypes.memmove
+    started = time.perf_counter()
+    for src, dst, nbytes in moves:
+        memmove(dst, src, nbytes)
+    return time.perf_counter() - started
+
+
+class Ranks:
+    """The connected clients of one engine, each driven from its own thread."""
+
+    def __init__(self, endpoint: str, layout: Layout, memory: Sequence[RankMemory]) -> None:
+        self.layout = layout
+        self.clients: list[OffloadClient] = []
+        self._pool = ThreadPoolExecutor(layout.ranks, thread_name_prefix="rank")
+        self._job = 0
+        engine_id = f"bench-shm-{size_name(layout.shard)}-{layout.ranks}"
+        try:
+            for rank in range(layout.ranks):
+                config = engine_config(engine_id, rank, layout.ranks, layout.page)
+                regions = memory[rank].regions(layout.page, layout.num_blocks)
+                self.clients.append(
+                    OffloadClient.connect(endpoint, config, regions, name=f"bench rank {rank}")
+                )
+            for client in self.clients:
+                client.wait_ready(30)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, direction: str) -> float:
+        """Every rank stores (or loads) every chunk, jobs pipelined; seconds to the last done."""
+        first_job = self._job
+        self._job += len(self.layout.jobs)
+
+        def work(client: OffloadClient) -> None:
+            ids = []
+            for offset, (keys, blocks) in enumerate(self.layout.jobs):
+                job_id = first_job + offset
+                if direction == "store":
+                    client.store(job_id, keys, blocks)
+                else:
+                    client.load(job_id, keys, blocks)
+                ids.append(job_id)
+            client.wait(ids, timeout=120)
+
+        started = time.perf_counter()
+        if len(self.clients) == 1:
+            work(self.clients[0])
+        else:
+            for future in [self._pool.submit(work, client) for client in self.clients]:
+                future.result()
+        return time.perf_counter() - started
+
+    def clear(self) -> None:
+        cleared = self.clients[0].clear()
+        if cleared != self.layout.chunks:
+            raise RuntimeError(f"cleared {cleared} chunks, expected {self.layout.chunks}")
+
+    def close(self) -> None:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                client.close()
+        self.clients.clear()
+        self._pool.shutdown(wait=True)
+
+
+def _verify(layout: Layout, memory: Sequence[RankMemory], ranks: Ranks) -> None:
+    """Zero the source pages, load them back from the daemon, compare with the reference."""
+    used = layout.num_blocks * layout.page
+    for rank in range(layout.ranks):
+        for layer in range(LAYERS):
+            memory[rank].flat(layer)[:used].zero_()
+    ranks.run("load")
+    for rank in range(layout.ranks):
+        for layer in range(LAYERS):
+            got = memory[rank].flat(layer)[:used]
+            if not torch.equal(got, memory[rank].reference[layer][:used]):
+                raise RuntimeError(
+                    f"{size_name(layout.shard)} x{layout.ranks}: rank {rank} layer {layer} "
+                    "differs after store + load"
+                )
+
+
+def _configs(ctx: Context) -> Iterator[tuple[int, int]]:
+    for ranks in RANK_COUNTS:
+        for shard in SHARD_SIZES:
+            if any(ctx.wanted(name) for name in result_names(shard, ranks)):
+                yield shard, ranks
+
+
+def run(ctx: Context) -> list[Result]:
+    """``shm_store_<size>[_4ranks]`` and ``shm_load_<size>[_4ranks]``."""
+    configs = list(_configs(ctx))
+    if not configs:
+        return []
+    reps = 5 if ctx.quick else 11
+    per_rank = max(max(BYTES_PER_RANK, 8 * shard) for shard, _ in configs)
+    results: list[Result] = []
+    with contextlib.ExitStack() as stack:
+        memory: list[RankMemory] = []
+        stack.callback(lambda: [m.close() for m in memory])
+        max_ranks = max(ranks for _, ranks in configs)
+        ctx.progress(f"shm: filling {max_ranks} x {per_rank >> 20} MiB of rank memory")
+        for rank in range(max_ranks):
+            memory.append(RankMemory(ctx, rank, per_rank // LAYERS))
+        for ranks in sorted({r for _, r in configs}):
+            capacity = ranks * per_rank + 8 * MiB
+            arena = stack.enter_context(
+                contextlib.closing(Arena(ctx.scratch.shm_path("baseline.arena"), capacity))
+            )
+            profile = ctx.profile_path(f"daemon-shm-{ranks}ranks") if ctx.profile_dir else None
+            with _daemon(ctx, capacity, profile) as (server, endpoint):
+                del server
+                for shard, count in configs:
+                    if count != ranks:
+                        continue
+                    results += _measure(ctx, endpoint, shard, ranks, per_rank, reps, memory, arena)
+            arena.close()
+    return [r for r in results if ctx.wanted(r.name)]
+
+
+@contextlib.contextmanager
+def _daemon(
+    ctx: Context, capacity: int, profile: str | None
+) -> Iterator[tuple[ServerProcess, str]]:
+    settings = daemon_settings(ctx, capacity)
+    with ServerProcess("daemon", {"settings": settings}, profile=profile) as server:
+        yield server, settings["server"]["endpoint"]
+
+
+def daemon_settings(ctx: Context, capacity: int) -> dict[str, object]:
+    """Settings (as JSON-ready dicts) for a daemon on private endpoints and arena."""
+    import msgspec
+
+    settings = Settings(
+        server=ServerSettings(endpoint=ctx.scratch.endpoint("daemon")),
+        cache=CacheSettings(arena=ctx.scratch.shm_path("daemon.arena"), capacity=capacity),
+        events=EventSettings(
+            endpoint=ctx.scratch.endpoint("events"),
+            replay_endpoint=ctx.scratch.endpoint("replay"),
+            pod="bench",
+        ),
+    )
+    decoded = msgspec.to_builtins(settings)
+    assert isinstance(decoded, dict)
+    return decoded
+
+
+def _measure(
+    ctx: Context,
+    endpoint: str,
+    shard: int,
+    ranks: int,
+    per_rank: int,
+    reps: int,
+    memory: Sequence[RankMemory],
+    arena: Arena,
+) -> list[Result]:
+    layout = Layout.build(shard, ranks, max(BYTES_PER_RANK, 8 * shard))
+    assert layout.shard * layout.chunks <= per_rank
+    store_moves = layout.baseline_moves(memory, arena.address)
+    load_moves = [(dst, src, n) for src, dst, n in store_moves]
+    store_name, load_name = result_names(shard, ranks)
+    ctx.progress(
+        f"shm {size_name(shard)} x{ranks} ranks: {layout.chunks} chunks/rank in "
+        f"{len(layout.jobs)} jobs, {len(store_moves)} page copies, {reps} reps"
+    )
+    times: dict[str, list[float]] = {k: [] for k in ("ds", "bs", "dl", "bl")}
+    with contextlib.closing(Ranks(endpoint, layout, memory)) as clients:
+        # Warm-up: fault the daemon's mappings, check bytes end to end, warm the baseline.
+        clients.run("store")
+        _verify(layout, memory, clients)
+        copy_moves(store_moves)
+        copy_moves(load_moves)
+        clients.clear()
+        for rep in range(reps):
+            daemon_first = rep % 2 == 0
+            for direction, moves in (("store", store_moves), ("load", load_moves)):
+                key = direction[0]
+                for side in ("d", "b") if daemon_first else ("b", "d"):
+                    if side == "d":
+                        times["d" + key].append(clients.run(direction))
+                    else:
+                        times["b" + key].append(copy_moves(moves))
+            clients.clear()
+    params = {
+        "shard_bytes": shard,
+        "ranks": ranks,
+        "page_bytes": layout.page,
+        "layers": LAYERS,
+        "blocks_per_chunk": BLOCKS_PER_CHUNK,
+        "chunks_per_rank": layout.chunks,
+        "jobs_per_rank": len(layout.jobs),
+        "bytes_per_rep": layout.total_bytes,
+        "page_copies_per_rep": len(store_moves),
+        "reps": reps,
+        "daemon": "subprocess",
+        "baseline": "ctypes.memmove of the same moves, one thread, same shm files",
+    }
+    if shard >= 1 << 20:
+        params["goal"] = "ratio >= 0.8"
+    gbps = layout.total_bytes / 1e9
+    results = []
+    for name, d, b in ((store_name, "ds", "bs"), (load_name, "dl", "bl")):
+        value = gbps / median(times[d])
+        base = gbps / median(times[b])
+        results.append(Result(name, value, "GB/s", base, ratio(value, base), dict(params)))
+        ctx.progress(f"  {name}: {value:.2f} GB/s vs {base:.2f} GB/s ({value / base:.2f})")
+    return results
