@@ -134,6 +134,12 @@ class Context:
         """Whether the result ``name`` was asked for (everything without --only)."""
         return not self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
+    def profile_path(self, label: str) -> str | None:
+        """Where py-spy writes the profile of the daemon labelled ``label`` (or None)."""
+        if self.profile_dir is None:
+            return None
+        return os.path.join(self.profile_dir, f"{label}.txt")
+
 
 class ServerProcess:
     """A ``benchmarks._servers`` subprocess: started, waited for, and always stopped.
@@ -195,9 +201,7 @@ class ServerProcess:
             if ready:
                 line = stdout.readline()
                 if not line:
-                    raise RuntimeError(
-                        f"{self.mode} server exited (status {self.process.poll()})"
-                    )
+                    raise RuntimeError(f"{self.mode} server exited (status {self.process.poll()})")
                 return line.decode().strip()
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.mode} server exited with {self.process.returncode}")

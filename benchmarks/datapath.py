@@ -54,7 +54,7 @@ SHARD_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
 RANK_COUNTS = (1, 4)
 LAYERS = 4
 BLOCKS_PER_CHUNK = 4
-BYTES_PER_RANK = 64 * MiB  # moved per rank per repetition (at least 8 chunks)
+BYTES_PER_REP = 256 * MiB  # moved per repetition over all ranks (at least 8 chunks per rank)
 MAX_CHUNKS_PER_JOB = 16
 MAX_JOB_BYTES = 16 * MiB
 SEED = 1234
@@ -282,6 +282,11 @@ def _verify(layout: Layout, memory: Sequence[RankMemory], ranks: Ranks) -> None:
                 )
 
 
+def per_rank(shard: int, ranks: int) -> int:
+    """Bytes each rank moves per repetition."""
+    return max(BYTES_PER_REP // ranks, 8 * shard)
+
+
 def _configs(ctx: Context) -> Iterator[tuple[int, int]]:
     for ranks in RANK_COUNTS:
         for shard in SHARD_SIZES:
@@ -294,39 +299,43 @@ def run(ctx: Context) -> list[Result]:
     configs = list(_configs(ctx))
     if not configs:
         return []
-    reps = 5 if ctx.quick else 11
-    per_rank = max(max(BYTES_PER_RANK, 8 * shard) for shard, _ in configs)
+    reps = 7 if ctx.quick else 15
     results: list[Result] = []
-    with contextlib.ExitStack() as stack:
-        memory: list[RankMemory] = []
-        stack.callback(lambda: [m.close() for m in memory])
+    memory: list[RankMemory] = []
+    try:
         max_ranks = max(ranks for _, ranks in configs)
-        ctx.progress(f"shm: filling {max_ranks} x {per_rank >> 20} MiB of rank memory")
         for rank in range(max_ranks):
-            memory.append(RankMemory(ctx, rank, per_rank // LAYERS))
+            size = max(per_rank(shard, n) for shard, n in configs if n > rank)
+            ctx.progress(f"shm: filling {size >> 20} MiB of memory for rank {rank}")
+            memory.append(RankMemory(ctx, rank, size // LAYERS))
         for ranks in sorted({r for _, r in configs}):
-            capacity = ranks * per_rank + 8 * MiB
-            arena = stack.enter_context(
-                contextlib.closing(Arena(ctx.scratch.shm_path("baseline.arena"), capacity))
-            )
-            profile = ctx.profile_path(f"daemon-shm-{ranks}ranks") if ctx.profile_dir else None
-            with _daemon(ctx, capacity, profile) as (server, endpoint):
-                del server
+            capacity = ranks * max(per_rank(shard, n) for shard, n in configs if n == ranks)
+            capacity += 8 * MiB
+            baseline_arena = Arena(ctx.scratch.shm_path("baseline.arena"), capacity)
+            with (
+                contextlib.closing(baseline_arena),
+                daemon(ctx, capacity, f"shm-{ranks}ranks") as (endpoint),
+            ):
                 for shard, count in configs:
-                    if count != ranks:
-                        continue
-                    results += _measure(ctx, endpoint, shard, ranks, per_rank, reps, memory, arena)
-            arena.close()
+                    if count == ranks:
+                        results += _measure(
+                            ctx, endpoint, shard, ranks, reps, memory, baseline_arena
+                        )
+    finally:
+        for rank_memory in memory:
+            rank_memory.close()
     return [r for r in results if ctx.wanted(r.name)]
 
 
 @contextlib.contextmanager
-def _daemon(
-    ctx: Context, capacity: int, profile: str | None
-) -> Iterator[tuple[ServerProcess, str]]:
+def daemon(ctx: Context, capacity: int, label: str) -> Iterator[str]:
+    """A daemon subprocess on private endpoints and arena; yields its endpoint."""
     settings = daemon_settings(ctx, capacity)
-    with ServerProcess("daemon", {"settings": settings}, profile=profile) as server:
-        yield server, settings["server"]["endpoint"]
+    profile = ctx.profile_path(f"daemon-{label}")
+    with ServerProcess("daemon", {"settings": settings}, profile=profile):
+        server = settings["server"]
+        assert isinstance(server, dict)
+        yield str(server["endpoint"])
 
 
 def daemon_settings(ctx: Context, capacity: int) -> dict[str, object]:
@@ -352,13 +361,11 @@ def _measure(
     endpoint: str,
     shard: int,
     ranks: int,
-    per_rank: int,
     reps: int,
     memory: Sequence[RankMemory],
     arena: Arena,
 ) -> list[Result]:
-    layout = Layout.build(shard, ranks, max(BYTES_PER_RANK, 8 * shard))
-    assert layout.shard * layout.chunks <= per_rank
+    layout = Layout.build(shard, ranks, per_rank(shard, ranks))
     store_moves = layout.baseline_moves(memory, arena.address)
     load_moves = [(dst, src, n) for src, dst, n in store_moves]
     store_name, load_name = result_names(shard, ranks)

@@ -48,6 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.setdefault("cache", {})["policy"] = args.policy
     if args.log_level:
         overrides.setdefault("log", {})["level"] = args.log_level
+    if args.no_persist:
+        overrides.setdefault("cache", {})["persist"] = False
     if args.events_endpoint is not None:
         overrides.setdefault("events", {})["endpoint"] = args.events_endpoint
     if args.events_replay_endpoint is not None:
@@ -143,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--capacity", help="arena size, e.g. 8GiB (default 1GiB)")
     serve.add_argument("--policy", choices=["lru", "arc"], help="eviction policy")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
+    serve.add_argument(
+        "--no-persist",
+        action="store_true",
+        help="remove the arena and its journal at exit (default: keep them for a warm restart)",
+    )
     serve.add_argument(
         "--events-endpoint", help="KV events PUB endpoint (default tcp://127.0.0.1:5557)"
     )

@@ -29,6 +29,7 @@ import zmq.asyncio
 from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim
 from offloadd.events import PublisherSet, topic_for
 from offloadd.registry import (
@@ -151,6 +152,7 @@ class Daemon:
         self._sock: zmq.asyncio.Socket | None = None
         self._handles: HandleTable | None = None
         self._cache: ChunkCache | None = None
+        self._journal: Journal | None = None
         self._events: PublisherSet | None = None
         self.registry = Registry()
         self._states: dict[str, _SessionState] = {}
@@ -176,9 +178,14 @@ class Daemon:
         try:
             self._notify.status("preparing the arena")
             self._arena = Arena(
-                settings.arena_path(), settings.cache.capacity, progress=self._prefault_progress
+                settings.arena_path(),
+                settings.cache.capacity,
+                progress=self._prefault_progress,
+                unlink_on_close=not settings.cache.persist,
             )
             self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
+            if settings.cache.persist:
+                self._restore()
             self._handles = HandleTable(settings.server.shm_dirs, forbidden=[self._arena.path])
             if self._copy is None:
                 self._copy = CpuCopyEngine()
@@ -207,6 +214,20 @@ class Daemon:
             settings.cache.policy,
             self._copy.name,
         )
+
+    def _restore(self) -> None:
+        """Find the chunks a previous daemon committed in this arena (warm restart)."""
+        arena, cache = self._require_arena(), self._require_cache()
+        journal, chunks = Journal.open(arena.path + ".journal", arena.identity)
+        self._journal = journal
+        if not arena.reused:
+            chunks = []  # a new arena file: whatever the journal says is not in it
+        kept = cache.restore(chunks)
+        if kept != len(chunks):
+            logger.warning("journal: %d damaged chunk records skipped", len(chunks) - kept)
+        if kept:
+            journal.compact(arena.identity, cache.committed_chunks())
+            logger.info("warm start: %d committed chunks from the previous run", kept)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
@@ -282,6 +303,9 @@ class Daemon:
         if self._handles is not None:
             self._handles.close()
             self._handles = None
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -792,6 +816,8 @@ class Daemon:
     def _clear(self, state: _SessionState, request: Clear) -> Reply:
         engine, namespace = self._ready_engine(state)
         removed = self._require_cache().clear_namespace(namespace.name)
+        if self._journal is not None:
+            self._journal.removed(removed)
         keys = [entry.key for entry in removed if entry.committed]
         logger.info(
             "%s cleared namespace %s: %d chunks",
@@ -806,16 +832,25 @@ class Daemon:
         return Ok(request.request_id, len(keys))
 
     def _announce_stored(self, namespace: Namespace, entries: list[Entry]) -> None:
-        """Chunks that just became visible: every engine of the namespace hears of them."""
-        if not entries or self._events is None:
+        """Chunks that just became visible: journaled, and every engine of the namespace
+        hears of them."""
+        if not entries:
+            return
+        if self._journal is not None:
+            self._journal.committed(entries)
+            self._maybe_compact()
+        if self._events is None:
             return
         keys = [entry.key for entry in entries]
         for engine in self._event_engines(namespace):
             self._publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
 
     def _announce_removed(self, entries: list[Entry]) -> None:
-        """Chunks evicted or removed: announced in their own namespace (never-committed
-        entries were never announced, so their removal is not either)."""
+        """Chunks evicted or removed: journaled before their extents can be reused, and
+        announced in their own namespace (never-committed entries were never announced, so
+        their removal is not either)."""
+        if self._journal is not None:
+            self._journal.removed(entries)
         if self._events is None:
             return
         by_namespace: dict[str, list[bytes]] = {}
@@ -828,6 +863,12 @@ class Daemon:
                 continue  # no engine of that namespace is connected: nobody to tell
             for engine in self._event_engines(namespace):
                 self._publish_to(engine, removed_events(keys, raw_hashes=self._raw_hashes(engine)))
+
+    def _maybe_compact(self) -> None:
+        if self._journal is not None and self._journal.should_compact():
+            self._journal.compact(
+                self._require_arena().identity, self._require_cache().committed_chunks()
+            )
 
     def _event_engines(self, namespace: Namespace) -> list[Engine]:
         engines = (self.registry.engine(key) for key in sorted(namespace.engines))

@@ -327,6 +327,7 @@ def spawned_daemon(capacity: int) -> Iterator[tuple[str, tuple[str, str]]]:
         str(capacity),
         "--log-level",
         "WARNING",
+        "--no-persist",
         "--events-endpoint",
         events[0],
         "--events-replay-endpoint",

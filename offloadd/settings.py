@@ -35,6 +35,9 @@ class CacheSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     capacity: int = 1 << 30
     policy: Literal["lru", "arc"] = "lru"
     pin_lease_seconds: float = 30.0
+    # Keep the arena and a commit journal (<arena>.journal) across restarts, so a restarted
+    # daemon serves what was committed before. False: both are removed at exit.
+    persist: bool = True
 
 
 class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -19,6 +19,7 @@ sizes, so an exact fit is O(1), a best fit is a bisect, and coalescing is two di
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
+from collections.abc import Sequence
 
 __all__ = ["ExtentAllocator"]
 
@@ -53,6 +54,36 @@ class ExtentAllocator:
         self._allocated: dict[int, int] = {}
         if self._capacity:
             self._add_free(0, self._capacity)
+
+    @classmethod
+    def with_allocated(
+        cls, capacity: int, extents: Sequence[tuple[int, int]], align: int = 4096
+    ) -> ExtentAllocator:
+        """An allocator whose ``extents`` (offset, size as passed to alloc) are in use.
+
+        Used to rebuild the arena's state after a restart in O(n log n). Raises ValueError
+        for an extent that is unaligned, outside the arena, or overlaps another.
+        """
+        allocator = cls(capacity, align)
+        if not extents:
+            return allocator
+        allocator._free_start.clear()
+        allocator._free_end.clear()
+        allocator._by_size.clear()
+        allocator._sizes.clear()
+        cursor = 0
+        for offset, size in sorted(extents):
+            need = allocator.alloc_size(size)
+            if offset % align or offset < cursor or offset + need > allocator._capacity:
+                raise ValueError(f"extent ({offset}, {size}) is unaligned, overlaps or is outside")
+            if offset > cursor:
+                allocator._add_free(cursor, offset - cursor)
+            allocator._allocated[offset] = need
+            allocator._used += need
+            cursor = offset + need
+        if cursor < allocator._capacity:
+            allocator._add_free(cursor, allocator._capacity - cursor)
+        return allocator
 
     @property
     def capacity(self) -> int:

@@ -3,7 +3,13 @@
 The file is locked (``flock``) for as long as a daemon uses it, so two daemons can never
 share one arena by accident. It is pre-faulted at start (``MADV_POPULATE_WRITE``, else one
 write per page), because first-touch faults would otherwise run at a fraction of memcpy
-speed inside the first copies.
+speed inside the first copies. A large arena is pre-faulted by a few threads on disjoint
+ranges (``madvise`` through ctypes, which releases the GIL; Python's ``mmap.madvise`` does
+not), with progress reported from the constructing thread.
+
+An optional ``pin(address, size)`` hook runs after pre-faulting (on GPU hosts:
+``offloadd.transfer.pinning.register_host_memory``); whatever it returns is kept and, if it
+has a ``close()``, closed before the arena is unmapped.
 """
 
 from __future__ import annotations
@@ -17,11 +23,24 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PREFAULT_STEP = 256 << 20
+_PREFAULT_THREADS = 8
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+
+
+def _populate(address: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE one range; False when the kernel cannot (then touch pages)."""
+    result: int = _madvise(address, length, _MADV_POPULATE_WRITE)
+    return result == 0
 
 
 class ArenaError(Exception):
@@ -38,6 +57,7 @@ class Arena:
         *,
         progress: Callable[[float], None] | None = None,
         unlink_on_close: bool = True,
+        pin: Callable[[int, int], object] | None = None,
     ) -> None:
         if size <= 0:
             raise ArenaError(f"arena size must be positive, got {size}")
@@ -56,7 +76,11 @@ class Arena:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise ArenaError(f"arena {path} is in use by another daemon") from exc
                 raise
-            current = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            current = info.st_size
+            # Same file, same size: its bytes are the previous daemon's chunks (see journal).
+            self.reused = current == size
+            self.identity = (info.st_dev, info.st_ino, size)
             if current != size:
                 free = _free_bytes(directory) + current
                 if size > free:
@@ -77,26 +101,72 @@ class Arena:
             self._mmap
         )
         self.address = ctypes.addressof(self._view)
-        self._prefault(progress)
+        self._pinned: object = None
+        try:
+            self._prefault(progress)
+            if pin is not None:
+                self._pinned = pin(self.address, size)
+        except BaseException:
+            self._view = None
+            self._mmap.close()
+            os.close(fd)
+            if created:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
 
     def _prefault(self, progress: Callable[[float], None] | None) -> None:
         started = time.perf_counter()
-        for start in range(0, self.size, _PREFAULT_STEP):
-            length = min(_PREFAULT_STEP, self.size - start)
-            try:
-                self._mmap.madvise(_MADV_POPULATE_WRITE, start, length)
-            except OSError:
-                # Older kernels: touch one byte per page (writing what is there keeps data).
-                for page in range(start, start + length, mmap.PAGESIZE):
-                    self._mmap[page] = self._mmap[page]
+        ranges = [
+            (start, min(_PREFAULT_STEP, self.size - start))
+            for start in range(0, self.size, _PREFAULT_STEP)
+        ]
+        threads = min(_PREFAULT_THREADS, os.cpu_count() or 1, len(ranges))
+        done = 0
+        untouched: list[tuple[int, int]] = []
+
+        def advance(length: int) -> None:
+            nonlocal done
+            done += length
             if progress is not None:
-                progress((start + length) / self.size)
+                progress(done / self.size)
+
+        if threads <= 1:
+            for start, length in ranges:
+                if not _populate(self.address + start, length):
+                    self._touch(start, length)
+                advance(length)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="offloadd-prefault") as pool:
+                futures = {
+                    pool.submit(_populate, self.address + start, length): (start, length)
+                    for start, length in ranges
+                }
+                for future in as_completed(futures):
+                    start, length = futures[future]
+                    if future.result():
+                        advance(length)
+                    else:
+                        untouched.append((start, length))
+            for start, length in sorted(untouched):
+                self._touch(start, length)
+                advance(length)
         logger.info(
             "arena %s: %d MiB pre-faulted in %.2fs",
             self.path,
             self.size >> 20,
             time.perf_counter() - started,
         )
+
+    def _touch(self, start: int, length: int) -> None:
+        # Older kernels: touch one byte per page (writing what is there keeps data).
+        for page in range(start, start + length, mmap.PAGESIZE):
+            self._mmap[page] = self._mmap[page]
+
+    @property
+    def pinned(self) -> object:
+        """What the ``pin`` hook returned (None without a hook, or when pinning failed)."""
+        return self._pinned
 
     def view(self, offset: int, size: int) -> memoryview:
         """A memoryview of ``size`` bytes at ``offset`` (for tests and verification)."""
@@ -109,6 +179,13 @@ class Arena:
         if self._view is None:
             return
         self._view = None
+        pinned, self._pinned = self._pinned, None
+        close_pin = getattr(pinned, "close", None)
+        if callable(close_pin):
+            try:
+                close_pin()
+            except Exception:
+                logger.exception("arena %s: releasing the pinned registration failed", self.path)
         try:
             self._mmap.close()
         except BufferError:

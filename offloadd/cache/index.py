@@ -36,7 +36,8 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from types import MappingProxyType
@@ -50,6 +51,7 @@ __all__ = [
     "Entry",
     "LoadReservation",
     "LookupOutcome",
+    "RestoredChunk",
     "ShardWrite",
     "StoreReservation",
 ]
@@ -115,6 +117,23 @@ class LookupOutcome:
     hits: int
     pending: list[int]
     pinned: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredChunk:
+    """A committed chunk found again after a restart (see ``ChunkCache.restore``)."""
+
+    namespace: str
+    key: bytes
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _overlaps(taken: list[tuple[int, int]], start: int, end: int) -> bool:
+    i = bisect_left(taken, (start, start))
+    if i > 0 and taken[i - 1][1] > start:
+        return True
+    return i < len(taken) and taken[i][0] < end
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +228,59 @@ class ChunkCache:
         self._miss_keys = 0
         self._stores_refused = 0
         self._evictions = 0
+
+    # -- restart ----------------------------------------------------------------------------
+
+    def restore(self, chunks: Iterable[RestoredChunk]) -> int:
+        """Rebuild committed entries after a restart (only into an empty cache).
+
+        ``chunks`` come in the order they were committed, which seeds the eviction order.
+        A chunk whose extents are unaligned, outside the arena or overlap an earlier one is
+        skipped (a damaged record must never alias live bytes). Returns how many were kept.
+        """
+        if self._entries:
+            raise ValueError("restore needs an empty cache")
+        align, capacity = self._alloc.align, self._alloc.capacity
+        kept: list[RestoredChunk] = []
+        taken: list[tuple[int, int]] = []  # (start, end) of accepted extents, kept sorted
+        for chunk in chunks:
+            spans = [
+                (offset, offset + self._alloc.alloc_size(size))
+                for offset, size in zip(chunk.offsets, chunk.sizes, strict=True)
+            ]
+            if any(start % align or end > capacity or start < 0 for start, end in spans):
+                continue
+            if any(_overlaps(taken, start, end) for start, end in spans):
+                continue
+            for span in spans:
+                insort(taken, span)
+            kept.append(chunk)
+        self._alloc = ExtentAllocator.with_allocated(
+            self._alloc.capacity,
+            [(o, z) for c in kept for o, z in zip(c.offsets, c.sizes, strict=True)],
+            align,
+        )
+        for chunk in kept:
+            entry = Entry(chunk.namespace, chunk.key, list(chunk.offsets), tuple(chunk.sizes))
+            entry.written = (1 << len(entry.sizes)) - 1
+            entry.committed = True
+            self._tables.setdefault(chunk.namespace, {})[chunk.key] = entry
+            self._policy.insert((chunk.namespace, chunk.key))
+            self._entries += 1
+            self._committed += 1
+            self._committed_bytes += entry.nbytes
+        return len(kept)
+
+    def committed_chunks(self) -> list[RestoredChunk]:
+        """Every committed entry, least recently used first (to journal a compact state)."""
+        chunks = []
+        for namespace, key in self._policy.candidates():
+            entry = self._tables[namespace][key]
+            if entry.committed and not entry.dead:
+                chunks.append(
+                    RestoredChunk(namespace, key, tuple(entry.offsets), tuple(entry.sizes))
+                )
+        return chunks
 
     # -- lookup -----------------------------------------------------------------------------
 

@@ -1,11 +1,15 @@
 """Copy engines: submit a batch of moves in one direction, get a completion.
 
-Contract (every engine, cpu now and cuda later):
-- ``submit(direction, moves)`` takes absolute ``(src, dst, nbytes)`` triples, already
-  validated to lie inside their regions, and returns a ``concurrent.futures.Future`` that
-  resolves to the seconds the copy took, or raises if it failed.
-- Jobs of one direction complete in submission order (FIFO per direction); the two
-  directions run independently.
+Contract (every engine: ``cpu`` here, ``cuda`` in ``offloadd.transfer.cuda``):
+- ``submit(direction, moves, *, device=-1, wait_event=None)`` takes absolute
+  ``(src, dst, nbytes)`` triples, already validated to lie inside their regions, and returns
+  a ``concurrent.futures.Future`` that resolves to the seconds the copy took, or raises if it
+  failed. ``device`` is the local CUDA ordinal of the rank's memory (``Import.device``) and
+  ``wait_event`` an optional CUDA IPC event handle the copy must wait for; the cpu engine
+  ignores both.
+- Jobs of one direction complete in submission order (FIFO per direction; the cuda engine
+  keeps this per device, so GPUs never wait for each other); the two directions run
+  independently.
 - The caller keeps source and destination mapped until the future resolves.
 - ``close()`` waits for submitted copies and stops the engine; it is idempotent.
 The daemon's event loop never copies bytes itself: it only submits and awaits futures.
@@ -36,7 +40,14 @@ class CopyEngine(Protocol):
 
     name: str
 
-    def submit(self, direction: Direction, moves: Sequence[Triple]) -> Future[float]:
+    def submit(
+        self,
+        direction: Direction,
+        moves: Sequence[Triple],
+        *,
+        device: int = -1,
+        wait_event: bytes | None = None,
+    ) -> Future[float]:
         """Start copying ``moves``; the future gives the seconds spent."""
         ...
 
@@ -65,8 +76,16 @@ class CpuCopyEngine:
         }
         self._closed = False
 
-    def submit(self, direction: Direction, moves: Sequence[Triple]) -> Future[float]:
-        """Queue ``moves`` behind earlier jobs of the same direction."""
+    def submit(
+        self,
+        direction: Direction,
+        moves: Sequence[Triple],
+        *,
+        device: int = -1,
+        wait_event: bytes | None = None,
+    ) -> Future[float]:
+        """Queue ``moves`` behind earlier jobs of the same direction (``device`` and
+        ``wait_event`` concern CUDA memory only and are ignored)."""
         if self._closed:
             raise RuntimeError("copy engine is closed")
         return self._pools[direction].submit(_copy_all, list(moves))

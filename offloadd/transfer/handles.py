@@ -8,6 +8,14 @@ goes away under an in-flight copy.
 
 Shared-memory handles are confined to ``allowed_dirs`` (a rank must not make the daemon map,
 and later write, an arbitrary file) and may never name the daemon's own arena.
+
+CUDA IPC handles are opened through the ``cuda`` opener the table is built with (see
+``CudaOpener``; ``offloadd.cuda_ipc.CudaIpcOpener`` in the daemon, a fake in tests). One
+mapping per exported storage: ``(device UUID, handle bytes, storage offset)``, the key torch
+itself uses for its IPC cache. It is closed when the last reference goes, so releasing a
+reaped rank's imports unmaps its GPU memory at once. ``Import.device`` is the local device
+ordinal of a CUDA import (-1 for host memory), which the cuda copy engine needs per job.
+Without a cuda opener, CUDA handles are refused with a clear message.
 """
 
 from __future__ import annotations
@@ -16,14 +24,32 @@ import ctypes
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from offloadd.cuda_ipc import normalize_uuid
 from protocol.handles import CudaIpcHandle, MemoryHandle, ShmHandle
 
 
 class HandleError(Exception):
     """A handle that cannot be opened; the message says why."""
+
+
+class CudaOpener(Protocol):
+    """Imports CUDA IPC handles for ``HandleTable`` (torch in the daemon, fakes in tests)."""
+
+    def device_index(self, handle: CudaIpcHandle) -> int:
+        """The local device ordinal of the handle's GPU; raises if it is not visible."""
+        ...
+
+    def open(self, handle: CudaIpcHandle) -> tuple[int, int, Callable[[], None]]:
+        """Import the object ``handle`` names: ``(address, size, close)``.
+
+        ``address`` and ``size`` describe the whole imported object (the table adds
+        ``handle.offset`` and checks ``handle.size`` against it); ``close`` drops the import.
+        """
+        ...
 
 
 @dataclass(eq=False)
@@ -33,6 +59,7 @@ class _Mapping:
     base: int
     refs: int
     close: object  # zero-argument callable that unmaps
+    device: int = -1
 
 
 @dataclass(eq=False)
@@ -43,16 +70,22 @@ class Import:
     address: int
     size: int
     _mapping: _Mapping = field(repr=False)
+    device: int = -1  # local CUDA device ordinal of a CUDA import; -1 for host memory
 
 
 class HandleTable:
     """Process-wide refcounted imports; see the module docstring."""
 
     def __init__(
-        self, allowed_dirs: Sequence[str] = ("/dev/shm",), forbidden: Sequence[str] = ()
+        self,
+        allowed_dirs: Sequence[str] = ("/dev/shm",),
+        forbidden: Sequence[str] = (),
+        *,
+        cuda: CudaOpener | None = None,
     ) -> None:
         self._allowed = [os.path.realpath(d) for d in allowed_dirs]
         self._forbidden = {_file_id(p) for p in forbidden if os.path.exists(p)}
+        self._cuda = cuda
         self._mappings: dict[tuple[object, ...], _Mapping] = {}
 
     def __len__(self) -> int:
@@ -71,16 +104,16 @@ class HandleTable:
             case ShmHandle():
                 mapping = self._open_shm(handle)
             case CudaIpcHandle():
-                raise HandleError(
-                    "CUDA IPC handles need the cuda copy engine, which this daemon does not run"
-                )
+                mapping = self._open_cuda(handle)
         if handle.offset + handle.size > mapping.size:
             self._unref(mapping)
             raise HandleError(
                 f"region [{handle.offset}, {handle.offset + handle.size}) lies outside the "
                 f"{mapping.size}-byte object it names"
             )
-        return Import(handle, mapping.base + handle.offset, handle.size, mapping)
+        return Import(
+            handle, mapping.base + handle.offset, handle.size, mapping, device=mapping.device
+        )
 
     def release(self, imported: Import) -> None:
         """Drop one reference taken by ``open``."""
@@ -131,6 +164,29 @@ class HandleTable:
             mm.close()
 
         mapping = _Mapping(key, info.st_size, ctypes.addressof(view), 1, unmap)
+        self._mappings[key] = mapping
+        return mapping
+
+    def _open_cuda(self, handle: CudaIpcHandle) -> _Mapping:
+        if self._cuda is None:
+            raise HandleError(
+                "CUDA IPC handles need the cuda copy engine, which this daemon does not run"
+            )
+        key = ("cuda", normalize_uuid(handle.device_uuid), handle.handle, handle.storage_offset)
+        existing = self._mappings.get(key)
+        if existing is not None:
+            existing.refs += 1
+            return existing
+        try:
+            device = self._cuda.device_index(handle)
+            base, size, close = self._cuda.open(handle)
+        except HandleError:
+            raise
+        except Exception as exc:
+            raise HandleError(
+                f"cannot open the CUDA IPC handle of GPU {handle.device_uuid}: {exc}"
+            ) from exc
+        mapping = _Mapping(key, size, base, 1, close, device)
         self._mappings[key] = mapping
         return mapping
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -17,6 +22,7 @@ import torch
 
 from offloadd.client import OffloadClient
 from offloadd.daemon import Daemon
+from offloadd.errors import DaemonUnavailable
 from offloadd.settings import CacheSettings, EventSettings, ServerSettings, Settings
 from offloadd.shm import SharedKVTensor
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
@@ -38,7 +44,7 @@ class DaemonThread:
         self.arena_path = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
         self.settings = Settings(
             server=ServerSettings(endpoint=self.endpoint, drain_seconds=5.0),
-            cache=CacheSettings(arena=self.arena_path, capacity=capacity),
+            cache=CacheSettings(arena=self.arena_path, capacity=capacity, persist=False),
             events=EventSettings(
                 endpoint=f"ipc://{self.workdir}/ev.sock",
                 replay_endpoint=f"ipc://{self.workdir}/replay.sock",
@@ -229,3 +235,49 @@ def chunk_block_ids(chunks: Sequence[int], blocks_per_chunk: int, base: int = 0)
 def shm_leftovers() -> list[str]:
     """Test files still in /dev/shm (fixtures must remove what they create)."""
     return [name for name in os.listdir("/dev/shm") if name.startswith("od-test")]
+
+
+class ServeProcess:
+    """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests)."""
+
+    def __init__(self, workdir: str, arena: str, capacity: str = "64MiB") -> None:
+        self.endpoint = f"ipc://{workdir}/d.sock"
+        self.events_endpoint = f"ipc://{workdir}/ev.sock"
+        self.replay_endpoint = f"ipc://{workdir}/replay.sock"
+        self.arena = arena
+        self.capacity = capacity
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServeProcess:
+        command = [
+            sys.executable, "-m", "offloadd", "serve",
+            "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", self.capacity,
+            "--events-endpoint", self.events_endpoint,
+            "--events-replay-endpoint", self.replay_endpoint,
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command)
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.process.poll() is None, "daemon exited at start"
+            try:
+                with OffloadClient(self.endpoint, timeout=0.5, heartbeat=0) as client:
+                    client.stats()
+                return self
+            except DaemonUnavailable:
+                assert time.monotonic() < deadline, "daemon did not start"
+
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        assert self.process is not None
+        self.process.send_signal(signum)
+        status = self.process.wait(30)
+        self.process = None
+        return status
+
+    def cleanup(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(30)
+        for path in (self.arena, self.arena + ".journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

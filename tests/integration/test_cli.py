@@ -46,6 +46,7 @@ def served() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
             arena,
             "--capacity",
             "64MiB",
+            "--no-persist",
         ],
     )
     deadline = time.monotonic() + 30

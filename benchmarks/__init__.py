@@ -1,0 +1,222 @@
+"""Side-by-side benchmarks of offloadd: every figure is a ratio against a baseline measured
+in the same run (``DESIGN.md`` §9). Not part of ``pytest``.
+
+``python -m benchmarks [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
+
+Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1MiB``):
+
+- ``shm``: store/load throughput through a daemon subprocess vs a plain in-process copy of
+  the same moves (``shm_store_<size>``, ``shm_load_<size>``, ``..._4ranks``).
+- ``lookup``: lookup round-trip p50/p99 and lookups per second (1 and 8 clients) vs a bare
+  ZeroMQ DEALER/ROUTER echo of the same payload in the same kind of process.
+- ``handshake``: 8 ranks from first Hello to engine ready vs 8 bare echo round trips.
+- ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k, and
+  index bytes per entry vs the key bytes.
+- ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
+  vs raw PUB/SUB of same-size payloads.
+
+Progress goes to stderr, the table to stdout, the results (a list of
+``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from benchmarks._util import Context, Progress, Result, Scratch
+
+__all__ = ["GROUPS", "main"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of measurements that share their set-up."""
+
+    name: str
+    patterns: tuple[str, ...]  # the result names it produces
+    run: Callable[[Context], list[Result]]
+
+
+def _shm(ctx: Context) -> list[Result]:
+    from benchmarks import datapath
+
+    return datapath.run(ctx)
+
+
+def _lookup(ctx: Context) -> list[Result]:
+    from benchmarks import control
+
+    return control.run_lookup(ctx)
+
+
+def _handshake(ctx: Context) -> list[Result]:
+    from benchmarks import control
+
+    return control.run_handshake(ctx)
+
+
+def _index(ctx: Context) -> list[Result]:
+    from benchmarks import growth
+
+    return growth.run(ctx)
+
+
+def _events(ctx: Context) -> list[Result]:
+    from benchmarks import events
+
+    return events.run(ctx)
+
+
+GROUPS = (
+    Group("shm", ("shm_store_*", "shm_load_*"), _shm),
+    Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
+    Group("handshake", ("handshake_*",), _handshake),
+    Group("index", ("lookup_cost_*", "store_cost_*", "index_bytes_per_entry*"), _index),
+    Group("events", ("events_per_s",), _events),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="offloadd benchmarks: ratios against baselines measured side by side.",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        default=[],
+        help="groups (" + ", ".join(g.name for g in GROUPS) + ") or result-name patterns",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="record each daemon subprocess with py-spy (collapsed stacks) into DIR",
+    )
+    return parser
+
+
+def _selected(only: Sequence[str]) -> tuple[list[Group], list[str]]:
+    """Groups to run and result-name patterns to keep (empty: all)."""
+    if not only:
+        return list(GROUPS), []
+    groups: list[Group] = []
+    patterns: list[str] = []
+    for word in only:
+        named = [g for g in GROUPS if g.name == word]
+        if named:
+            patterns.extend(named[0].patterns)
+        else:
+            patterns.append(word)
+    for group in GROUPS:
+        if any(_overlaps(p, gp) for p in patterns for gp in group.patterns):
+            groups.append(group)
+    return groups, patterns
+
+
+def _overlaps(pattern: str, group_pattern: str) -> bool:
+    """Whether names matching ``pattern`` may come from ``group_pattern`` (literal heads)."""
+    head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    group_head = group_pattern.split("*", 1)[0]
+    return head.startswith(group_head) or group_head.startswith(head)
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.1f}"
+    if magnitude >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """The table printed last on stdout."""
+    rows = [("name", "value", "baseline", "unit", "ratio", "goal")]
+    for r in results:
+        goal = str(r.params.get("goal", ""))
+        verdict = r.params.get("goal_met")
+        if goal and verdict is not None:
+            goal += "  ok" if verdict else "  MISSED"
+        rows.append((r.name, _number(r.value), _number(r.baseline), r.unit, f"{r.ratio:.2f}", goal))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for index, row in enumerate(rows):
+        cells = [
+            cell.ljust(width) if i in (0, 3, 5) else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _judge(result: Result) -> None:
+    """Fill ``goal_met`` for the goals stated in ``params["goal"]``."""
+    goal = result.params.get("goal")
+    if not isinstance(goal, str):
+        return
+    kind, op, limit = goal.split()
+    value = result.ratio if kind == "ratio" else result.value
+    bound = float(limit)
+    result.params["goal_met"] = value >= bound if op == ">=" else value <= bound
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the selected benchmarks; print the table; write JSON. Returns an exit status."""
+    args = _parser().parse_args(argv)
+    groups, patterns = _selected(args.only)
+    if not groups:
+        print(f"no benchmark matches {args.only}", file=sys.stderr)
+        return 2
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    progress = Progress()
+    scratch = Scratch()
+    ctx = Context(args.quick, scratch, progress, patterns, args.profile)
+    results: list[Result] = []
+    failed: list[str] = []
+    started = time.perf_counter()
+    try:
+        for group in groups:
+            progress(f"{group.name}: start")
+            try:
+                results += group.run(ctx)
+            except Exception as exc:  # one broken group must not lose the others' figures
+                failed.append(group.name)
+                progress(f"{group.name}: FAILED: {exc!r}")
+    finally:
+        scratch.close()
+    for result in results:
+        _judge(result)
+    mode = "quick" if args.quick else "full"
+    progress(f"done in {time.perf_counter() - started:.0f}s ({mode})")
+    if args.profile:
+        from benchmarks._profile import summarize_dir
+
+        summarize_dir(args.profile)
+        progress(f"profiles and summaries in {args.profile}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump([r.as_json() for r in results], handle, indent=2)
+            handle.write("\n")
+    print(format_table(results))
+    if failed:
+        print(f"failed groups: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

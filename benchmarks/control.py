@@ -1,0 +1,370 @@
+"""Control path: lookup round trips, lookups per second, and the 8-rank handshake.
+
+The daemon and the baseline echo server are both subprocesses of the same kind (uvloop +
+zmq.asyncio, a ROUTER bound on ipc://), so the only difference is what happens between
+receive and send: the echo sends the frame back, the daemon decodes, checks, looks the keys
+up in its index and encodes a reply. Clients are the real ones: ``OffloadClient`` (blocking)
+for round-trip latency, ``AsyncOffloadClient`` for throughput and the handshake; the echo
+side uses bare pyzmq sockets of the same kind (blocking DEALER, asyncio DEALER with its own
+context per client, as each async client has) with the very bytes of the daemon request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import uvloop
+import zmq
+import zmq.asyncio
+
+from benchmarks._util import Context, Result, ServerProcess, median, percentile, ratio
+from benchmarks.datapath import chunk_keys, daemon
+from offloadd.client import AsyncOffloadClient, OffloadClient
+from offloadd.shm import SharedKVTensor
+from protocol import PROTOCOL_VERSION
+from protocol.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from protocol.handles import KVRegion
+from protocol.messages import Hello, Lookup, encode
+
+LOOKUP_KEYS = 32  # a prompt of 32 chunks
+LOOKUP_HITS = 16  # of which the first 16 are cached
+PAGE = 4096
+NUM_BLOCKS = 64
+LAYER = "model.layers.0.attn"
+
+
+def small_config(engine_id: str, rank: int = 0, tp: int = 1) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=(LAYER,)),),
+        worker_kv_bytes_per_block=PAGE,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name="bench/control", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _servers(ctx: Context, label: str) -> Iterator[tuple[str, str]]:
+    echo_endpoint = ctx.scratch.endpoint("echo")
+    with (
+        daemon(ctx, 64 << 20, label) as endpoint,
+        ServerProcess("echo", {"endpoint": echo_endpoint}),
+    ):
+        yield endpoint, echo_endpoint
+
+
+@contextlib.contextmanager
+def _kv_files(ctx: Context, count: int) -> Iterator[list[SharedKVTensor]]:
+    files: list[SharedKVTensor] = []
+    try:
+        for _ in range(count):
+            files.append(
+                SharedKVTensor.create(
+                    NUM_BLOCKS, PAGE, [LAYER], prefix=f"{ctx.scratch.shm_prefix}-ctl"
+                )
+            )
+        yield files
+    finally:
+        for kv in files:
+            kv.close()
+
+
+# ------------------------------------------------------------------------- lookups
+
+
+def run_lookup(ctx: Context) -> list[Result]:
+    """``lookup_rtt_p50``, ``lookup_rtt_p99``, ``lookups_per_s_1``, ``lookups_per_s_8``."""
+    keys = chunk_keys(LOOKUP_KEYS, b"lookup")
+    payload = encode(Lookup(1_000_000, keys))
+    results: list[Result] = []
+    with _servers(ctx, "lookup") as (endpoint, echo), _kv_files(ctx, 1) as files:
+        config = small_config("bench-lookup")
+        with OffloadClient.connect(endpoint, config, [files[0].region], name="worker") as worker:
+            worker.wait_ready(30)
+            worker.store(1, keys[:LOOKUP_HITS], list(range(LOOKUP_HITS)))
+            worker.wait([1])
+            with OffloadClient.connect(endpoint, config, role="scheduler") as scheduler:
+                hits = scheduler.lookup(keys).hits
+                if hits != LOOKUP_HITS:
+                    raise RuntimeError(f"lookup found {hits} hits, expected {LOOKUP_HITS}")
+                if any(ctx.wanted(n) for n in ("lookup_rtt_p50", "lookup_rtt_p99")):
+                    results += _rtt(ctx, scheduler, keys, echo, payload)
+            for clients in (1, 8):
+                if ctx.wanted(f"lookups_per_s_{clients}"):
+                    results.append(
+                        uvloop.run(_rate(ctx, endpoint, config, keys, echo, payload, clients))
+                    )
+    return [r for r in results if ctx.wanted(r.name)]
+
+
+def _rtt(
+    ctx: Context, client: OffloadClient, keys: list[bytes], echo: str, payload: bytes
+) -> list[Result]:
+    samples = 3000 if ctx.quick else 15000
+    block = 250
+    ctx.progress(f"lookup round trips: {samples} each, daemon and echo alternating")
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(echo)
+    clock = time.perf_counter_ns
+    try:
+
+        def daemon_block(count: int, out: list[float]) -> None:
+            for _ in range(count):
+                started = clock()
+                client.lookup(keys)
+                out.append((clock() - started) / 1e3)
+
+        def echo_block(count: int, out: list[float]) -> None:
+            for _ in range(count):
+                started = clock()
+                sock.send(payload)
+                sock.recv()
+                out.append((clock() - started) / 1e3)
+
+        warm: list[float] = []
+        daemon_block(300, warm)
+        echo_block(300, warm)
+        d: list[float] = []
+        e: list[float] = []
+        for index in range(samples // block):
+            if index % 2 == 0:
+                daemon_block(block, d)
+                echo_block(block, e)
+            else:
+                echo_block(block, e)
+                daemon_block(block, d)
+    finally:
+        sock.close(linger=0)
+        zctx.term()
+    params = {
+        "keys": len(keys),
+        "hits": LOOKUP_HITS,
+        "payload_bytes": len(payload),
+        "samples": len(d),
+        "client": "OffloadClient (blocking)",
+        "baseline": "blocking DEALER -> uvloop zmq.asyncio ROUTER echo subprocess, ipc://",
+    }
+    results = []
+    for q in (50, 99):
+        value, base = percentile(d, q), percentile(e, q)
+        extra = {"goal": "ratio <= 1.5"} if q == 50 else {}
+        results.append(
+            Result(f"lookup_rtt_p{q}", value, "us", base, ratio(value, base), params | extra)
+        )
+        ctx.progress(f"  lookup_rtt_p{q}: {value:.0f} us vs echo {base:.0f} us")
+    return results
+
+
+async def _rate(
+    ctx: Context,
+    endpoint: str,
+    config: OffloadingConfig,
+    keys: list[bytes],
+    echo: str,
+    payload: bytes,
+    concurrency: int,
+) -> Result:
+    rounds = 3 if ctx.quick else 5
+    seconds = 1.0 if ctx.quick else 2.0
+    ctx.progress(f"lookups/s with {concurrency} clients: {rounds} rounds of {seconds:.0f}s each")
+    clients: list[AsyncOffloadClient] = []
+    contexts: list[zmq.asyncio.Context] = []
+    sockets: list[zmq.asyncio.Socket] = []
+    try:
+        for index in range(concurrency):
+            clients.append(
+                await AsyncOffloadClient.connect(
+                    endpoint, config, role="scheduler", name=f"bench scheduler {index}"
+                )
+            )
+            zctx = zmq.asyncio.Context()
+            contexts.append(zctx)
+            sock = zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(echo)
+            sockets.append(sock)
+
+        async def daemon_loop(client: AsyncOffloadClient, deadline: float) -> int:
+            count = 0
+            while time.perf_counter() < deadline:
+                await client.lookup(keys)
+                count += 1
+            return count
+
+        async def echo_loop(sock: zmq.asyncio.Socket, deadline: float) -> int:
+            count = 0
+            while time.perf_counter() < deadline:
+                await sock.send(payload)
+                await sock.recv()
+                count += 1
+            return count
+
+        async def daemon_round(duration: float) -> float:
+            started = time.perf_counter()
+            deadline = started + duration
+            counts = await asyncio.gather(*(daemon_loop(c, deadline) for c in clients))
+            return sum(counts) / (time.perf_counter() - started)
+
+        async def echo_round(duration: float) -> float:
+            started = time.perf_counter()
+            deadline = started + duration
+            counts = await asyncio.gather(*(echo_loop(s, deadline) for s in sockets))
+            return sum(counts) / (time.perf_counter() - started)
+
+        await daemon_round(0.2)
+        await echo_round(0.2)
+        d: list[float] = []
+        e: list[float] = []
+        for index in range(rounds):
+            if index % 2 == 0:
+                d.append(await daemon_round(seconds))
+                e.append(await echo_round(seconds))
+            else:
+                e.append(await echo_round(seconds))
+                d.append(await daemon_round(seconds))
+    finally:
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await client.close()
+        for sock in sockets:
+            sock.close(linger=0)
+        for zctx in contexts:
+            zctx.term()
+    value, base = median(d), median(e)
+    name = f"lookups_per_s_{concurrency}"
+    ctx.progress(f"  {name}: {value:,.0f}/s vs echo {base:,.0f}/s")
+    params = {
+        "clients": concurrency,
+        "keys": len(keys),
+        "payload_bytes": len(payload),
+        "rounds": rounds,
+        "round_seconds": seconds,
+        "client": "AsyncOffloadClient, one loop (uvloop) in the benchmark process",
+        "baseline": "asyncio DEALERs (one context each) -> uvloop ROUTER echo subprocess",
+    }
+    return Result(name, value, "1/s", base, ratio(value, base), params)
+
+
+# ------------------------------------------------------------------------- handshake
+
+HANDSHAKE_RANKS = 8
+
+
+def run_handshake(ctx: Context) -> list[Result]:
+    """``handshake_8_ranks``: first Hello sent to every rank knowing the engine is ready."""
+    if not ctx.wanted("handshake_8_ranks"):
+        return []
+    with (
+        _servers(ctx, "handshake") as (endpoint, echo),
+        _kv_files(ctx, HANDSHAKE_RANKS) as files,
+    ):
+        return [uvloop.run(_handshake(ctx, endpoint, echo, [kv.region for kv in files]))]
+
+
+async def _handshake(ctx: Context, endpoint: str, echo: str, regions: list[KVRegion]) -> Result:
+    reps = 7 if ctx.quick else 21
+    ctx.progress(f"handshake of {HANDSHAKE_RANKS} ranks: {reps} reps, alternating with echo")
+    hello = encode(
+        Hello(
+            request_id=1,
+            protocol_version=PROTOCOL_VERSION,
+            role="worker",
+            config=small_config("bench-handshake-echo", 0, HANDSHAKE_RANKS),
+            regions=(regions[0],),
+            pid=os.getpid(),
+            client_name="bench rank 0",
+        )
+    )
+
+    async def daemon_once(rep: int) -> float:
+        engine_id = f"bench-handshake-{rep}"
+        clients: list[AsyncOffloadClient] = []
+
+        async def one(rank: int) -> None:
+            client = await AsyncOffloadClient.connect(
+                endpoint,
+                small_config(engine_id, rank, HANDSHAKE_RANKS),
+                [regions[rank]],
+                name=f"bench rank {rank}",
+            )
+            clients.append(client)
+            await client.wait_ready(30)
+
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(one(rank) for rank in range(HANDSHAKE_RANKS)))
+            return time.perf_counter() - started
+        finally:
+            for client in clients:
+                await client.close()
+
+    async def echo_once() -> float:
+        contexts: list[zmq.asyncio.Context] = []
+        sockets: list[zmq.asyncio.Socket] = []
+
+        async def one() -> None:
+            zctx = zmq.asyncio.Context()
+            contexts.append(zctx)
+            sock = zctx.socket(zmq.DEALER)
+            sockets.append(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(echo)
+            await sock.send(hello)
+            await sock.recv()
+
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(one() for _ in range(HANDSHAKE_RANKS)))
+            return time.perf_counter() - started
+        finally:
+            for sock in sockets:
+                sock.close(linger=0)
+            for zctx in contexts:
+                zctx.term()
+
+    await daemon_once(-1)
+    await echo_once()
+    d: list[float] = []
+    e: list[float] = []
+    for rep in range(reps):
+        if rep % 2 == 0:
+            d.append(await daemon_once(rep))
+            e.append(await echo_once())
+        else:
+            e.append(await echo_once())
+            d.append(await daemon_once(rep))
+    value, base = median(d) * 1e3, median(e) * 1e3
+    ctx.progress(f"  handshake_8_ranks: {value:.1f} ms vs echo {base:.1f} ms")
+    params = {
+        "ranks": HANDSHAKE_RANKS,
+        "reps": reps,
+        "hello_bytes": len(hello),
+        "client": "AsyncOffloadClient.connect + wait_ready, 8 concurrently, one loop",
+        "baseline": "8 concurrent asyncio DEALERs (own context each): connect, send the "
+        "Hello bytes, receive the echo",
+    }
+    return Result("handshake_8_ranks", value, "ms", base, ratio(value, base), params)
