@@ -920,6 +920,8 @@ class Daemon:
             protocol_errors=self.counters.protocol_errors,
             sessions=len(self._states),
             engines=[engine.state() for engine in self.registry.engines()],
+            imports=len(self._handles) if self._handles is not None else 0,
+            jobs_in_flight=self._jobs_in_flight,
         )
 
     def _require_cache(self) -> ChunkCache:

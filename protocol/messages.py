@@ -222,6 +222,8 @@ class DaemonStats(msgspec.Struct, frozen=True):
     protocol_errors: int
     sessions: int
     engines: list[EngineState]
+    imports: int = 0  # memory handles currently mapped (closed when their sessions end)
+    jobs_in_flight: int = 0
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

@@ -14,8 +14,12 @@ DaemonFactory = Callable[..., DaemonThread]
 def daemon_factory() -> Iterator[DaemonFactory]:
     started: list[DaemonThread] = []
 
-    def start(capacity: int = 64 << 20, copy_engine: CopyEngine | None = None) -> DaemonThread:
-        daemon = DaemonThread(capacity, copy_engine).start()
+    def start(
+        capacity: int = 64 << 20,
+        copy_engine: CopyEngine | None = None,
+        session_timeout: float = 30.0,
+    ) -> DaemonThread:
+        daemon = DaemonThread(capacity, copy_engine, session_timeout).start()
         started.append(daemon)
         return daemon
 

@@ -38,12 +38,19 @@ from protocol.config import (
 class DaemonThread:
     """Runs ``Daemon`` on a private endpoint and arena until ``stop()``."""
 
-    def __init__(self, capacity: int = 64 << 20, copy_engine: CopyEngine | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int = 64 << 20,
+        copy_engine: CopyEngine | None = None,
+        session_timeout: float = 30.0,
+    ) -> None:
         self.workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
         self.endpoint = f"ipc://{self.workdir}/d.sock"
         self.arena_path = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
         self.settings = Settings(
-            server=ServerSettings(endpoint=self.endpoint, drain_seconds=5.0),
+            server=ServerSettings(
+                endpoint=self.endpoint, drain_seconds=5.0, session_timeout=session_timeout
+            ),
             cache=CacheSettings(arena=self.arena_path, capacity=capacity, persist=False),
             events=EventSettings(
                 endpoint=f"ipc://{self.workdir}/ev.sock",
