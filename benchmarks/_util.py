@@ -241,7 +241,7 @@ def _attach_py_spy(pid: int, output: str) -> subprocess.Popen[bytes] | None:
         print("[bench] py-spy not found: no profile", file=sys.stderr)
         return None
     command = [py_spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw"]
-    command += ["--threads", "--output", output]
+    command += ["--threads", "--gil", "--nonblocking", "--output", output]
     profiler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)  # py-spy needs a moment to attach before the load starts
     return profiler

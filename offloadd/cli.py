@@ -1,4 +1,4 @@
-"""The ``offloadd`` command line: ``serve``, ``demo`` and ``events`` (more plug in here)."""
+"""The ``offloadd`` command line: ``serve``, ``status``, ``check-config``, ``demo``, ``events``."""
 
 from __future__ import annotations
 
@@ -8,34 +8,30 @@ import logging
 import os
 import signal
 import sys
-import tomllib
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from offloadd import __version__
-from offloadd.settings import EventSettings, Settings, parse_size
+from offloadd.settings import (
+    ENV_PREFIX,
+    EventSettings,
+    SettingsError,
+    configure_logging,
+    load_settings,
+    settings_toml,
+)
 
-
-def load_settings(path: str | None, overrides: dict[str, dict[str, Any]]) -> Settings:
-    """Defaults < TOML file < command-line overrides; unknown keys and wrong types are errors."""
-    data: dict[str, dict[str, Any]] = {}
-    if path:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
-    for section, values in overrides.items():
-        data.setdefault(section, {}).update(values)
-    try:
-        return msgspec.convert(data, Settings)
-    except msgspec.ValidationError as exc:
-        raise SystemExit(f"offloadd: invalid settings: {exc}") from None
+# Exit status for settings that do not load (a usage error, as argparse uses).
+BAD_SETTINGS = 2
 
 
 def _serve(args: argparse.Namespace) -> int:
     from offloadd.cache.arena import ArenaError
     from offloadd.daemon import run
     from offloadd.endpoint import EndpointInUse
+    from offloadd.metrics import MetricsError
 
     overrides: dict[str, dict[str, Any]] = {}
     if args.endpoint:
@@ -43,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.arena:
         overrides.setdefault("cache", {})["arena"] = args.arena
     if args.capacity:
-        overrides.setdefault("cache", {})["capacity"] = parse_size(args.capacity)
+        overrides.setdefault("cache", {})["capacity"] = args.capacity  # a size: "8GiB"
     if args.policy:
         overrides.setdefault("cache", {})["policy"] = args.policy
     if args.log_level:
@@ -54,17 +50,52 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.setdefault("events", {})["endpoint"] = args.events_endpoint
     if args.events_replay_endpoint is not None:
         overrides.setdefault("events", {})["replay_endpoint"] = args.events_replay_endpoint
-    settings = load_settings(args.config, overrides)
-    logging.basicConfig(
-        level=settings.log.level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if args.metrics_address is not None:
+        overrides.setdefault("metrics", {})["address"] = args.metrics_address
+    try:
+        settings = load_settings(args.config, overrides=overrides)
+    except SettingsError as exc:
+        print(f"offloadd: {exc}", file=sys.stderr)
+        return BAD_SETTINGS
+    configure_logging(settings.log)
     try:
         run(settings)
-    except (EndpointInUse, ArenaError) as exc:
+    except (EndpointInUse, ArenaError, MetricsError) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config)
+    except SettingsError as exc:
+        print(f"offloadd check-config: {exc}", file=sys.stderr)
+        return BAD_SETTINGS
+    if args.json:
+        encoded = msgspec.json.encode(settings)
+        sys.stdout.write(msgspec.json.format(encoded, indent=2).decode() + "\n")
+        return 0
+    sources = ["built-in defaults"]
+    if args.config:
+        sources.append(args.config)
+    sources += sorted(name for name in os.environ if name.startswith(ENV_PREFIX))
+    sys.stdout.write(f"# offloadd settings from: {', '.join(sources)}\n")
+    sys.stdout.write(settings_toml(settings))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from offloadd.status import main as status_main
+
+    endpoint = args.endpoint
+    if not endpoint:
+        try:
+            endpoint = load_settings(args.config).endpoint()
+        except SettingsError as exc:
+            print(f"offloadd status: {exc}", file=sys.stderr)
+            return BAD_SETTINGS
+    return status_main(endpoint, as_json=args.json, timeout=args.timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -157,7 +188,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--events-replay-endpoint",
         help="KV events replay ROUTER endpoint (default tcp://127.0.0.1:5558; '' disables)",
     )
+    serve.add_argument(
+        "--metrics-address",
+        metavar="HOST:PORT",
+        help="Prometheus /metrics address (default 127.0.0.1:9464; '' disables)",
+    )
     serve.set_defaults(handler=_serve)
+
+    status = commands.add_parser(
+        "status",
+        help="show a running daemon: engines, sessions, cache fill, hits, bytes moved",
+        description="Ask a running daemon for its counters. Exits 1 when no daemon answers.",
+    )
+    status.add_argument("--endpoint", help="control endpoint (default: the one the settings give)")
+    status.add_argument("--config", help="settings file to take the endpoint from")
+    status.add_argument("--json", action="store_true", help="print the stats as JSON")
+    status.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)"
+    )
+    status.set_defaults(handler=_status)
+
+    check = commands.add_parser(
+        "check-config",
+        help="validate the settings (file and OFFLOADD_* environment) and print them",
+        description="Load the settings as `offloadd serve` would (built-in defaults < --config "
+        "file < OFFLOADD_<SECTION>__<KEY> environment) and print the result. Exits 2 "
+        "naming the setting and its source when something is wrong.",
+    )
+    check.add_argument("--config", help="TOML settings file")
+    check.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    check.set_defaults(handler=_check_config)
 
     demo = commands.add_parser("demo", help="simulate engines against a daemon, verify bytes")
     demo.add_argument("--endpoint", help="use this running daemon instead of starting one")

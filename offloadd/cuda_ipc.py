@@ -162,19 +162,22 @@ def device_uuid(index: int) -> str:
 def check_ipc_capable(environ: Mapping[str, str] | None = None) -> None:
     """Raise CudaIpcError when this process's CUDA allocator cannot export IPC handles.
 
-    Looks at the allocator settings torch last parsed (environment or
-    ``torch.cuda.memory._set_allocator_settings``) and, where torch cannot say, at the
-    environment variables. ``export_tensor`` also checks each handle it gets.
+    Looks at the allocator settings torch last parsed (from the environment or from
+    ``torch.cuda.memory._set_allocator_settings``, which may have overridden it) and, where
+    torch has none to show (or ``environ`` is given), at the environment variables.
+    ``export_tensor`` also checks the kind of each handle it gets, which is definitive.
     """
     sources: list[tuple[str, str]] = []
     if environ is None:
         environ = os.environ
         getter = getattr(_torch()._C, "_accelerator_getAllocatorSettings", None)
-        if getter is not None:
-            sources.append(("the allocator settings", str(getter())))
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        if environ.get(name):
-            sources.append((name, environ[name]))
+        current = str(getter()) if getter is not None else ""
+        if current.strip():
+            sources.append(("the allocator settings", current))
+    if not sources:
+        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            if environ.get(name):
+                sources.append((name, environ[name]))
     for where, conf in sources:
         problem = allocator_problem(conf)
         if problem:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -283,6 +284,8 @@ class Daemon:
 
     async def close(self) -> None:
         """Publish the last events, then release everything; idempotent."""
+        for state in list(self._states.values()):
+            self._unwatch_process(state)
         await self._close_events()
         self._release_resources()
 
@@ -428,6 +431,9 @@ class Daemon:
         except RegistrationError as exc:
             self._release_imports(imports)
             raise _Refused(exc.code, str(exc)) from None
+        except BaseException:
+            self._release_imports(imports)  # a bug below must not leak the mappings
+            raise
         for old in outcome.replaced:
             old_state = self._states.get(old.session_id)
             if old_state is not None:
@@ -458,8 +464,9 @@ class Daemon:
             return
         try:
             pidfd = os.pidfd_open(hello.pid)
-        except OSError:
-            return  # already gone or not visible: the heartbeat timeout covers it
+        except (OSError, OverflowError):
+            # Gone, not visible, or no pid at all (above a C int): heartbeats cover it.
+            return
         state.pidfd = pidfd
         asyncio.get_running_loop().add_reader(pidfd, self._process_exited, state)
 
@@ -492,6 +499,10 @@ class Daemon:
             except HandleError as exc:
                 self._release_imports(imports)
                 raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
+        # One rank, one GPU: a job's copies run on that device's streams.
+        if len({imported.device for imported in imports}) > 1:
+            self._release_imports(imports)
+            raise _Refused(ErrorCode.BAD_GEOMETRY, "a rank's regions must all be on one device")
         return imports
 
     def _release_imports(self, imports: Sequence[Import]) -> None:
@@ -647,7 +658,7 @@ class Daemon:
                     )
                 )
                 job.nbytes += move.nbytes
-        return self._submit(state, request.request_id, job, moves)
+        return self._submit(state, request.request_id, job, moves, request.wait_event)
 
     def _load(self, state: _SessionState, request: Load) -> Reply | None:
         _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
@@ -714,7 +725,12 @@ class Daemon:
         return None
 
     def _submit(
-        self, state: _SessionState, request_id: int, job: _Job, moves: list[Triple]
+        self,
+        state: _SessionState,
+        request_id: int,
+        job: _Job,
+        moves: list[Triple],
+        wait_event: bytes = b"",
     ) -> Reply | None:
         if not moves:
             if job.direction is Direction.STORE:
@@ -727,7 +743,12 @@ class Daemon:
         state.jobs[job.job_id] = job
         self._jobs_in_flight += 1
         loop = asyncio.get_running_loop()
-        future = self._copy.submit(job.direction, moves)
+        future = self._copy.submit(
+            job.direction,
+            moves,
+            device=state.imports[0].device if state.imports else -1,
+            wait_event=wait_event or None,
+        )
 
         def on_done(done: Future[float]) -> None:
             loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
@@ -782,6 +803,8 @@ class Daemon:
     # ----------------------------------------------------------------- wait
 
     def _wait(self, state: _SessionState, request: Wait) -> Reply | None:
+        if math.isnan(request.timeout):  # uvloop's call_later raises on NaN
+            raise _Refused(ErrorCode.BAD_REQUEST, "Wait timeout is NaN")
         unknown = [j for j in request.job_ids if j not in state.jobs and j not in state.done]
         if unknown:
             raise _Refused(ErrorCode.BAD_REQUEST, f"unknown job ids {unknown[:10]}")

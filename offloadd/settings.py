@@ -3,14 +3,27 @@
 Empty strings mean "derive a default": the control socket goes in the runtime directory
 (``$RUNTIME_DIRECTORY`` under systemd, else ``$XDG_RUNTIME_DIR/offloadd``, else
 ``/tmp/offloadd-<uid>``) and the arena in ``/dev/shm``.
+
+``load_settings`` layers the sources, later ones winning: built-in defaults < a TOML file
+(``[section]`` tables) < environment variables ``OFFLOADD_<SECTION>__<KEY>`` < command-line
+flags. Every value is checked against its field where it comes from, so an unknown section
+or key, or a value of the wrong type, is a ``SettingsError`` that names the setting and its
+source. Environment values are strings, converted to the field's type: integers, numbers,
+booleans (true/false/1/0/yes/no/on/off), strings, comma-separated lists; sizes such as
+``8GiB`` are accepted for ``cache.capacity`` and ``server.max_frame_bytes`` everywhere.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 import socket
-from typing import Literal
+import sys
+import tomllib
+from collections.abc import Callable, Mapping
+from typing import IO, Any, Literal, get_args, get_origin
 
 import msgspec
 
@@ -41,9 +54,16 @@ class CacheSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Logging."""
+    """Logging to stderr.
+
+    ``format``: "journal" writes ``<priority>logger: message`` lines without timestamps,
+    which journald files under the right priority; "plain" writes timestamped lines; "auto"
+    picks "journal" when stderr goes to the journal (``$JOURNAL_STREAM`` is set, as under
+    systemd) and "plain" otherwise.
+    """
 
     level: str = "INFO"
+    format: Literal["auto", "plain", "journal"] = "auto"
 
 
 class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +89,15 @@ class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return self.pod or socket.gethostname()
 
 
+class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Prometheus metrics over HTTP (``/metrics``).
+
+    Loopback by default; another address is an explicit setting. ``""`` turns it off.
+    """
+
+    address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT; port 0 picks a free one
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the daemon reads at start."""
 
@@ -76,6 +105,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     cache: CacheSettings = CacheSettings()
     log: LogSettings = LogSettings()
     events: EventSettings = EventSettings()
+    metrics: MetricsSettings = MetricsSettings()
 
     def endpoint(self) -> str:
         """The control endpoint, defaulted."""
@@ -125,3 +155,321 @@ def format_size(nbytes: int) -> str:
             return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
         value /= 1024
     return f"{value:.1f}TiB"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``"host:0"`` -> (host, port)."""
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port_text)
+
+
+# --------------------------------------------------------------------------- loading
+
+ENV_PREFIX = "OFFLOADD_"
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    info.name: info.type for info in msgspec.structs.fields(Settings)
+}
+_FIELDS: dict[str, dict[str, Any]] = {
+    name: {info.name: info.type for info in msgspec.structs.fields(section)}
+    for name, section in _SECTIONS.items()
+}
+# Settings in bytes that also take "8GiB"-style sizes.
+SIZE_SETTINGS = frozenset({("cache", "capacity"), ("server", "max_frame_bytes")})
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
+
+
+class SettingsError(Exception):
+    """A setting is unknown or has a value its field cannot take; the message names both."""
+
+
+def load_settings(
+    path: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
+    """Defaults < TOML file at ``path`` < ``OFFLOADD_<SECTION>__<KEY>`` in ``environ``
+    (default ``os.environ``) < ``overrides`` (command-line flags, already typed; sizes may
+    be strings). Raises ``SettingsError``."""
+    data: dict[str, dict[str, Any]] = {}
+    if path:
+        _merge(data, _read_toml(path), path, from_env=False)
+    env = os.environ if environ is None else environ
+    _merge(data, _env_layer(env), "the environment", from_env=True)
+    if overrides:
+        _merge(data, overrides, "the command line", from_env=False)
+    try:
+        settings = msgspec.convert(data, Settings, strict=True)
+    except msgspec.ValidationError as exc:  # every value was checked: a bug if this happens
+        raise SettingsError(f"invalid settings: {exc}") from None
+    return settings
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise SettingsError(f"cannot read settings file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path} is not valid TOML: {exc}") from None
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, dict[str, tuple[str, str]]]:
+    """``{section: {key: (value, variable name)}}`` from OFFLOADD_<SECTION>__<KEY>."""
+    layer: dict[str, dict[str, tuple[str, str]]] = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        section, sep, key = rest.partition("__")
+        if not sep:
+            # Other OFFLOADD_* variables are not ours to judge, but OFFLOADD_CACHE_CAPACITY
+            # is surely a setting with one underscore too few.
+            for known in _SECTIONS:
+                if rest.lower().startswith(known + "_"):
+                    hint = f"{ENV_PREFIX}{known.upper()}__{rest[len(known) + 1 :]}"
+                    raise SettingsError(
+                        f"{name} is not a setting: use two underscores after the section, "
+                        f"as in {hint}"
+                    )
+            continue
+        layer.setdefault(section.lower(), {})[key.lower()] = (env[name], name)
+    return layer
+
+
+def _merge(
+    data: dict[str, dict[str, Any]],
+    layer: Mapping[str, Any],
+    source: str,
+    *,
+    from_env: bool,
+) -> None:
+    """Check each value of ``layer`` against its field and put it into ``data``.
+
+    An environment layer holds ``(value, variable name)`` pairs: the variable is the source.
+    """
+    for section, values in layer.items():
+        if section not in _SECTIONS:
+            if not from_env and not isinstance(values, Mapping):
+                homes = [name for name, fields in _FIELDS.items() if section in fields]
+                where = f"; did you mean [{homes[0]}] {section}?" if homes else ""
+                raise SettingsError(
+                    f"setting {section} outside any [section] (from {source}){where}"
+                )
+            origin = _env_names(values) if from_env else source
+            close = difflib.get_close_matches(section, list(_SECTIONS), n=1)
+            hint = f"did you mean [{close[0]}]?" if close else "sections: " + ", ".join(_SECTIONS)
+            raise SettingsError(f"unknown settings section [{section}] (from {origin}); {hint}")
+        if not isinstance(values, Mapping):
+            raise SettingsError(
+                f"[{section}] must be a table of settings, got {values!r} (from {source})"
+            )
+        fields = _FIELDS[section]
+        for key, raw in values.items():
+            value, origin = raw if from_env else (raw, source)
+            name = f"{section}.{key}"
+            if key not in fields:
+                raise SettingsError(
+                    f"unknown setting {name} (from {origin})"
+                    f"{_suggest(key, fields, prefix=section + '.')}"
+                )
+            data.setdefault(section, {})[key] = _coerce(
+                section, key, value, fields[key], f"{name}: ", f" (from {origin})", from_env
+            )
+
+
+def _env_names(values: Mapping[str, Any]) -> str:
+    return ", ".join(variable for _value, variable in values.values())
+
+
+def _suggest(word: str, choices: Mapping[str, Any], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _coerce(
+    section: str, key: str, value: Any, kind: Any, head: str, tail: str, from_env: bool
+) -> Any:
+    """``value`` as the field's type, or a SettingsError ``head + problem + tail``."""
+    if (section, key) in SIZE_SETTINGS:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        if isinstance(value, str):
+            try:
+                size = parse_size(value)
+            except ValueError:
+                size = 0
+            if size > 0:
+                return size
+        raise SettingsError(f"{head}expected a size like 8GiB, got {value!r}{tail}")
+    if from_env:
+        value = _from_string(value, kind)
+    try:
+        converted = msgspec.convert(value, kind, strict=True)
+    except msgspec.ValidationError:
+        raise SettingsError(f"{head}expected {_describe(kind)}, got {value!r}{tail}") from None
+    check = _CHECKS.get((section, key))
+    problem = check(converted) if check else ""
+    if problem:
+        raise SettingsError(f"{head}{problem}{tail}")
+    return converted
+
+
+def _log_level_problem(level: str) -> str:
+    if level.upper() in _LOG_LEVELS:
+        return ""
+    return f"expected one of {', '.join(_LOG_LEVELS)}, got {level!r}"
+
+
+def _address_problem(address: str) -> str:
+    try:
+        if address:
+            parse_address(address)
+    except ValueError:
+        return f'expected HOST:PORT, or "" to turn metrics off, got {address!r}'
+    return ""
+
+
+# What a field's type cannot say: a message, or "" when the value is fine.
+_CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
+    ("log", "level"): _log_level_problem,
+    ("metrics", "address"): _address_problem,
+}
+
+
+def _from_string(text: str, kind: Any) -> Any:
+    """An environment string as the Python value the field wants (left as is if it can't)."""
+    stripped = text.strip()
+    if kind is bool:
+        lowered = stripped.lower()
+        return True if lowered in _TRUE else False if lowered in _FALSE else text
+    if kind is int:
+        try:
+            return int(stripped)
+        except ValueError:
+            return text
+    if kind is float:
+        try:
+            return float(stripped)
+        except ValueError:
+            return text
+    if get_origin(kind) is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return text
+
+
+def _describe(kind: Any) -> str:
+    if kind is bool:
+        return "true or false"
+    if kind is int:
+        return "an integer"
+    if kind is float:
+        return "a number"
+    if kind is str:
+        return "a string"
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in get_args(kind))
+    if get_origin(kind) is tuple:
+        return "a list of strings"
+    return str(kind)
+
+
+def settings_toml(settings: Settings) -> str:
+    """The settings as TOML that ``load_settings`` reads back; derived defaults as comments."""
+    derived = {
+        ("server", "endpoint"): settings.endpoint(),
+        ("cache", "arena"): settings.arena_path(),
+        ("events", "pod"): settings.events.pod_name(),
+    }
+    lines: list[str] = []
+    for section in _SECTIONS:
+        lines.append(f"[{section}]")
+        values = msgspec.to_builtins(getattr(settings, section))
+        for key, value in values.items():
+            line = f"{key} = {_toml_value(value)}"
+            if (section, key) in SIZE_SETTINGS:
+                line += f"  # {format_size(value)}"
+            elif not value and (section, key) in derived:
+                line += f"  # {derived[section, key]}"
+            lines.append(line)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    # A JSON string is a valid TOML basic string.
+    return msgspec.json.encode(str(value)).decode()
+
+
+# --------------------------------------------------------------------------- logging
+
+# syslog priorities, which journald reads from a "<N>" line prefix (sd-daemon(3)).
+_PRIORITIES = {
+    logging.CRITICAL: 2,
+    logging.ERROR: 3,
+    logging.WARNING: 4,
+    logging.INFO: 6,
+    logging.DEBUG: 7,
+}
+
+
+class JournalFormatter(logging.Formatter):
+    """``<priority>logger: message``, every line of a traceback prefixed alike."""
+
+    def __init__(self) -> None:
+        super().__init__("%(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as journal lines."""
+        priority = next(
+            (p for level, p in sorted(_PRIORITIES.items()) if record.levelno <= level), 2
+        )
+        text = super().format(record)
+        return "\n".join(f"<{priority}>{line}" for line in text.splitlines())
+
+
+class _Handler(logging.StreamHandler[IO[str]]):
+    """The handler ``configure_logging`` installs (so a second call can replace it)."""
+
+
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(
+    log: LogSettings,
+    *,
+    stream: IO[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> logging.Handler:
+    """Send every logger's records at ``log.level`` and above to ``stream`` (stderr).
+
+    Calling it again replaces the handler it installed before; other handlers stay.
+    """
+    env = os.environ if environ is None else environ
+    kind = log.format
+    if kind == "auto":
+        kind = "journal" if env.get("JOURNAL_STREAM") else "plain"
+    handler = _Handler(stream or sys.stderr)
+    handler.setFormatter(
+        JournalFormatter() if kind == "journal" else logging.Formatter(PLAIN_FORMAT)
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if isinstance(old, _Handler):
+            root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(log.level.upper())
+    return handler

@@ -72,6 +72,10 @@ class Store(msgspec.Struct, frozen=True, tag="store"):
     job_id: int
     keys: list[bytes]
     block_ids: list[int]
+    # A CUDA interprocess event handle (torch.cuda.Event(interprocess=True).ipc_handle())
+    # recorded after the compute that wrote these blocks: the copy waits on it. Empty: the
+    # rank synchronized its compute stream before sending the Store.
+    wait_event: bytes = b""
 
 
 class Load(msgspec.Struct, frozen=True, tag="load"):

@@ -12,7 +12,9 @@ Per job (``submit(direction, moves, *, device, wait_event=None)``):
 - ``wait_event``, when given, is a CUDA IPC event handle (64 bytes of
   ``torch.cuda.Event(interprocess=True).ipc_handle()``) that the rank recorded on its compute
   stream after writing the blocks: the lane's stream waits for it before copying, so a
-  store never reads KV the model has not finished writing. The rank-side alternative is to
+  store never reads KV the model has not finished writing. The wait covers the event's
+  latest record when the job is issued, so a rank may re-record one event every step (a
+  newer record only makes the copy wait longer). The rank-side alternative is to
   synchronize the compute stream before sending ``Store``; then no event is needed.
 - The copies of a job are ONE driver call: ``cudaMemcpyBatchAsync`` (cuda-python, CUDA
   >= 12.8) over src/dst/size arrays built once per job, with ``srcAccessOrder`` STREAM for
@@ -91,8 +93,10 @@ def batch_arrays(moves: Iterable[Triple]) -> tuple[list[int], list[int], list[in
 
 
 def src_access_order(direction: Direction) -> AccessOrder:
-    """How the driver may read a job's sources: in stream order for stores (device memory
-    the rank's stream just wrote), at any time for loads (the arena, untouched by the stream).
+    """How the driver may read a job's sources.
+
+    In stream order for stores (device memory, written by work the stream waited for); at
+    any time for loads (the arena slot, which no work on the stream touches).
     """
     return "stream" if direction is Direction.STORE else "any"
 
@@ -221,11 +225,17 @@ class _BatchCopier:
         }
         self._success = int(errors.cudaSuccess)
 
-    def bind(self, device: int) -> None:
-        """cuda-python keeps its own notion of the current device: set it too."""
+    def bind(self, device: int) -> int:
+        """cuda-python keeps its own notion of the current device: set it too.
+
+        Returns the cudaError code: one of ``unsupported`` means this cuda-python cannot
+        run on the installed driver (the caller stops batching); others raise.
+        """
         (err, *_rest) = self._rt.cudaSetDevice(device)
-        if int(err) != self._success:
+        code = int(err)
+        if code != self._success and code not in self.unsupported:
             raise CudaCopyError(f"cudaSetDevice({device}) failed: {err}")
+        return code
 
     def copy(
         self, stream: int, direction: Direction, srcs: list[int], dsts: list[int], sizes: list[int]
@@ -279,8 +289,11 @@ class TorchCudaBackend:
         self._torch.cuda.set_device(device)
         # cudaSetDevice alone may defer creating the context; a stream query forces it.
         self._torch.cuda.current_stream(device).query()
-        if self._batch is not None:
-            self._batch.bind(device)
+        batch = self._batch
+        if batch is not None:
+            code = batch.bind(device)
+            if code != 0:
+                self._give_up_batching(code)
 
     def stream(self, device: int) -> Any:
         """A pool stream of ``device`` (torch creates them non-blocking)."""
@@ -318,8 +331,9 @@ class TorchCudaBackend:
             if self._batch is None:
                 return
             logger.warning(
-                "cudaMemcpyBatchAsync is unavailable here (cudaError %d; it needs a CUDA 12.8 "
-                "driver): one cuMemcpyAsync per copy from now on (slower)",
+                "cudaMemcpyBatchAsync is unavailable here (cudaError %d: it needs a CUDA 12.8 "
+                "driver, and cuda-python no newer than the driver): one cuMemcpyAsync per "
+                "copy from now on (slower)",
                 code,
             )
             self._loop = _LoopCopier()
@@ -349,6 +363,7 @@ class _Lane:
     executor: ThreadPoolExecutor
     pending: deque[_Job] = field(default_factory=deque)
     stream: Any = None
+    bound: bool = False  # the lane's thread has made its device current
 
 
 class CudaCopyEngine:
@@ -388,7 +403,14 @@ class CudaCopyEngine:
         with self._cond:
             lane.pending.append(job)
             self._outstanding += 1
-        lane.executor.submit(self._issue, job, list(moves), wait_event)
+        try:
+            lane.executor.submit(self._issue, job, list(moves), wait_event)
+        except BaseException as exc:
+            # Never leave a job the poller would wait for forever.
+            job.error = exc
+            with self._cond:
+                job.issued = True
+                self._cond.notify_all()
         return future
 
     def close(self) -> None:
@@ -415,12 +437,11 @@ class CudaCopyEngine:
         lane = self._lanes.get(key)
         if lane is None:
             executor = ThreadPoolExecutor(
-                1,
-                thread_name_prefix=f"offloadd-cuda{device}-{direction.value}",
-                initializer=self._backend.bind_thread,
-                initargs=(device,),
+                1, thread_name_prefix=f"offloadd-cuda{device}-{direction.value}"
             )
-            lane = self._lanes[key] = _Lane(device, direction, executor)
+            lane = _Lane(device, direction, executor)
+            with self._cond:  # the poller lists the lanes
+                self._lanes[key] = lane
         return lane
 
     def _issue(self, job: _Job, moves: list[Triple], wait_event: bytes | None) -> None:
@@ -431,6 +452,9 @@ class CudaCopyEngine:
                 job.cancelled = True
                 return
             srcs, dsts, sizes = batch_arrays(moves)
+            if not lane.bound:
+                backend.bind_thread(lane.device)
+                lane.bound = True
             if lane.stream is None:
                 lane.stream = backend.stream(lane.device)
             stream = lane.stream

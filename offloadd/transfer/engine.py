@@ -84,8 +84,10 @@ class CpuCopyEngine:
         device: int = -1,
         wait_event: bytes | None = None,
     ) -> Future[float]:
-        """Queue ``moves`` behind earlier jobs of the same direction (``device`` and
-        ``wait_event`` concern CUDA memory only and are ignored)."""
+        """Queue ``moves`` behind earlier jobs of the same direction.
+
+        ``device`` and ``wait_event`` concern CUDA memory only and are ignored here.
+        """
         if self._closed:
             raise RuntimeError("copy engine is closed")
         return self._pools[direction].submit(_copy_all, list(moves))

@@ -114,7 +114,14 @@ class GatedCopyEngine:
         self.gate.set()
         self.started = threading.Semaphore(0)
 
-    def submit(self, direction: Direction, moves: Sequence[Triple]) -> Future[float]:
+    def submit(
+        self,
+        direction: Direction,
+        moves: Sequence[Triple],
+        *,
+        device: int = -1,
+        wait_event: bytes | None = None,
+    ) -> Future[float]:
         result: Future[float] = Future()
 
         def wait_then_copy() -> None:

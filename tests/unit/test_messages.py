@@ -139,7 +139,14 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(
         Lookup, request_id=wire_ints, keys=keys, pin=st.booleans(), lease_seconds=finite_floats
     ),
-    st.builds(Store, request_id=wire_ints, job_id=wire_ints, keys=keys, block_ids=block_ids),
+    st.builds(
+        Store,
+        request_id=wire_ints,
+        job_id=wire_ints,
+        keys=keys,
+        block_ids=block_ids,
+        wait_event=st.binary(max_size=64),
+    ),
     st.builds(
         Load,
         request_id=wire_ints,
@@ -366,6 +373,7 @@ def test_messages_are_maps_keyed_by_field_name() -> None:
         "job_id": 4,
         "keys": [b"k"],
         "block_ids": [1, 2],
+        "wait_event": b"",
     }
 
 

@@ -1,0 +1,315 @@
+"""Prometheus metrics (``offloadd_*``) on a small HTTP endpoint, loopback by default.
+
+The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
+
+- ``job_finished(direction, engine_id, dp, nbytes=, seconds=, ok=)`` once per store or load
+  job (``direction`` is "store" or "load"; ``nbytes`` the bytes actually copied, 0 when the
+  copy failed; ``seconds`` the copy time). Moves ``offloadd_bytes_total``,
+  ``offloadd_copy_seconds_total`` (GB/s = rate(bytes) / rate(seconds)), ``offloadd_jobs_total``
+  and the ``offloadd_job_bytes`` histogram (jobs that copied something).
+- ``lookup_finished(seconds)`` per Lookup request: the ``offloadd_lookup_seconds`` histogram.
+- ``protocol_error(code)`` per Error reply, ``code`` the ErrorCode name.
+
+Everything else is read when Prometheus scrapes: ``snapshot()`` (the daemon's ``stats``)
+gives the cache fill, entries, lookup keys, refused stores, evictions, sessions and engines,
+and ``pending_jobs()`` the copies in flight. Both are called on the daemon's event loop (the
+one ``start`` was called from), so they never race the handlers; if the loop does not answer
+within ``snapshot_timeout`` the scrape carries the counters above and no gauges.
+
+Cardinality: ``engine`` and ``dp`` labels come from the engines that connect, which are few
+per node (one per model replica); a departed engine's counters stay until restart, as
+Prometheus counters should. Each metric family lives in this instance's own
+``CollectorRegistry``, so several daemons (or tests) in one process don't clash.
+
+``start(address)`` serves ``/metrics`` on ``HOST:PORT`` from a background thread;
+``close()`` stops it (idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from offloadd.settings import parse_address
+from protocol.messages import DaemonStats
+
+logger = logging.getLogger(__name__)
+
+DIRECTIONS = ("store", "load")
+# Job sizes in bytes, like vLLM's KV-offload transfer-size buckets.
+JOB_BYTES_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+LOOKUP_SECONDS_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+    0.5, 1.0,
+)  # fmt: skip
+
+
+class MetricsError(Exception):
+    """The metrics endpoint could not be started (bad address, port taken)."""
+
+
+class Metrics:
+    """The daemon's Prometheus metrics; see the module docstring for who calls what."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], DaemonStats] | None = None,
+        *,
+        pending_jobs: Callable[[], int] | None = None,
+        snapshot_timeout: float = 5.0,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._bytes = Counter(
+            "offloadd_bytes",
+            "Bytes copied between ranks and the host cache",
+            ["direction", "engine", "dp"],
+            registry=self.registry,
+        )
+        self._seconds = Counter(
+            "offloadd_copy_seconds",
+            "Seconds spent copying; rate(bytes) / rate(seconds) is the copy bandwidth",
+            ["direction", "engine", "dp"],
+            registry=self.registry,
+        )
+        jobs = Counter(
+            "offloadd_jobs",
+            "Store and load jobs finished",
+            ["direction", "outcome"],
+            registry=self.registry,
+        )
+        job_bytes = Histogram(
+            "offloadd_job_bytes",
+            "Bytes copied per job (jobs that copied anything)",
+            ["direction"],
+            buckets=JOB_BYTES_BUCKETS,
+            registry=self.registry,
+        )
+        self._lookup_seconds = Histogram(
+            "offloadd_lookup_seconds",
+            "Time to answer a Lookup request",
+            buckets=LOOKUP_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self._protocol_errors = Counter(
+            "offloadd_protocol_errors",
+            "Requests answered with an Error, by error code",
+            ["code"],
+            registry=self.registry,
+        )
+        # Label children are looked up once: a finished job costs a dict lookup and a few adds.
+        self._jobs = {
+            (direction, ok): jobs.labels(direction, "ok" if ok else "failed")
+            for direction in DIRECTIONS
+            for ok in (True, False)
+        }
+        self._job_bytes = {direction: job_bytes.labels(direction) for direction in DIRECTIONS}
+        self._copies: dict[tuple[str, str, int], tuple[Counter, Counter]] = {}
+        self._errors: dict[str, Counter] = {}
+        self._collector = _SnapshotCollector(snapshot, pending_jobs, snapshot_timeout)
+        if snapshot is not None or pending_jobs is not None:
+            self.registry.register(self._collector)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- events
+
+    def job_finished(
+        self, direction: str, engine_id: str, dp: int, *, nbytes: int, seconds: float, ok: bool
+    ) -> None:
+        """A store or load job finished (``nbytes`` copied, 0 if the copy failed)."""
+        children = self._copies.get((direction, engine_id, dp))
+        if children is None:
+            labels = (direction, engine_id, str(dp))
+            children = (self._bytes.labels(*labels), self._seconds.labels(*labels))
+            self._copies[direction, engine_id, dp] = children
+        moved, took = children
+        if nbytes:
+            moved.inc(nbytes)
+        if seconds:
+            took.inc(seconds)
+        self._jobs[direction, ok].inc()
+        if nbytes:
+            self._job_bytes[direction].observe(nbytes)
+
+    def lookup_finished(self, seconds: float) -> None:
+        """A Lookup request was answered after ``seconds``."""
+        self._lookup_seconds.observe(seconds)
+
+    def protocol_error(self, code: str) -> None:
+        """A request was answered with Error ``code`` (the ErrorCode name)."""
+        child = self._errors.get(code)
+        if child is None:
+            child = self._errors[code] = self._protocol_errors.labels(code)
+        child.inc()
+
+    # ----------------------------------------------------------------- endpoint
+
+    def start(self, address: str, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port, see ``address``).
+
+        ``snapshot`` and ``pending_jobs`` will run on ``loop``, by default the loop running
+        the caller (the daemon's, when the daemon calls this from its loop).
+        """
+        if self._server is not None:
+            raise MetricsError("metrics endpoint already started")
+        self._collector.loop = loop or _running_loop()
+        try:
+            host, port = parse_address(address)
+        except ValueError as exc:
+            raise MetricsError(f"metrics address: {exc}") from None
+        try:
+            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        except OSError as exc:
+            raise MetricsError(
+                f"cannot serve metrics on {address}: {exc.strerror or exc} "
+                '(set metrics.address, or "" to turn metrics off)'
+            ) from None
+        logger.info("metrics on http://%s/metrics", self.address)
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` the endpoint listens on, "" when not started."""
+        if self._server is None:
+            return ""
+        host, port = self._server.server_address[:2]
+        host = str(host)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self) -> None:
+        """Stop the endpoint. Idempotent."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(5)
+
+    def __enter__(self) -> Metrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _SnapshotCollector:
+    """Gauges and cache counters from the daemon's stats, read at scrape time."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], DaemonStats] | None,
+        pending_jobs: Callable[[], int] | None,
+        timeout: float,
+    ) -> None:
+        self._snapshot = snapshot
+        self._pending_jobs = pending_jobs
+        self._timeout = timeout
+        self.loop: asyncio.AbstractEventLoop | None = None  # where to call them; None: here
+
+    def describe(self) -> Iterable[Metric]:
+        """The families' names, without asking the daemon (called at registration)."""
+        return self._families(None, None)
+
+    def collect(self) -> Iterable[Metric]:
+        """Ask the daemon (on its loop) and yield the families."""
+        try:
+            stats, pending = self._on_loop(self._read)
+        except Exception as exc:
+            logger.debug("metrics: no daemon snapshot for this scrape: %r", exc)
+            return []
+        return self._families(stats, pending)
+
+    def _families(self, stats: DaemonStats | None, pending: int | None) -> list[Metric]:
+        families = _stats_families(stats) if self._snapshot is not None else []
+        if self._pending_jobs is not None:
+            families.append(
+                GaugeMetricFamily("offloadd_pending_jobs", "Copies in flight", value=pending)
+            )
+        return families
+
+    def _read(self) -> tuple[DaemonStats | None, int | None]:
+        stats = self._snapshot() if self._snapshot is not None else None
+        pending = self._pending_jobs() if self._pending_jobs is not None else None
+        return stats, pending
+
+    def _on_loop(
+        self, call: Callable[[], tuple[DaemonStats | None, int | None]]
+    ) -> tuple[DaemonStats | None, int | None]:
+        loop = self.loop
+        if loop is None or _running_loop() is loop:
+            return call()
+        result: concurrent.futures.Future[tuple[DaemonStats | None, int | None]] = (
+            concurrent.futures.Future()
+        )
+
+        def run() -> None:
+            try:
+                result.set_result(call())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return result.result(self._timeout)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _stats_families(stats: DaemonStats | None) -> list[Metric]:
+    """Families filled from ``stats``; empty ones (names only) when it is None."""
+    families: list[Metric] = []
+    for name, text, value in (
+        ("offloadd_capacity_bytes", "Size of the host cache arena", "capacity_bytes"),
+        ("offloadd_used_bytes", "Arena bytes holding chunks, committed or pending", "used_bytes"),
+        ("offloadd_uptime_seconds", "Seconds since the daemon started", "uptime_seconds"),
+    ):
+        families.append(
+            GaugeMetricFamily(name, text, value=getattr(stats, value) if stats else None)
+        )
+    entries = GaugeMetricFamily(
+        "offloadd_entries", "Chunks in the cache: visible, or being stored", labels=["state"]
+    )
+    lookup_keys = CounterMetricFamily(
+        "offloadd_lookup_keys", "Keys looked up, by whether they were cached", labels=["result"]
+    )
+    lookups = CounterMetricFamily("offloadd_lookups", "Lookup requests answered")
+    refused = CounterMetricFamily(
+        "offloadd_stores_refused_keys", "Keys a store could not place (no evictable room)"
+    )
+    evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")
+    sessions = GaugeMetricFamily(
+        "offloadd_sessions",
+        "Connected sessions per engine, dp index and role (worker or scheduler)",
+        labels=["engine", "dp", "role"],
+    )
+    ready = GaugeMetricFamily(
+        "offloadd_engine_ready",
+        "1 once every rank of the engine has said hello, else 0",
+        labels=["engine", "dp"],
+    )
+    if stats is not None:
+        entries.add_metric(["committed"], stats.committed_entries)
+        entries.add_metric(["pending"], stats.entries - stats.committed_entries)
+        lookup_keys.add_metric(["hit"], stats.hits)
+        lookup_keys.add_metric(["miss"], stats.misses)
+        lookups.add_metric([], stats.lookups)
+        refused.add_metric([], stats.stores_refused)
+        evictions.add_metric([], stats.evictions)
+        for engine in stats.engines:
+            dp = str(engine.data_parallel_index)
+            sessions.add_metric([engine.engine_id, dp, "worker"], len(engine.ranks_present))
+            sessions.add_metric([engine.engine_id, dp, "scheduler"], engine.schedulers)
+            ready.add_metric([engine.engine_id, dp], 1.0 if engine.ready else 0.0)
+    families += [entries, lookup_keys, lookups, refused, evictions, sessions, ready]
+    return families

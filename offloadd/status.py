@@ -1,0 +1,108 @@
+"""``offloadd status``: ask a running daemon for its stats and print them for people (or JSON)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import msgspec
+
+from offloadd.client import OffloadClient
+from offloadd.errors import DaemonUnavailable, OffloaddError
+from offloadd.settings import format_size
+from protocol.messages import DaemonStats, EngineState
+
+
+def fetch_stats(endpoint: str, timeout: float = 3.0) -> DaemonStats:
+    """GetStats from the daemon at ``endpoint`` (no Hello needed); raises DaemonUnavailable."""
+    with OffloadClient(endpoint, timeout=timeout, heartbeat=0) as client:
+        return client.stats()
+
+
+def main(
+    endpoint: str,
+    *,
+    as_json: bool = False,
+    timeout: float = 3.0,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Print the daemon's state; 1 with a message on ``err`` when no daemon answers."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        stats = fetch_stats(endpoint, timeout)
+    except DaemonUnavailable:
+        print(
+            f"offloadd status: no daemon answers at {endpoint} "
+            "(is it running? see systemctl status offloadd)",
+            file=err,
+        )
+        return 1
+    except OffloaddError as exc:  # it answered, but not with stats
+        print(f"offloadd status: {endpoint}: {exc}", file=err)
+        return 1
+    if as_json:
+        out.write(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode() + "\n")
+    else:
+        out.write("\n".join(describe(stats, endpoint)) + "\n")
+    return 0
+
+
+def describe(stats: DaemonStats, endpoint: str) -> list[str]:
+    """The stats as lines for a terminal."""
+    fill = stats.used_bytes / stats.capacity_bytes if stats.capacity_bytes else 0.0
+    keys = stats.hits + stats.misses
+    hit_rate = f" ({stats.hits / keys:.1%} hit)" if keys else ""
+    pending = stats.entries - stats.committed_entries
+    lines = [
+        f"offloadd at {endpoint}: up {_duration(stats.uptime_seconds)}",
+        f"  cache      {format_size(stats.used_bytes)} of {format_size(stats.capacity_bytes)} "
+        f"({fill:.1%}); {stats.committed_entries} chunks, {pending} being stored",
+        f"  lookups    {stats.lookups} requests, {keys} keys: {stats.hits} hits, "
+        f"{stats.misses} misses{hit_rate}",
+        f"  moved      stored {format_size(stats.bytes_stored)}, "
+        f"loaded {format_size(stats.bytes_loaded)}",
+        f"  refused    {stats.stores_refused} keys (no room); {stats.evictions} evictions; "
+        f"{stats.protocol_errors} protocol errors",
+        f"  sessions   {stats.sessions}",
+        f"  engines    {len(stats.engines)}" + ("" if stats.engines else " (none connected)"),
+    ]
+    lines += [f"    {_engine_line(engine)}" for engine in stats.engines]
+    namespaces: dict[str, list[str]] = {}
+    for engine in stats.engines:
+        if engine.namespace:
+            name = f"{engine.engine_id} dp {engine.data_parallel_index}"
+            namespaces.setdefault(engine.namespace, []).append(name)
+    lines.append(f"  namespaces {len(namespaces)}")
+    lines += [
+        f"    {namespace}: {', '.join(names)}" for namespace, names in sorted(namespaces.items())
+    ]
+    return lines
+
+
+def _engine_line(engine: EngineState) -> str:
+    head = f"{engine.engine_id} dp {engine.data_parallel_index}: "
+    present = f"{len(engine.ranks_present)}/{engine.world_size} ranks"
+    if engine.ready:
+        state = f"ready, {present}"
+    else:
+        missing = [r for r in range(engine.world_size) if r not in engine.ranks_present]
+        state = f"waiting for ranks {missing} ({present} present)"
+    if engine.schedulers:
+        state += f", {engine.schedulers} scheduler{'s' if engine.schedulers > 1 else ''}"
+    return head + state
+
+
+def _duration(seconds: float) -> str:
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{seconds:.1f}s"

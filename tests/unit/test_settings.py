@@ -1,0 +1,334 @@
+"""Settings: defaults < TOML < environment < flags, and errors that name the setting and source."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from offloadd.settings import (
+    CacheSettings,
+    LogSettings,
+    Settings,
+    SettingsError,
+    configure_logging,
+    load_settings,
+    parse_address,
+    settings_toml,
+)
+
+NO_ENV: dict[str, str] = {}
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "offloadd.toml"
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+# --- precedence ------------------------------------------------------------------------------
+
+
+def test_no_file_no_env_gives_the_defaults() -> None:
+    assert load_settings(environ=NO_ENV) == Settings()
+
+
+def test_each_layer_overrides_the_one_below(toml: Path) -> None:
+    path = write(
+        toml,
+        """
+[cache]
+capacity = "2GiB"
+policy = "arc"
+persist = false
+[server]
+session_timeout = 12
+drain_seconds = 3.5
+[events]
+enabled = false
+[log]
+level = "DEBUG"
+""",
+    )
+    env = {
+        "OFFLOADD_CACHE__CAPACITY": "4GiB",
+        "OFFLOADD_SERVER__SESSION_TIMEOUT": "10",
+        "OFFLOADD_EVENTS__ENABLED": "true",
+        "UNRELATED": "x",
+    }
+    flags = {"cache": {"capacity": "8GiB"}, "log": {"level": "WARNING"}}
+
+    from_file = load_settings(path, environ=NO_ENV)
+    assert from_file.cache == CacheSettings(capacity=2 << 30, policy="arc", persist=False)
+    assert from_file.server.session_timeout == 12.0
+    assert from_file.server.drain_seconds == 3.5
+    assert from_file.events.enabled is False
+    assert from_file.log.level == "DEBUG"
+
+    with_env = load_settings(path, environ=env)
+    assert with_env.cache.capacity == 4 << 30
+    assert with_env.cache.policy == "arc"  # untouched by env: the file's value stays
+    assert with_env.server.session_timeout == 10.0
+    assert with_env.server.drain_seconds == 3.5
+    assert with_env.events.enabled is True
+
+    with_flags = load_settings(path, environ=env, overrides=flags)
+    assert with_flags.cache.capacity == 8 << 30
+    assert with_flags.log.level == "WARNING"
+    assert with_flags.server.session_timeout == 10.0  # no flag: env still wins over the file
+
+
+def test_env_values_take_each_field_type() -> None:
+    settings = load_settings(
+        environ={
+            "OFFLOADD_SERVER__RECENT_JOBS": " 17 ",
+            "OFFLOADD_SERVER__DRAIN_SECONDS": "2.5",
+            "OFFLOADD_SERVER__SHM_DIRS": "/dev/shm, /run/shm,",
+            "OFFLOADD_SERVER__MAX_FRAME_BYTES": "1MiB",
+            "OFFLOADD_CACHE__POLICY": "arc",
+            "OFFLOADD_CACHE__PERSIST": "no",
+            "OFFLOADD_EVENTS__PORT_PER_DP": "YES",
+            "OFFLOADD_EVENTS__REPLAY_ENDPOINT": "",
+            "OFFLOADD_LOG__FORMAT": "journal",
+            "OFFLOADD_METRICS__ADDRESS": "[::1]:9000",
+        }
+    )
+    assert settings.server.recent_jobs == 17
+    assert settings.server.drain_seconds == 2.5
+    assert settings.server.shm_dirs == ("/dev/shm", "/run/shm")
+    assert settings.server.max_frame_bytes == 1 << 20
+    assert settings.cache.policy == "arc"
+    assert settings.cache.persist is False
+    assert settings.events.port_per_dp is True
+    assert settings.events.replay_endpoint == ""
+    assert settings.log.format == "journal"
+    assert settings.metrics.address == "[::1]:9000"
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1", True), ("0", False), ("False", False)])
+def test_env_booleans(text: str, expected: bool) -> None:
+    assert load_settings(environ={"OFFLOADD_CACHE__PERSIST": text}).cache.persist is expected
+
+
+def test_sizes_in_toml_as_strings_or_integers(toml: Path) -> None:
+    path = write(toml, '[cache]\ncapacity = "512MiB"\n[server]\nmax_frame_bytes = 65536\n')
+    settings = load_settings(path, environ=NO_ENV)
+    assert settings.cache.capacity == 512 << 20
+    assert settings.server.max_frame_bytes == 65536
+
+
+def test_lists_in_toml(toml: Path) -> None:
+    path = write(toml, '[server]\nshm_dirs = ["/dev/shm", "/mnt/shm"]\n')
+    assert load_settings(path, environ=NO_ENV).server.shm_dirs == ("/dev/shm", "/mnt/shm")
+
+
+def test_metrics_can_be_turned_off() -> None:
+    settings = load_settings(environ={"OFFLOADD_METRICS__ADDRESS": ""})
+    assert settings.metrics.address == ""
+    assert Settings().metrics.address == "127.0.0.1:9464"
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def error_of(path: str | None = None, env: dict[str, str] | None = None, **flags: object) -> str:
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path, environ=env or NO_ENV, overrides=flags or None)  # type: ignore[arg-type]
+    return str(caught.value)
+
+
+def test_unknown_key_in_env_names_key_and_variable() -> None:
+    message = error_of(env={"OFFLOADD_CACHE__CAPASITY": "8GiB"})
+    assert message.startswith("unknown setting cache.capasity (from OFFLOADD_CACHE__CAPASITY)")
+    assert "did you mean cache.capacity?" in message
+
+
+def test_unknown_section_in_env() -> None:
+    message = error_of(env={"OFFLOADD_CAHCE__CAPACITY": "8GiB"})
+    assert "unknown settings section [cahce] (from OFFLOADD_CAHCE__CAPACITY)" in message
+    assert "[cache]" in message
+
+
+def test_single_underscore_after_the_section_is_caught() -> None:
+    message = error_of(env={"OFFLOADD_CACHE_CAPACITY": "8GiB"})
+    assert "OFFLOADD_CACHE_CAPACITY" in message and "OFFLOADD_CACHE__CAPACITY" in message
+
+
+def test_other_offloadd_variables_are_left_alone() -> None:
+    assert load_settings(environ={"OFFLOADD_SOMETHING_ELSE": "1"}) == Settings()
+
+
+def test_unknown_key_and_section_in_toml(toml: Path) -> None:
+    path = write(toml, "[cache]\ncapasity = 1\n")
+    assert error_of(path).startswith(f"unknown setting cache.capasity (from {path})")
+    path = write(toml, "[cahce]\ncapacity = 1\n")
+    assert f"unknown settings section [cahce] (from {path})" in error_of(path)
+    path = write(toml, "capacity = 1\n")
+    message = error_of(path)
+    assert "capacity" in message and "[cache]" in message and path in message
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("server.recent_jobs", "abc", "expected an integer, got 'abc'"),
+        ("server.recent_jobs", "1.5", "expected an integer, got '1.5'"),
+        ("events.enabled", "maybe", "expected true or false, got 'maybe'"),
+        ("server.drain_seconds", "soon", "expected a number, got 'soon'"),
+        ("cache.capacity", "lots", "expected a size like 8GiB, got 'lots'"),
+        ("cache.capacity", "0", "expected a size like 8GiB, got '0'"),
+        ("cache.policy", "fifo", "expected one of 'lru', 'arc', got 'fifo'"),
+        ("log.format", "xml", "expected one of 'auto', 'plain', 'journal', got 'xml'"),
+        ("log.level", "LOUD", "expected one of CRITICAL, ERROR, WARNING, INFO, DEBUG, NOTSET"),
+        ("metrics.address", "9464", "expected HOST:PORT"),
+    ],
+)
+def test_wrong_type_in_env_names_field_and_source(name: str, value: str, expected: str) -> None:
+    variable = "OFFLOADD_" + name.upper().replace(".", "__")
+    message = error_of(env={variable: value})
+    assert message.startswith(f"{name}: {expected}")
+    assert message.endswith(f"(from {variable})")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ('[cache]\ncapacity = "lots"', "cache.capacity: expected a size like 8GiB, got 'lots'"),
+        ("[cache]\ncapacity = true", "cache.capacity: expected a size like 8GiB, got True"),
+        ('[server]\nrecent_jobs = "10"', "server.recent_jobs: expected an integer, got '10'"),
+        ('[cache]\npersist = "yes"', "cache.persist: expected true or false, got 'yes'"),
+        ('[cache]\npolicy = "fifo"', "cache.policy: expected one of 'lru', 'arc', got 'fifo'"),
+        ('[server]\nshm_dirs = "/dev/shm"', "server.shm_dirs: expected a list of strings"),
+        ("cache = 3", "[cache] must be a table"),
+    ],
+)
+def test_wrong_type_in_toml_names_field_and_file(toml: Path, body: str, expected: str) -> None:
+    path = write(toml, body + "\n")
+    message = error_of(path)
+    assert message.startswith(expected)
+    assert message.endswith(f"(from {path})")
+
+
+def test_wrong_flag_value_names_the_command_line() -> None:
+    message = error_of(cache={"capacity": "lots"})
+    assert (
+        message == "cache.capacity: expected a size like 8GiB, got 'lots' (from the command line)"
+    )
+
+
+def test_unreadable_and_malformed_files(toml: Path) -> None:
+    assert "cannot read settings file" in error_of(str(toml))
+    path = write(toml, "[cache\n")
+    assert f"{path} is not valid TOML" in error_of(path)
+
+
+# --- output, addresses, logging --------------------------------------------------------------
+
+
+def test_settings_toml_reads_back_as_the_same_settings(toml: Path) -> None:
+    settings = load_settings(
+        environ={
+            "OFFLOADD_CACHE__CAPACITY": "3GiB",
+            "OFFLOADD_SERVER__SHM_DIRS": "/a,/b",
+            "OFFLOADD_EVENTS__TOPIC_TEMPLATE": 'kv "quoted" {pod}',
+            "OFFLOADD_METRICS__ADDRESS": "",
+        }
+    )
+    text = settings_toml(settings)
+    assert "capacity = 3221225472  # 3.0GiB" in text
+    assert load_settings(write(toml, text), environ=NO_ENV) == settings
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_address("[::1]:0") == ("::1", 0)
+    for bad in ("9464", ":9464", "host:", "host:http", "host:70000"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+def test_logging_formats() -> None:
+    record_logger = logging.getLogger("offloadd.test_settings")
+    root = logging.getLogger()
+    old_level = root.level
+    try:
+        journal = io.StringIO()
+        handler = configure_logging(
+            LogSettings(level="INFO"), stream=journal, environ={"JOURNAL_STREAM": "8:1234"}
+        )
+        record_logger.warning("two\nlines")
+        record_logger.debug("hidden")
+        assert journal.getvalue() == "<4>offloadd.test_settings: two\n<4>lines\n"
+
+        plain = io.StringIO()
+        second = configure_logging(LogSettings(level="DEBUG"), stream=plain, environ={})
+        assert handler not in root.handlers  # replaced, not added to
+        record_logger.debug("shown")
+        line = plain.getvalue()
+        assert line.endswith(" DEBUG offloadd.test_settings: shown\n")
+        assert line[:4].isdigit()  # timestamped
+        assert journal.getvalue().count("\n") == 2
+
+        forced = io.StringIO()
+        configure_logging(
+            LogSettings(format="journal"), stream=forced, environ={}
+        )  # journal even outside systemd
+        record_logger.error("bad")
+        assert forced.getvalue() == "<3>offloadd.test_settings: bad\n"
+        assert second not in root.handlers
+    finally:
+        for handler in list(root.handlers):
+            if type(handler).__name__ == "_Handler":
+                root.removeHandler(handler)
+        root.setLevel(old_level)
+
+
+# --- check-config ----------------------------------------------------------------------------
+
+
+def check_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "offloadd", "check-config", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**clean, **(env or {})},
+    )
+
+
+def test_check_config_prints_the_effective_settings(toml: Path) -> None:
+    path = write(toml, '[cache]\ncapacity = "2GiB"\n')
+    result = check_config("--config", path, env={"OFFLOADD_CACHE__POLICY": "arc"})
+    assert result.returncode == 0, result.stderr
+    assert path in result.stdout.splitlines()[0]
+    assert "OFFLOADD_CACHE__POLICY" in result.stdout.splitlines()[0]
+    printed = tomllib.loads(result.stdout)
+    assert printed["cache"]["capacity"] == 2 << 30
+    assert printed["cache"]["policy"] == "arc"
+    assert printed["metrics"]["address"] == "127.0.0.1:9464"
+
+    as_json = check_config("--config", path, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["cache"]["capacity"] == 2 << 30
+
+
+def test_check_config_fails_with_the_reason(toml: Path) -> None:
+    path = write(toml, "[cache]\ncapacity = 1\n")
+    result = check_config("--config", path, env={"OFFLOADD_CACHE__CAPASITY": "8GiB"})
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "unknown setting cache.capasity (from OFFLOADD_CACHE__CAPASITY)" in result.stderr
