@@ -60,6 +60,12 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
+def paired_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
+    """Median of ``values[i] / baselines[i]``: each pair was measured back to back, so noise
+    that comes and goes (other processes on a shared machine) mostly cancels within a pair."""
+    return median(v / b for v, b in zip(values, baselines, strict=True))
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100), nearest rank on the sorted values."""
     ordered = sorted(values)
@@ -182,6 +188,10 @@ class ServerProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every thread of the server (ns resolution)."""
+        return process_cpu_seconds(self.process.pid)
+
     def command(self, line: str, timeout: float = 60.0) -> str:
         """Send one command line; return the reply line."""
         assert self.process.stdin is not None
@@ -245,6 +255,23 @@ def _attach_py_spy(pid: int, output: str) -> subprocess.Popen[bytes] | None:
     profiler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)  # py-spy needs a moment to attach before the load starts
     return profiler
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time of all threads of ``pid`` from /proc/<pid>/task/*/schedstat (0 if gone)."""
+    total = 0
+    task_dir = f"/proc/{pid}/task"
+    try:
+        tasks = os.listdir(task_dir)
+    except FileNotFoundError:
+        return 0.0
+    for task in tasks:
+        with (
+            contextlib.suppress(FileNotFoundError, ProcessLookupError),
+            open(f"{task_dir}/{task}/schedstat") as handle,
+        ):
+            total += int(handle.read().split()[0])
+    return total / 1e9
 
 
 def timed(function: Callable[[], object]) -> float:

@@ -30,7 +30,7 @@ BAD_SETTINGS = 2
 def _serve(args: argparse.Namespace) -> int:
     from offloadd.cache.arena import ArenaError
     from offloadd.daemon import run
-    from offloadd.endpoint import EndpointInUse
+    from offloadd.endpoint import EndpointInUse, EndpointRefused
     from offloadd.metrics import MetricsError
 
     overrides: dict[str, dict[str, Any]] = {}
@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log)
     try:
         run(settings)
-    except (EndpointInUse, ArenaError, MetricsError) as exc:
+    except (EndpointInUse, EndpointRefused, ArenaError, MetricsError) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
@@ -200,9 +201,36 @@ class _ClientCore:
             )
 
 
-def _configure_dealer(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, identity: bytes) -> None:
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys (z85 bytes) for a tcp:// control endpoint: the daemon's public key and
+    this client's key pair (whose public half is in the daemon's ``curve_clients_dir``)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_public_file: str, client_secret_file: str) -> CurveKeys:
+        """From zmq.auth certificate files (``server.key``, ``client.key_secret``)."""
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_public_file)
+        public, secret = zmq.auth.load_certificate(client_secret_file)
+        if secret is None:
+            raise ValueError(f"{client_secret_file} holds no secret key")
+        return cls(server_public, public, secret)
+
+
+def _configure_dealer(
+    sock: zmq.Socket[bytes] | zmq.asyncio.Socket, identity: bytes, curve: CurveKeys | None
+) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, identity)
+    if curve is not None:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
     # Never queue a request while the daemon is away: delivered late (after a restart) a
     # Store would copy GPU blocks the rank has reused since. Sends wait for a live pipe.
     sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -231,14 +259,16 @@ class OffloadClient:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: float = DEFAULT_HEARTBEAT,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout = timeout
         self.heartbeat = heartbeat
         self._core = _ClientCore()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        _configure_dealer(self._sock, self._core.identity)
+        _configure_dealer(self._sock, self._core.identity, curve)
         self._sock.connect(endpoint)
         self._closed = False
         self._stop_heartbeat = threading.Event()
@@ -258,9 +288,10 @@ class OffloadClient:
         raw_hashes: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: float = DEFAULT_HEARTBEAT,
+        curve: CurveKeys | None = None,
     ) -> OffloadClient:
         """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable."""
-        client = cls(endpoint, timeout=timeout, heartbeat=heartbeat)
+        client = cls(endpoint, timeout=timeout, heartbeat=heartbeat, curve=curve)
         try:
             hello = client._core.hello(
                 config, regions, role, device_uuid, name, events_topic, raw_hashes
@@ -417,7 +448,7 @@ class OffloadClient:
     def _heartbeat_loop(self, session: str) -> None:
         # Its own socket: zmq sockets must not be shared between threads.
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        _configure_dealer(sock, uuid.uuid4().bytes)
+        _configure_dealer(sock, uuid.uuid4().bytes, self.curve)
         sock.connect(self.endpoint)
         try:
             while not self._stop_heartbeat.wait(self.heartbeat):
@@ -442,14 +473,16 @@ class AsyncOffloadClient:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: float = DEFAULT_HEARTBEAT,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout = timeout
         self.heartbeat = heartbeat
         self._core = _ClientCore()
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket = self._ctx.socket(zmq.DEALER)
-        _configure_dealer(self._sock, self._core.identity)
+        _configure_dealer(self._sock, self._core.identity, curve)
         self._sock.connect(endpoint)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._changed = asyncio.Event()
@@ -471,9 +504,10 @@ class AsyncOffloadClient:
         raw_hashes: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: float = DEFAULT_HEARTBEAT,
+        curve: CurveKeys | None = None,
     ) -> AsyncOffloadClient:
         """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable."""
-        client = cls(endpoint, timeout=timeout, heartbeat=heartbeat)
+        client = cls(endpoint, timeout=timeout, heartbeat=heartbeat, curve=curve)
         try:
             hello = client._core.hello(
                 config, regions, role, device_uuid, name, events_topic, raw_hashes

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import zmq
@@ -31,8 +31,9 @@ from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
 from offloadd.cache.journal import Journal
-from offloadd.endpoint import EndpointClaim
+from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
+from offloadd.metrics import Metrics
 from offloadd.registry import (
     Engine,
     Namespace,
@@ -77,9 +78,13 @@ from protocol.messages import (
     peek_request_id,
 )
 
+if TYPE_CHECKING:
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
 logger = logging.getLogger(__name__)
 
 _MAX_KEYS_PER_REQUEST = 1 << 16
+_YIELD_EVERY = 32  # requests handled back to back before the loop runs other callbacks
 
 
 class _Refused(Exception):
@@ -155,6 +160,7 @@ class Daemon:
         self._cache: ChunkCache | None = None
         self._journal: Journal | None = None
         self._events: PublisherSet | None = None
+        self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
         self.registry = Registry()
         self._states: dict[str, _SessionState] = {}
         self._jobs_in_flight = 0
@@ -162,6 +168,7 @@ class Daemon:
         self._draining = False
         self._started = time.monotonic()
         self.counters = _Counters()
+        self.metrics = Metrics(self.stats, pending_jobs=lambda: self._jobs_in_flight)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -175,7 +182,9 @@ class Daemon:
     async def start(self) -> None:
         """Claim the endpoint, create the arena, bind the sockets. Ready when it returns."""
         settings = self.settings
+        check_tcp_security(self.endpoint, settings.server.curve_secret_key_file)
         self._claim = EndpointClaim(self.endpoint)
+        cuda = settings.server.copy_engine == "cuda"
         try:
             self._notify.status("preparing the arena")
             self._arena = Arena(
@@ -183,25 +192,33 @@ class Daemon:
                 settings.cache.capacity,
                 progress=self._prefault_progress,
                 unlink_on_close=not settings.cache.persist,
+                pin=self._pin_arena if cuda else None,
             )
             self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
             if settings.cache.persist:
                 self._restore()
-            self._handles = HandleTable(settings.server.shm_dirs, forbidden=[self._arena.path])
+            opener = None
+            if cuda:
+                from offloadd.cuda_ipc import CudaIpcOpener
+
+                opener = CudaIpcOpener()
+            self._handles = HandleTable(
+                settings.server.shm_dirs, forbidden=[self._arena.path], cuda=opener
+            )
             if self._copy is None:
-                self._copy = CpuCopyEngine()
+                if cuda:
+                    from offloadd.transfer.cuda import make_engine
+
+                    self._copy = make_engine()
+                else:
+                    self._copy = CpuCopyEngine()
             self._ctx = zmq.asyncio.Context()
-            sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
-            sock.setsockopt(zmq.MAXMSGSIZE, settings.server.max_frame_bytes * 4)
-            sock.bind(self.endpoint)
-            self._sock = sock
+            self._sock = self._bind_control(self._ctx)
             if settings.events.enabled:
                 self._events = PublisherSet(settings.events, self._ctx)
                 self._events.start()
+            if settings.metrics.address:
+                self.metrics.start(settings.metrics.address)
         except BaseException:
             await self._close_events()
             self._release_resources()
@@ -215,6 +232,56 @@ class Daemon:
             settings.cache.policy,
             self._copy.name,
         )
+
+    def _bind_control(self, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        server = self.settings.server
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
+        sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes * 4)
+        if server.curve_secret_key_file:
+            self._start_curve(ctx, sock)
+        path = ipc_path(self.endpoint)
+        # Created with no access for others from the first instant, then set as configured.
+        previous = os.umask(0o177) if path else None
+        try:
+            sock.bind(self.endpoint)
+        finally:
+            if previous is not None:
+                os.umask(previous)
+        if path:
+            restrict_socket(path, server.socket_mode, server.socket_group)
+        return sock
+
+    def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
+        import zmq.auth
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        server = self.settings.server
+        public, secret = zmq.auth.load_certificate(server.curve_secret_key_file)
+        if secret is None:
+            raise ValueError(f"{server.curve_secret_key_file} holds no secret key")
+        self._auth = AsyncioAuthenticator(ctx)
+        self._auth.start()
+        if server.curve_clients_dir:
+            self._auth.configure_curve(domain="*", location=server.curve_clients_dir)
+        else:
+            logger.warning("CURVE without server.curve_clients_dir: any client key is accepted")
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+
+    def _pin_arena(self, address: int, size: int) -> object:
+        from offloadd.transfer.pinning import register_host_memory
+
+        def progress(fraction: float) -> None:
+            self._notify.status(f"registering the arena as pinned memory: {fraction:.0%}")
+            self._notify.extend_timeout(60)
+
+        return register_host_memory(address, size, progress=progress)
 
     def _restore(self) -> None:
         """Find the chunks a previous daemon committed in this arena (warm restart)."""
@@ -295,11 +362,15 @@ class Daemon:
             await events.close()
 
     def _release_resources(self) -> None:
+        self.metrics.close()
         if self._copy is not None:
             self._copy.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -322,8 +393,14 @@ class Daemon:
     async def _receive_loop(self) -> None:
         assert self._sock is not None
         sock = self._sock
+        handled = 0
         while True:
             frames = await sock.recv_multipart()
+            handled += 1
+            if handled % _YIELD_EVERY == 0:
+                # pyzmq completes a recv without yielding while frames are queued: under a
+                # flood, let copy completions, events and timers run in between.
+                await asyncio.sleep(0)
             identity = frames[0]
             try:
                 self._on_frames(identity, frames[1:])
@@ -374,6 +451,7 @@ class Daemon:
         self, identity: bytes, request_id: int, code: ErrorCode, message: str
     ) -> None:
         self.counters.protocol_errors += 1
+        self.metrics.protocol_error(code.name)
         logger.debug("refused request %d: %s %s", request_id, code.name, message)
         self._send(identity, Error(request_id, code, message))
 
@@ -559,6 +637,9 @@ class Daemon:
         for waiter in state.waiters:
             if waiter.timer is not None:
                 waiter.timer.cancel()
+            # Every request is answered: a peer that said Hello again (or Bye) on this socket
+            # still gets its Wait's reply, the abandoned jobs listed as pending.
+            self._send(state.identity, self._wait_result(state, waiter))
         state.waiters.clear()
         self._release_imports(state.imports)  # in-flight jobs hold their own references
         state.imports = []
@@ -592,6 +673,7 @@ class Daemon:
                 )
 
     def _lookup(self, state: _SessionState, request: Lookup) -> Reply:
+        started = time.perf_counter()
         engine, namespace = self._ready_engine(state)
         self._check_keys(request.keys, engine)
         lease = request.lease_seconds or self.settings.cache.pin_lease_seconds
@@ -601,6 +683,7 @@ class Daemon:
             pin_owner=state.session.session_id if request.pin else None,
             lease=lease if request.pin else 0.0,
         )
+        self.metrics.lookup_finished(time.perf_counter() - started)
         return LookupResult(request.request_id, outcome.hits, outcome.pending, outcome.pinned)
 
     def _worker_job_checks(
@@ -789,6 +872,15 @@ class Daemon:
     def _complete(self, job: _Job, *, ok: bool, seconds: float, error: str) -> None:
         state = job.state
         state.jobs.pop(job.job_id, None)
+        engine_id, dp = state.session.engine_key
+        self.metrics.job_finished(
+            job.direction.value,
+            engine_id,
+            dp,
+            nbytes=0 if error else job.nbytes,
+            seconds=seconds,
+            ok=ok,
+        )
         if not ok:
             self.counters.jobs_failed += 1
         if job.abandoned or not state.alive:

@@ -328,6 +328,8 @@ def spawned_daemon(capacity: int) -> Iterator[tuple[str, tuple[str, str]]]:
         "--log-level",
         "WARNING",
         "--no-persist",
+        "--metrics-address",
+        "",
         "--events-endpoint",
         events[0],
         "--events-replay-endpoint",

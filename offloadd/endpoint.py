@@ -20,6 +20,38 @@ class EndpointInUse(Exception):
     """Another live daemon serves this endpoint."""
 
 
+class EndpointRefused(Exception):
+    """The endpoint cannot be served safely as configured (the message says what to set)."""
+
+
+_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+
+
+def check_tcp_security(endpoint: str, curve_secret_key_file: str) -> None:
+    """A tcp control endpoint off loopback must use CURVE (anyone could store and load)."""
+    if not endpoint.startswith("tcp://") or curve_secret_key_file:
+        return
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if not host.startswith(_LOOPBACK):
+        raise EndpointRefused(
+            f"{endpoint} is reachable from other hosts: set server.curve_secret_key_file "
+            "(and server.curve_clients_dir) or use an ipc:// endpoint"
+        )
+
+
+def restrict_socket(path: str, mode: str, group: str) -> None:
+    """Give the ipc socket file ``mode`` (octal string) and ``group``: who may connect."""
+    if group:
+        import grp
+
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise EndpointRefused(f"server.socket_group {group!r} does not exist") from None
+        os.chown(path, -1, gid)
+    os.chmod(path, int(mode, 8))
+
+
 def ipc_path(endpoint: str) -> str | None:
     """The filesystem path of an ``ipc://`` endpoint, else None."""
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None

@@ -39,6 +39,17 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # A session whose process the daemon cannot watch (pidfd) is reaped after this long
     # without any message; clients send heartbeats well within it.
     session_timeout: float = 30.0
+    # "cuda": ranks register CUDA IPC handles, copies run on daemon-owned CUDA streams and
+    # the arena is registered as pinned memory (needs the `cuda` extra and a GPU).
+    copy_engine: Literal["cpu", "cuda"] = "cpu"
+    # The ipc socket's permission bits (octal) and group: ranks of that group may connect.
+    socket_mode: str = "0660"
+    socket_group: str = ""
+    # A tcp:// control endpoint must be encrypted and authenticated with CURVE: the
+    # daemon's secret key file (zmq.auth format, `*.key_secret`) and a directory of the
+    # client public keys allowed in (`*.key`).
+    curve_secret_key_file: str = ""
+    curve_clients_dir: str = ""
 
 
 class CacheSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

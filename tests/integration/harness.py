@@ -23,7 +23,13 @@ import torch
 from offloadd.client import OffloadClient
 from offloadd.daemon import Daemon
 from offloadd.errors import DaemonUnavailable
-from offloadd.settings import CacheSettings, EventSettings, ServerSettings, Settings
+from offloadd.settings import (
+    CacheSettings,
+    EventSettings,
+    MetricsSettings,
+    ServerSettings,
+    Settings,
+)
 from offloadd.shm import SharedKVTensor
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from protocol.config import (
@@ -43,13 +49,17 @@ class DaemonThread:
         capacity: int = 64 << 20,
         copy_engine: CopyEngine | None = None,
         session_timeout: float = 30.0,
+        **server: object,
     ) -> None:
         self.workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-        self.endpoint = f"ipc://{self.workdir}/d.sock"
+        self.endpoint = str(server.pop("endpoint", f"ipc://{self.workdir}/d.sock"))
         self.arena_path = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
         self.settings = Settings(
             server=ServerSettings(
-                endpoint=self.endpoint, drain_seconds=5.0, session_timeout=session_timeout
+                endpoint=self.endpoint,
+                drain_seconds=5.0,
+                session_timeout=session_timeout,
+                **server,  # type: ignore[arg-type]
             ),
             cache=CacheSettings(arena=self.arena_path, capacity=capacity, persist=False),
             events=EventSettings(
@@ -57,6 +67,7 @@ class DaemonThread:
                 replay_endpoint=f"ipc://{self.workdir}/replay.sock",
                 pod="test-pod",
             ),
+            metrics=MetricsSettings(address=""),
         )
         self.events_endpoint = self.settings.events.endpoint
         self.replay_endpoint = self.settings.events.replay_endpoint
@@ -268,6 +279,7 @@ class ServeProcess:
             "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", self.capacity,
             "--events-endpoint", self.events_endpoint,
             "--events-replay-endpoint", self.replay_endpoint,
+            "--metrics-address", "",
             "--log-level", "WARNING",
         ]  # fmt: skip
         self.process = subprocess.Popen(command)

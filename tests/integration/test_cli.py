@@ -47,6 +47,8 @@ def served() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
             "--capacity",
             "64MiB",
             "--no-persist",
+            "--metrics-address",
+            "",
         ],
     )
     deadline = time.monotonic() + 30

@@ -15,17 +15,21 @@ generated frames. The focused tests below pin down the inputs that used to reach
 
 from __future__ import annotations
 
+import glob
 import math
+import multiprocessing
 import os
 import random
 import shutil
 import tempfile
 import threading
 import time
+import traceback
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -484,7 +488,7 @@ class ControlPeer:
         self.sock = _dealer(ctx, endpoint)
         self.tally = Tally()
         self._in_flight: list[str] = []  # kinds, in send order
-        self.replies: list[Reply] = []
+        self.replies: deque[Reply] = deque(maxlen=64)  # the latest
 
     def register(self, setup: FuzzRankSetup) -> Reply:
         """Say Hello as a one-rank engine; wait until it is ready unless it was refused."""
@@ -501,7 +505,7 @@ class ControlPeer:
         self.sock.send(encode(hello))
         got: list[Reply] = []
         deadline = time.monotonic() + 10
-        while not got or isinstance(got[0], Welcome) and not isinstance(got[-1], EngineReady):
+        while not got or (isinstance(got[0], Welcome) and not isinstance(got[-1], EngineReady)):
             assert self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000)))
             got.append(decode_reply(self.sock.recv()))
         return got[0]
@@ -551,89 +555,92 @@ class ControlPeer:
             tally.errors[reply.code] += 1
             if reply.code == ErrorCode.INTERNAL:
                 tally.internal.append(kind)
-        if len(self.replies) < 64:
-            self.replies.append(reply)
+        self.replies.append(reply)
 
     def close(self) -> None:
         self.sock.close(linger=0)
 
 
-class ControlFuzzer(threading.Thread):
-    """Sends ``count`` fuzzed messages on one DEALER, ``WINDOW`` in flight at a time."""
+class ControlDriver:
+    """Feeds ``count`` fuzzed messages to one peer, ``WINDOW`` in flight at a time."""
 
-    def __init__(
-        self,
-        peer: ControlPeer,
-        frames: Frames,
-        count: int,
-        seed: int,
-        deadline: float,
-        oversized: int = 0,
-    ) -> None:
-        super().__init__(name=f"fuzz-{seed}", daemon=True)
+    def __init__(self, peer: ControlPeer, frames: Frames, count: int, seed: int) -> None:
         self.peer = peer
         self.frames = frames
         self.count = count
         self.rng = random.Random(seed)
-        self.deadline = deadline
-        self.oversized_at = set(self.rng.sample(range(count), oversized))
-        self.error: BaseException | None = None
+        self.oversized_at = {self.rng.randrange(count)} if frames.rank is None else set()
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # surfaced by the test
-            self.error = exc
+    @property
+    def sock(self) -> zmq.Socket[bytes]:
+        return self.peer.sock
 
-    def _run(self) -> None:
+    @property
+    def done(self) -> bool:
+        return self.peer.tally.sent == self.count and self.peer.outstanding() == 0
+
+    def pump(self) -> None:
         peer, rng = self.peer, self.rng
-        for index in range(self.count):
-            while peer.outstanding() >= WINDOW:
-                if not peer.drain(STALL):
-                    peer.tally.stalled = f"no reply for {STALL}s after {peer.tally.sent} sends"
-                    return
-            if time.monotonic() > self.deadline:
-                peer.tally.stalled = f"deadline passed after {peer.tally.sent} sends"
-                return
-            if index in self.oversized_at:
+        while peer.tally.sent < self.count and peer.outstanding() < WINDOW:
+            if peer.tally.sent in self.oversized_at:
                 peer.send("oversized", self.frames.oversized(rng))
             else:
                 peer.send(*self.frames.next(rng))
-            if index % 8 == 0:
-                peer.drain(0)
-        peer.settle(self.deadline + STALL)
+
+    def readable(self) -> None:
+        self.peer.drain(0)
+
+    def stalled(self, why: str) -> None:
+        self.peer.tally.stalled = f"{why}: {self.peer.outstanding()} requests unanswered"
 
 
-class ReplayFuzzer(threading.Thread):
-    """Well-formed replay requests (each must end with the end marker) among garbage."""
+@dataclass
+class ReplayTally:
+    """What one replay-socket DEALER sent and got back."""
+
+    valid: int = 0  # well-formed requests: each must end with an end marker
+    garbage: int = 0  # anything else: ignored
+    end_markers: int = 0
+    batches: int = 0
+    bad_replies: list[list[bytes]] = field(default_factory=list)
+    stalled: str = ""
+
+
+class ReplayDriver:
+    """Well-formed replay requests among garbage, ``REPLAY_WINDOW`` requests in flight."""
 
     def __init__(
         self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, count: int, seed: int
     ) -> None:
-        super().__init__(name=f"replay-fuzz-{seed}", daemon=True)
         self.sock = _dealer(ctx, endpoint)
         self.count = count
         self.rng = random.Random(seed)
-        self.valid = 0
-        self.garbage = 0
-        self.end_markers = 0
-        self.batches = 0
-        self.bad_replies: list[list[bytes]] = []
-        self.stalled = ""
-        self.error: BaseException | None = None
+        self.tally = ReplayTally()
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.sock.close(linger=0)
+    @property
+    def done(self) -> bool:
+        tally = self.tally
+        return tally.valid + tally.garbage == self.count and tally.end_markers >= tally.valid
+
+    def pump(self) -> None:
+        rng, tally = self.rng, self.tally
+        while tally.valid + tally.garbage < self.count:
+            if rng.random() < 0.3:
+                if tally.valid - tally.end_markers >= REPLAY_WINDOW:
+                    return
+                # From a seq beyond the newest (just the end marker) or, rarely, from 0
+                # (every buffered batch of the valid engine).
+                start = 0 if rng.random() < 0.002 else rng.randrange(1 << 62, 1 << 64)
+                self.sock.send_multipart([b"", start.to_bytes(8, "big")])
+                tally.valid += 1
+            else:
+                self.sock.send_multipart(self._garbage())
+                tally.garbage += 1
 
     def _garbage(self) -> list[bytes]:
         rng = self.rng
         seq = rng.randbytes(8)
-        return rng.choice(
+        frames = rng.choice(
             [
                 [seq],  # no empty delimiter
                 [b"", seq[:7]],
@@ -643,46 +650,141 @@ class ReplayFuzzer(threading.Thread):
                 [b""],
                 [b"", b""],
                 [rng.randbytes(rng.randint(0, 64))],
-                [rng.randbytes(rng.randint(0, 16)) for _ in range(rng.randint(2, 6))],
+                [rng.randbytes(rng.randint(0, 16)) for _ in range(rng.randint(3, 6))],
             ]
         )
+        if len(frames) == 2 and frames[0] == b"" and len(frames[1]) == 8:  # valid by chance
+            frames[1] += b"\x00"
+        return frames
 
-    def _run(self) -> None:
-        rng, sock = self.rng, self.sock
-        sent = 0
-        while sent < self.count or self.end_markers < self.valid:
-            outstanding = self.valid - self.end_markers
-            if sent < self.count and outstanding < REPLAY_WINDOW:
-                if rng.random() < 0.3:
-                    # From the newest possible seq (just the end marker) or, rarely, from 0
-                    # (the whole buffer of the valid engine's batches).
-                    start = 0 if rng.random() < 0.002 else rng.randrange(1 << 62, 1 << 64)
-                    sock.send_multipart([b"", start.to_bytes(8, "big")])
-                    self.valid += 1
-                else:
-                    sock.send_multipart(self._garbage())
-                    self.garbage += 1
-                sent += 1
-                timeout = 0
+    def readable(self) -> None:
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart()
+            if frames == [b"", b"", END_SEQ, b""]:
+                self.tally.end_markers += 1
+            elif len(frames) == 4 and frames[0] == b"" and len(frames[2]) == 8:
+                decode_batch(frames[3])
+                self.tally.batches += 1
             else:
-                timeout = int(STALL * 1000)
-            if not sock.poll(timeout):
-                if timeout:
-                    self.stalled = f"{outstanding} replay requests unanswered"
-                    return
-                continue
-            while sock.poll(0):
-                self._account(sock.recv_multipart())
+                self.tally.bad_replies.append(frames)
 
-    def _account(self, frames: list[bytes]) -> None:
-        if frames == [b"", b"", END_SEQ, b""]:
-            self.end_markers += 1
+    def stalled(self, why: str) -> None:
+        self.tally.stalled = f"{why}: {self.tally.valid - self.tally.end_markers} unanswered"
+
+
+@dataclass(frozen=True)
+class FuzzPlan:
+    """What the fuzzing process sends, and where."""
+
+    endpoint: str
+    replay_endpoint: str
+    max_frame_bytes: int
+    control_messages: int
+    replay_messages: int
+    seed: int
+    deadline_seconds: float
+
+
+@dataclass
+class FuzzOutcome:
+    """What the fuzzing process reports back."""
+
+    control: list[Tally] = field(default_factory=list)
+    replay: list[ReplayTally] = field(default_factory=list)
+    refused_registrations: int = 0  # Errors the daemon counted while the ranks registered
+    seconds: float = 0.0
+    failure: str = ""
+
+
+def run_fuzzers(plan: FuzzPlan) -> FuzzOutcome:
+    """Every DEALER multiplexed on one thread: the senders never compete with the daemon
+    for a GIL, so the run measures the daemon."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    files: list[SharedKVTensor] = []
+    drivers: list[ControlDriver | ReplayDriver] = []
+    try:
+        region = _scratch_region(files)
+        senders = UNREGISTERED_SENDERS + REGISTERED_SENDERS
+        refused_registrations = 0
+        for index in range(senders):
+            peer = ControlPeer(ctx, plan.endpoint)
+            setup = None
+            if index >= UNREGISTERED_SENDERS:
+                setup, refused = _register_fuzz_rank(peer, index, files)
+                refused_registrations += refused
+            frames = Frames(region, max_frame_bytes=plan.max_frame_bytes, rank=setup)
+            count = plan.control_messages // senders
+            drivers.append(ControlDriver(peer, frames, count, plan.seed + index))
+        for index in range(2):
+            count = plan.replay_messages // 2
+            driver = ReplayDriver(ctx, plan.replay_endpoint, count, plan.seed + 100 + index)
+            drivers.append(driver)
+        started = time.monotonic()
+        _multiplex(drivers, started + plan.deadline_seconds)
+        return FuzzOutcome(
+            control=[d.peer.tally for d in drivers if isinstance(d, ControlDriver)],
+            replay=[d.tally for d in drivers if isinstance(d, ReplayDriver)],
+            seconds=time.monotonic() - started,
+            refused_registrations=refused_registrations,
+        )
+    finally:
+        for driver in drivers:
+            driver.sock.close(linger=0)
+        ctx.destroy(linger=0)
+        for kv in files:
+            kv.close()
+
+
+def _multiplex(drivers: list[ControlDriver | ReplayDriver], deadline: float) -> None:
+    poller = zmq.Poller()
+    by_socket = {}
+    for driver in drivers:
+        poller.register(driver.sock, zmq.POLLIN)
+        by_socket[driver.sock] = driver
+    last_reply = time.monotonic()
+    while not all(driver.done for driver in drivers):
+        for driver in drivers:
+            driver.pump()
+        events = poller.poll(1000)
+        now = time.monotonic()
+        for sock, _ in events:
+            by_socket[sock].readable()
+        if events:
+            last_reply = now
+        why = "deadline passed" if now > deadline else "stalled" if now - last_reply > STALL else ""
+        if why:
+            for driver in drivers:
+                if not driver.done:
+                    driver.stalled(why)
             return
-        if len(frames) == 4 and frames[0] == b"" and len(frames[2]) == 8:
-            decode_batch(frames[3])
-            self.batches += 1
-            return
-        self.bad_replies.append(frames)
+
+
+def _register_fuzz_rank(
+    peer: ControlPeer, index: int, files: list[SharedKVTensor]
+) -> tuple[FuzzRankSetup, int]:
+    """The first registered rank's config has a second group that no region holds; a daemon
+    that refuses such a Hello gets a plain config instead. Returns the setup and how many
+    Hellos were refused."""
+    setup = _fuzz_rank(index, files, empty_group=index == UNREGISTERED_SENDERS)
+    welcome = peer.register(setup)
+    refused = 0
+    if isinstance(welcome, Error) and setup.empty_group:
+        assert welcome.code == ErrorCode.BAD_GEOMETRY, welcome
+        refused = 1
+        setup = _fuzz_rank(index, files)
+        welcome = peer.register(setup)
+    assert isinstance(welcome, Welcome), welcome
+    return setup, refused
+
+
+def _fuzz_process(plan: FuzzPlan, conn: Connection) -> None:
+    """Entry point of the spawned fuzzing process."""
+    try:
+        outcome = run_fuzzers(plan)
+    except BaseException:
+        outcome = FuzzOutcome(failure=traceback.format_exc())
+    conn.send(outcome)
+    conn.close()
 
 
 class ValidEngine(threading.Thread):
@@ -699,7 +801,7 @@ class ValidEngine(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self.stop.is_set():
+            while not self.stop.wait(0.05):  # paced: the fuzzers get most of the daemon
                 self.cycle()
         except BaseException as exc:
             self.error = exc
@@ -843,113 +945,100 @@ def _report(message: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_100k_fuzzed_frames_while_a_valid_engine_checks_its_bytes(
-    daemon: DaemonThread,
-    ranks: list[Rank],
-    zctx: zmq.Context[zmq.Socket[bytes]],
-    shm_files: list[SharedKVTensor],
+    daemon: DaemonThread, ranks: list[Rank], zctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
     began = time.monotonic()
-    deadline = began + DEADLINE - 20  # leave room for the checks after the fuzzing
     engine = _valid_engine(daemon, ranks)
-    max_frame = daemon.settings.server.max_frame_bytes
-    region = _scratch_region(shm_files)
-
-    fuzzers: list[ControlFuzzer] = []
-    per_sender = BULK_CONTROL_FRAMES // (UNREGISTERED_SENDERS + REGISTERED_SENDERS)
-    for index in range(UNREGISTERED_SENDERS + REGISTERED_SENDERS):
-        peer = ControlPeer(zctx, daemon.endpoint)
-        setup = None
-        if index >= UNREGISTERED_SENDERS:
-            # The first registered rank's config has a second group that no region holds;
-            # a daemon that refuses such a Hello gets a plain config instead.
-            setup = _fuzz_rank(index, shm_files, empty_group=index == UNREGISTERED_SENDERS)
-            welcome = peer.register(setup)
-            if isinstance(welcome, Error) and setup.empty_group:
-                assert welcome.code == ErrorCode.BAD_GEOMETRY, welcome
-                setup = _fuzz_rank(index, shm_files)
-                welcome = peer.register(setup)
-            assert isinstance(welcome, Welcome), welcome
-        frames = Frames(region, max_frame_bytes=max_frame, rank=setup)
-        oversized = 1 if setup is None else 0
-        fuzzers.append(ControlFuzzer(peer, frames, per_sender, 1000 + index, deadline, oversized))
-    replays = [
-        ReplayFuzzer(zctx, daemon.replay_endpoint, BULK_REPLAY_FRAMES // 2, 2000 + i)
-        for i in range(2)
-    ]
+    plan = FuzzPlan(
+        endpoint=daemon.endpoint,
+        replay_endpoint=daemon.replay_endpoint,
+        max_frame_bytes=daemon.settings.server.max_frame_bytes,
+        control_messages=BULK_CONTROL_FRAMES,
+        replay_messages=BULK_REPLAY_FRAMES,
+        seed=1000,
+        deadline_seconds=DEADLINE - 25,  # spawning, set-up and the checks take the rest
+    )
     before = _stats(zctx, daemon.endpoint)
-
     stop = threading.Event()
     valid = ValidEngine(engine, stop)
     probe = StatsProbe(zctx, daemon.endpoint, stop)
     valid.start()
     probe.start()
-    fuzz_started = time.monotonic()
-    for thread in (*fuzzers, *replays):
-        thread.start()
-    for thread in (*fuzzers, *replays):
-        thread.join(max(1.0, deadline + 2 * STALL - time.monotonic()))
-        assert not thread.is_alive(), f"{thread.name} did not finish"
-    fuzz_seconds = time.monotonic() - fuzz_started
+    spawn = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+    receiver, sender = spawn.Pipe(duplex=False)
+    process = spawn.Process(target=_fuzz_process, args=(plan, sender), name="fuzzer")
+    try:
+        process.start()
+        sender.close()
+        assert receiver.poll(DEADLINE + STALL), "the fuzzing process did not report"
+        outcome: FuzzOutcome = receiver.recv()
+        process.join(30)
+    finally:
+        stop.set()
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        receiver.close()
+        if process.pid is not None:
+            for leftover in glob.glob(f"/dev/shm/od-test-{process.pid}-*"):
+                os.unlink(leftover)
     cycles_during_fuzz = valid.cycles
-    stop.set()
     for thread in (valid, probe):
         thread.join(60)
         assert not thread.is_alive(), f"{thread.name} did not stop"
+    assert not outcome.failure, outcome.failure
 
     total = Tally()
-    for fuzzer in fuzzers:
-        assert fuzzer.error is None, f"{fuzzer.name}: {fuzzer.error!r}"
-        total.add(fuzzer.peer.tally)
-        fuzzer.peer.close()
+    for tally in outcome.control:
+        total.add(tally)
     assert not total.stalled, total.stalled
     assert total.internal == [], f"INTERNAL errors for inputs of kinds {Counter(total.internal)}"
     assert total.undecodable == 0
     assert total.sent >= BULK_CONTROL_FRAMES
     assert total.answered == total.sent, "every control message gets exactly one reply"
-    for replay in replays:
-        assert replay.error is None, f"{replay.name}: {replay.error!r}"
+    for replay in outcome.replay:
         assert not replay.stalled, replay.stalled
         assert replay.bad_replies == []
         assert replay.end_markers == replay.valid, "one end marker per replay request"
-    replay_frames = sum(r.valid + r.garbage for r in replays)
-    assert replay_frames >= BULK_REPLAY_FRAMES
+    replay_valid = sum(r.valid for r in outcome.replay)
+    replay_garbage = sum(r.garbage for r in outcome.replay)
+    assert replay_valid + replay_garbage >= BULK_REPLAY_FRAMES
 
     # The valid engine was served throughout, and still is.
     assert valid.error is None, f"valid engine: {valid.error!r}"
     assert probe.error is None, f"stats probe: {probe.error!r}"
-    assert cycles_during_fuzz >= 10, f"only {cycles_during_fuzz} valid cycles during the fuzz"
+    assert cycles_during_fuzz >= 20, f"only {cycles_during_fuzz} valid cycles during the fuzz"
     valid.cycle()
     after = _stats(zctx, daemon.endpoint)
-    errors = sum(total.errors.values())
+    errors = sum(total.errors.values()) + outcome.refused_registrations
     assert after.protocol_errors - before.protocol_errors == errors
-    assert [e.engine_id for e in after.engines if e.engine_id == "engine-a"] == ["engine-a"]
-    assert next(e for e in after.engines if e.engine_id == "engine-a").ranks_present == [0, 1]
-    events = daemon.daemon._events if daemon.daemon is not None else None  # read-only peek
-    if events is not None:
-        garbage = sum(r.garbage for r in replays)
-        assert events.stats().invalid_replay_requests == garbage
+    (engine_a,) = [e for e in after.engines if e.engine_id == "engine-a"]
+    assert engine_a.ready and engine_a.ranks_present == [0, 1]
+    assert after.jobs_in_flight == 0
+    if daemon.daemon is not None and daemon.daemon._events is not None:  # read-only peek
+        assert daemon.daemon._events.stats().invalid_replay_requests == replay_garbage
 
     elapsed = time.monotonic() - began
     assert elapsed < DEADLINE, f"bulk fuzz took {elapsed:.0f}s"
     codes = {ErrorCode(code).name: n for code, n in sorted(total.errors.items())}
+    seconds = outcome.seconds
     _report(
-        f"control: {total.sent} messages from {len(fuzzers)} DEALERs in {fuzz_seconds:.1f}s "
-        f"({total.sent / fuzz_seconds:,.0f}/s), {total.answered} answered, "
+        f"control: {total.sent} messages from {len(outcome.control)} DEALERs in {seconds:.1f}s "
+        f"({total.sent / seconds:,.0f}/s), {total.answered} answered, "
         f"{total.unasked} unasked (JobDone/EngineReady); errors {codes}; "
         f"protocol_errors +{after.protocol_errors - before.protocol_errors}"
     )
     _report(f"kinds: {dict(total.kinds)}")
     _report(
-        f"replay: {replay_frames} frames ({sum(r.valid for r in replays)} requests, "
-        f"{sum(r.garbage for r in replays)} garbage), "
-        f"{sum(r.end_markers for r in replays)} end markers, "
-        f"{sum(r.batches for r in replays)} batches replayed"
+        f"replay: {replay_valid + replay_garbage} frames ({replay_valid} requests, "
+        f"{replay_garbage} garbage), {sum(r.end_markers for r in outcome.replay)} end markers, "
+        f"{sum(r.batches for r in outcome.replay)} batches replayed"
     )
     _report(
         f"valid engine: {valid.cycles} store/load cycles ({cycles_during_fuzz} during the fuzz), "
         f"{valid.bytes_verified / 2**20:.1f} MiB compared, slowest cycle {valid.slowest:.2f}s; "
         f"stats probe: {probe.samples} round trips, slowest {probe.slowest:.2f}s; "
-        f"total {elapsed:.1f}s"
+        f"whole test {elapsed:.1f}s"
     )
 
 
@@ -1088,7 +1177,7 @@ def _ask(peer: ControlPeer, message: Request | bytes, expect: int = 1) -> list[R
     peer.send("focused", [message if isinstance(message, bytes) else encode(message)])
     peer.settle(time.monotonic() + 10)
     assert not peer.tally.stalled, peer.tally.stalled
-    return peer.replies[-expect:]
+    return list(peer.replies)[-expect:]
 
 
 def _not_internal(reply: Reply) -> None:
@@ -1128,7 +1217,7 @@ def test_hostile_hello_fields_get_a_clear_error_and_leak_nothing(
             # Nested just below what the decoder accepts: str() of it in the namespace
             # derivation used to raise RecursionError after the session was half-registered.
             replies = []
-            for depth in range(900, 1000, 5):
+            for depth in range(940, 1000):
                 named = msgspec.structs.replace(config, engine_id=f"hostile-deep-{depth}")
                 got = _ask(peer, _with_deep_salt(hello(1000 + depth, named, kv.region), depth))
                 replies.append(got[-1])

@@ -273,7 +273,6 @@ def _scrape(
     }
 
 
-@pytest.mark.xfail(reason="daemon wiring pending", strict=False)
 def test_metrics_after_store_and_load(served: Served, ranks: list[Rank]) -> None:
     address = f"127.0.0.1:{_free_port()}"
     served.start("--metrics-address", address)

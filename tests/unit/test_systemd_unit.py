@@ -64,6 +64,7 @@ def one(unit: dict[str, dict[str, list[str]]], section: str, key: str) -> str:
         ("RuntimeDirectory", "offloadd"),
         ("RuntimeDirectoryMode", "0750"),
         ("RuntimeDirectoryPreserve", "restart"),
+        ("UMask", "0007"),
         ("User", "offloadd"),
         ("Group", "offloadd-clients"),
         ("LimitMEMLOCK", "infinity"),
