@@ -16,6 +16,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import uvloop
 import zmq
@@ -28,6 +29,7 @@ from benchmarks._util import (
     median,
     paired_ratio,
     percentile,
+    process_cpu_seconds,
     ratio,
 )
 from benchmarks.datapath import chunk_keys, daemon
@@ -73,14 +75,24 @@ def small_config(engine_id: str, rank: int = 0, tp: int = 1) -> OffloadingConfig
     )
 
 
+@dataclass
+class Servers:
+    """The daemon and the echo server, both subprocesses of the same kind."""
+
+    endpoint: str
+    echo: str
+    daemon: ServerProcess
+    echo_server: ServerProcess
+
+
 @contextlib.contextmanager
-def _servers(ctx: Context, label: str) -> Iterator[tuple[str, str]]:
+def _servers(ctx: Context, label: str) -> Iterator[Servers]:
     echo_endpoint = ctx.scratch.endpoint("echo")
     with (
-        daemon(ctx, 64 << 20, label) as (endpoint, _),
-        ServerProcess("echo", {"endpoint": echo_endpoint}),
+        daemon(ctx, 64 << 20, label) as (endpoint, daemon_process),
+        ServerProcess("echo", {"endpoint": echo_endpoint}) as echo_process,
     ):
-        yield endpoint, echo_endpoint
+        yield Servers(endpoint, echo_endpoint, daemon_process, echo_process)
 
 
 @contextlib.contextmanager
@@ -107,7 +119,8 @@ def run_lookup(ctx: Context) -> list[Result]:
     keys = chunk_keys(LOOKUP_KEYS, b"lookup")
     payload = encode(Lookup(1_000_000, keys))
     results: list[Result] = []
-    with _servers(ctx, "lookup") as (endpoint, echo), _kv_files(ctx, 1) as files:
+    with _servers(ctx, "lookup") as servers, _kv_files(ctx, 1) as files:
+        endpoint, echo = servers.endpoint, servers.echo
         config = small_config("bench-lookup")
         with OffloadClient.connect(endpoint, config, [files[0].region], name="worker") as worker:
             worker.wait_ready(30)
@@ -118,7 +131,7 @@ def run_lookup(ctx: Context) -> list[Result]:
                 if hits != LOOKUP_HITS:
                     raise RuntimeError(f"lookup found {hits} hits, expected {LOOKUP_HITS}")
                 if any(ctx.wanted(n) for n in ("lookup_rtt_p50", "lookup_rtt_p99")):
-                    results += _rtt(ctx, scheduler, keys, echo, payload)
+                    results += _rtt(ctx, scheduler, keys, servers, payload)
             for clients in (1, 8):
                 if ctx.wanted(f"lookups_per_s_{clients}"):
                     results.append(
@@ -128,7 +141,7 @@ def run_lookup(ctx: Context) -> list[Result]:
 
 
 def _rtt(
-    ctx: Context, client: OffloadClient, keys: list[bytes], echo: str, payload: bytes
+    ctx: Context, client: OffloadClient, keys: list[bytes], servers: Servers, payload: bytes
 ) -> list[Result]:
     samples = 4000 if ctx.quick else 20000
     block = 500
@@ -136,26 +149,36 @@ def _rtt(
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(echo)
+    sock.connect(servers.echo)
     clock = time.perf_counter_ns
+    me = os.getpid()
+    # CPU seconds (client process, server process) spent on the measured round trips.
+    cpu = {"daemon": [0.0, 0.0], "echo": [0.0, 0.0]}
     try:
 
         def daemon_block(count: int, out: list[float]) -> None:
+            client_cpu, server_cpu = process_cpu_seconds(me), servers.daemon.cpu_seconds()
             for _ in range(count):
                 started = clock()
                 client.lookup(keys)
                 out.append((clock() - started) / 1e3)
+            cpu["daemon"][0] += process_cpu_seconds(me) - client_cpu
+            cpu["daemon"][1] += servers.daemon.cpu_seconds() - server_cpu
 
         def echo_block(count: int, out: list[float]) -> None:
+            client_cpu, server_cpu = process_cpu_seconds(me), servers.echo_server.cpu_seconds()
             for _ in range(count):
                 started = clock()
                 sock.send(payload)
                 sock.recv()
                 out.append((clock() - started) / 1e3)
+            cpu["echo"][0] += process_cpu_seconds(me) - client_cpu
+            cpu["echo"][1] += servers.echo_server.cpu_seconds() - server_cpu
 
         warm: list[float] = []
         daemon_block(300, warm)
         echo_block(300, warm)
+        cpu = {"daemon": [0.0, 0.0], "echo": [0.0, 0.0]}
         d: list[float] = []
         e: list[float] = []
         block_p50: list[tuple[float, float]] = []
@@ -181,6 +204,11 @@ def _rtt(
         "samples": len(d),
         "client": "OffloadClient (blocking)",
         "baseline": "blocking DEALER -> uvloop zmq.asyncio ROUTER echo subprocess, ipc://",
+        # CPU per round trip: where the extra latency is spent (busy time, not waiting).
+        "client_cpu_us": cpu["daemon"][0] / len(d) * 1e6,
+        "server_cpu_us": cpu["daemon"][1] / len(d) * 1e6,
+        "baseline_client_cpu_us": cpu["echo"][0] / len(e) * 1e6,
+        "baseline_server_cpu_us": cpu["echo"][1] / len(e) * 1e6,
     }
     results = []
     for q in (50, 99):
@@ -299,11 +327,9 @@ def run_handshake(ctx: Context) -> list[Result]:
     """``handshake_8_ranks``: first Hello sent to every rank knowing the engine is ready."""
     if not ctx.wanted("handshake_8_ranks"):
         return []
-    with (
-        _servers(ctx, "handshake") as (endpoint, echo),
-        _kv_files(ctx, HANDSHAKE_RANKS) as files,
-    ):
-        return [uvloop.run(_handshake(ctx, endpoint, echo, [kv.region for kv in files]))]
+    with _servers(ctx, "handshake") as servers, _kv_files(ctx, HANDSHAKE_RANKS) as files:
+        regions = [kv.region for kv in files]
+        return [uvloop.run(_handshake(ctx, servers.endpoint, servers.echo, regions))]
 
 
 async def _handshake(ctx: Context, endpoint: str, echo: str, regions: list[KVRegion]) -> Result:

@@ -161,6 +161,17 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from benchmarks import main as bench_main
+
+    argv = ["--quick"] if args.quick else []
+    if args.json:
+        argv += ["--json", args.json]
+    for name in args.only or []:
+        argv += ["--only", name]
+    return bench_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="offloadd", description=__doc__)
@@ -256,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="one JSON object per event")
     events.add_argument("--log-level", help="DEBUG, INFO, WARNING (default), ...")
     events.set_defaults(handler=_events)
+    bench = commands.add_parser(
+        "bench", help="benchmarks: daemon vs same-run baselines, printed as ratios"
+    )
+    bench.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--only", action="append", metavar="NAME", help="run only this group")
+    bench.set_defaults(handler=_bench)
     return parser
 
 

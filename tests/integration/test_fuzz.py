@@ -48,6 +48,7 @@ from protocol.handles import CudaIpcHandle, KVRegion, ShmHandle
 from protocol.messages import (
     Bye,
     Clear,
+    DaemonStats,
     EngineReady,
     Error,
     GetStats,
@@ -914,7 +915,7 @@ def _scratch_region(shm_files: list[SharedKVTensor]) -> KVRegion:
     return kv.region
 
 
-def _stats(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> Any:
+def _stats(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> DaemonStats:
     sock = _dealer(ctx, endpoint)
     try:
         sock.send(encode(GetStats(1)))
@@ -1112,7 +1113,7 @@ def test_generated_frames_each_get_one_reply(
     before = _stats(zctx, daemon.endpoint)
 
     @settings(
-        max_examples=300,
+        max_examples=600,
         derandomize=True,
         database=None,
         deadline=None,
@@ -1262,11 +1263,12 @@ def test_non_finite_floats_on_the_production_event_loop(
     for a job in flight must be refused (or answered), never reach INTERNAL."""
     workdir = tempfile.mkdtemp(prefix="od-fuzz-", dir="/tmp")
     server = ServeProcess(workdir, f"/dev/shm/od-test-fuzz-{uuid.uuid4().hex[:12]}")
+    peer: ControlPeer | None = None
     try:
         server.start()
         setup = _fuzz_rank(0, shm_files)
         peer = ControlPeer(zctx, server.endpoint)
-        peer.register(setup)
+        assert isinstance(peer.register(setup), Welcome)
         keys = setup.keys
         # Store and Wait go out together: the daemon reads the Wait before the copy's
         # completion can run on its loop, so the job is still in flight.
@@ -1281,10 +1283,10 @@ def test_non_finite_floats_on_the_production_event_loop(
         assert not peer.tally.stalled, peer.tally.stalled
         assert peer.tally.internal == [], f"INTERNAL for {Counter(peer.tally.internal)}"
         assert peer.tally.answered == peer.tally.sent
-        peer.close()
-        with_stats = _stats(zctx, server.endpoint)
-        assert with_stats.jobs_in_flight == 0
+        assert _stats(zctx, server.endpoint).jobs_in_flight == 0
         assert server.process is not None and server.process.poll() is None
     finally:
+        if peer is not None:
+            peer.close()
         server.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
