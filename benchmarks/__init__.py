@@ -10,8 +10,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``lookup``: lookup round-trip p50/p99 and lookups per second (1 and 8 clients) vs a bare
   ZeroMQ DEALER/ROUTER echo of the same payload in the same kind of process.
 - ``handshake``: 8 ranks from first Hello to engine ready vs 8 bare echo round trips.
-- ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k, and
-  index bytes per entry vs the key bytes.
+- ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k (random
+  keys over the whole index, and keys from a 10k hot set), and index bytes per entry vs
+  the key bytes.
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
 
@@ -79,7 +80,11 @@ GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
     Group("handshake", ("handshake_*",), _handshake),
-    Group("index", ("lookup_cost_*", "store_cost_*", "index_bytes_per_entry*"), _index),
+    Group(
+        "index",
+        ("lookup_cost_*", "lookup_hot_cost_*", "store_cost_*", "index_bytes_per_entry*"),
+        _index,
+    ),
     Group("events", ("events_per_s",), _events),
 )
 

@@ -355,6 +355,9 @@ def daemon_settings(ctx: Context, capacity: int) -> dict[str, object]:
     )
     decoded = msgspec.to_builtins(settings)
     assert isinstance(decoded, dict)
+    if "metrics" in Settings.__struct_fields__:
+        # On, as in production, but on a free port: runs may overlap with other daemons.
+        decoded["metrics"] = {"address": "127.0.0.1:0"}
     return decoded
 
 

@@ -407,7 +407,12 @@ class Daemon:
             except Exception:
                 # A bug must not take the daemon down; the peer still gets an answer.
                 logger.exception("internal error while handling a request")
-                self._send(identity, Error(0, ErrorCode.INTERNAL, "internal error; see daemon log"))
+                request_id = peek_request_id(frames[-1]) if len(frames) > 1 else 0
+                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+                self._send(
+                    identity,
+                    Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+                )
 
     def _send(self, identity: bytes, message: Reply) -> None:
         """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
@@ -710,6 +715,12 @@ class Daemon:
                 f"({bpc} per chunk), got {len(request.block_ids)}",
             )
         self._check_block_ids(state, request.block_ids)
+        for key in request.keys:
+            if 0 in namespace.shard_sizes_for_key(key):
+                raise _Refused(
+                    ErrorCode.BAD_REQUEST,
+                    f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
+                )
         session = state.session
         job = _Job(request.job_id, state, Direction.STORE, request.keys, [], 0)
         if namespace.replicated and session.rank != 0:

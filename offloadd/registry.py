@@ -309,6 +309,10 @@ def _check_own(hello: Hello) -> list[GroupLayout]:
             ErrorCode.BAD_REQUEST,
             f"parallel.rank={parallel.rank} outside [0, world_size={parallel.world_size})",
         )
+    if _nesting(config.extra_config) > _MAX_EXTRA_NESTING:
+        raise RegistrationError(
+            ErrorCode.BAD_REQUEST, f"extra_config nests deeper than {_MAX_EXTRA_NESTING} levels"
+        )
     if config.cache.blocks_per_chunk < 1:
         raise RegistrationError(
             ErrorCode.BAD_REQUEST,
@@ -319,6 +323,23 @@ def _check_own(hello: Hello) -> list[GroupLayout]:
             raise RegistrationError(ErrorCode.BAD_REQUEST, "a scheduler registers no KV regions")
         return []
     return _check_geometry(hello)
+
+
+_MAX_EXTRA_NESTING = 32
+
+
+def _nesting(value: object) -> int:
+    """How deeply ``value`` nests lists and dicts (iterative: hostile input can be deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            deepest = max(deepest, depth)
+            if depth > _MAX_EXTRA_NESTING:
+                return depth
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_geometry(hello: Hello) -> list[GroupLayout]:

@@ -130,6 +130,8 @@ class HandleTable:
             self._unref(mapping)
 
     def _open_shm(self, handle: ShmHandle) -> _Mapping:
+        if "\x00" in handle.path:
+            raise HandleError("the path contains a NUL byte")
         path = os.path.realpath(handle.path)
         if not any(
             os.path.dirname(path) == d or path.startswith(d + os.sep) for d in self._allowed

@@ -248,7 +248,11 @@ def make_rank(
     rank = Rank(tensors, config)
     if connect:
         assert endpoint is not None
-        rank.client = OffloadClient.connect(endpoint, config, [kv.region for kv in tensors])
+        try:
+            rank.client = OffloadClient.connect(endpoint, config, [kv.region for kv in tensors])
+        except BaseException:
+            rank.close()  # a refused Hello must not leave its tensors in /dev/shm
+            raise
     return rank
 
 

@@ -65,6 +65,7 @@ from protocol.messages import (
     StatsResult,
     Store,
     Wait,
+    WaitResult,
     Welcome,
     decode_reply,
     encode,
@@ -72,6 +73,7 @@ from protocol.messages import (
 from tests.integration.harness import (
     LAYERS,
     DaemonThread,
+    GatedCopyEngine,
     Rank,
     ServeProcess,
     chain_keys,
@@ -88,6 +90,7 @@ WINDOW = 48  # requests in flight per DEALER
 REPLAY_WINDOW = 16  # well-formed replay requests in flight per DEALER
 DEADLINE = 90.0  # the whole bulk run, set-up and checks included
 STALL = 15.0  # no reply for this long while requests are outstanding: the daemon is stuck
+SLOWEST_VALID_CYCLE = 5.0  # seconds; a starved event loop shows here (13s seen)
 FUZZ_BLOCKS = 16  # blocks per region of a registered fuzz rank
 PAGE = 4096
 
@@ -1009,6 +1012,8 @@ def test_100k_fuzzed_frames_while_a_valid_engine_checks_its_bytes(
     assert valid.error is None, f"valid engine: {valid.error!r}"
     assert probe.error is None, f"stats probe: {probe.error!r}"
     assert cycles_during_fuzz >= 20, f"only {cycles_during_fuzz} valid cycles during the fuzz"
+    # A flood must not starve the copy completions of others (a cycle takes well under 1s).
+    assert valid.slowest < SLOWEST_VALID_CYCLE, f"a valid cycle took {valid.slowest:.1f}s"
     valid.cycle()
     after = _stats(zctx, daemon.endpoint)
     errors = sum(total.errors.values()) + outcome.refused_registrations
@@ -1253,6 +1258,37 @@ def test_hostile_hello_fields_get_a_clear_error_and_leak_nothing(
             f"{after.sessions}, engines left {hostile}"
         )
     assert hostile == [], f"engines left behind: {hostile}"
+
+
+@pytest.mark.parametrize("ending", ["hello_again", "bye"])
+def test_a_wait_pending_when_its_session_ends_is_still_answered(
+    daemon_factory: Callable[..., DaemonThread],
+    zctx: zmq.Context[zmq.Socket[bytes]],
+    shm_files: list[SharedKVTensor],
+    ending: str,
+) -> None:
+    gated = GatedCopyEngine()
+    daemon = daemon_factory(copy_engine=gated)
+    setup = _fuzz_rank(0, shm_files)
+    peer = ControlPeer(zctx, daemon.endpoint)
+    try:
+        assert isinstance(peer.register(setup), Welcome)
+        gated.gate.clear()
+        peer.send("store", [encode(Store(10, 1, setup.keys[:1], [0, 1]))])
+        peer.send("wait", [encode(Wait(11, [1], 30.0))])
+        assert gated.started.acquire(timeout=10)
+        if ending == "bye":
+            peer.send("bye", [encode(Bye(12))])
+        else:
+            hello = Hello(12, PROTOCOL_VERSION, "worker", setup.config, setup.regions)
+            peer.send("hello", [encode(hello)])
+        peer.settle(time.monotonic() + 10)  # before the copy is let go
+        assert not peer.tally.stalled, peer.tally.stalled
+        (result,) = [r for r in peer.replies if getattr(r, "request_id", None) == 11]
+        assert result == WaitResult(11, [], [1])  # abandoned with its session: never done
+    finally:
+        gated.gate.set()
+        peer.close()
 
 
 @pytest.mark.timeout(60)
