@@ -46,7 +46,7 @@ from offloadd.settings import Settings
 from offloadd.systemd import Notifier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable, Import
-from offloadd.transfer.plan import block_id_problem, plan_chunk
+from offloadd.transfer.plan import Span, block_id_problem, chunk_copies, group_spans
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
@@ -127,6 +127,7 @@ class _SessionState:
     waiters: list[_Waiter] = field(default_factory=list)
     alive: bool = True
     last_seen: float = field(default_factory=time.monotonic)
+    spans: dict[int, tuple[Span, ...]] = field(default_factory=dict)  # by group, built lazily
     pidfd: int | None = None  # watched with the loop: readable once the process exited
 
 
@@ -736,22 +737,17 @@ class Daemon:
         job.writes = reservation.writes
         if job.failed_keys:
             logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
-        arena = self._require_arena()
+        arena_address = self._require_arena().address
         moves: list[Triple] = []
+        keys, block_ids = request.keys, request.block_ids
         for write in reservation.writes:
-            ids = request.block_ids[write.index * bpc : (write.index + 1) * bpc]
-            layout = session.layouts[group_of_key(request.keys[write.index])]
-            for move in plan_chunk(layout, session.regions, ids, blocks_per_chunk=bpc):
-                if move.shard_offset + move.nbytes > write.size:
-                    raise AssertionError("shard plan exceeds its slot")
-                moves.append(
-                    (
-                        self._region_address(state, move.region, move.region_offset, move.nbytes),
-                        arena.address + write.offset + move.shard_offset,
-                        move.nbytes,
-                    )
-                )
-                job.nbytes += move.nbytes
+            spans, shard_bytes = self._spans(state, group_of_key(keys[write.index]), bpc)
+            if shard_bytes > write.size:
+                raise AssertionError("shard plan exceeds its slot")
+            start = write.index * bpc
+            job.nbytes += chunk_copies(
+                spans, block_ids[start : start + bpc], arena_address + write.offset, moves
+            )
         return self._submit(state, request.request_id, job, moves, request.wait_event)
 
     def _load(self, state: _SessionState, request: Load) -> Reply | None:
@@ -775,27 +771,25 @@ class Daemon:
             return self._accept_without_copy(state, request.request_id, job, "keys not in cache")
         job.entries = reservation.entries
         shard = 0 if namespace.replicated else session.rank
-        arena = self._require_arena()
+        arena_address = self._require_arena().address
         moves: list[Triple] = []
         position = 0
+        block_ids = request.block_ids
         for index, entry in enumerate(reservation.entries):
             first = skip if index == 0 else 0
-            ids = request.block_ids[position : position + bpc - first]
-            position += len(ids)
-            layout = session.layouts[group_of_key(entry.key)]
-            for move in plan_chunk(
-                layout, session.regions, ids, blocks_per_chunk=bpc, first_sub_block=first
-            ):
-                if move.shard_offset + move.nbytes > entry.sizes[shard]:
-                    raise AssertionError("shard plan exceeds its slot")
-                moves.append(
-                    (
-                        arena.address + entry.offsets[shard] + move.shard_offset,
-                        self._region_address(state, move.region, move.region_offset, move.nbytes),
-                        move.nbytes,
-                    )
-                )
-                job.nbytes += move.nbytes
+            spans, shard_bytes = self._spans(state, group_of_key(entry.key), bpc)
+            if shard_bytes > entry.sizes[shard]:
+                raise AssertionError("shard plan exceeds its slot")
+            count = bpc - first
+            job.nbytes += chunk_copies(
+                spans,
+                block_ids[position : position + count],
+                arena_address + entry.offsets[shard],
+                moves,
+                first_sub_block=first,
+                load=True,
+            )
+            position += count
         return self._submit(state, request.request_id, job, moves)
 
     def _check_block_ids(self, state: _SessionState, block_ids: list[int]) -> None:
@@ -803,13 +797,19 @@ class Daemon:
         if problem:
             raise _Refused(ErrorCode.BAD_REQUEST, problem)
 
-    def _region_address(self, state: _SessionState, region: int, offset: int, nbytes: int) -> int:
-        imported = state.imports[region]
-        # Defence in depth: geometry and block ids were validated, but never trust arithmetic
-        # with another process's memory.
-        if offset < 0 or offset + nbytes > imported.size:
-            raise AssertionError(f"copy outside region {region}")
-        return imported.address + offset
+    def _spans(self, state: _SessionState, group: int, bpc: int) -> tuple[tuple[Span, ...], int]:
+        """The session's resolved spans of ``group`` (built once) and its shard bytes.
+
+        Building them checks every region's geometry against what the daemon really mapped,
+        so block ids validated against ``num_blocks`` can never address outside a region.
+        """
+        layout = state.session.layouts[group]
+        spans = state.spans.get(group)
+        if spans is None:
+            mappings = [(imported.address, imported.size) for imported in state.imports]
+            spans = group_spans(layout, state.session.regions, mappings, blocks_per_chunk=bpc)
+            state.spans[group] = spans
+        return spans, layout.shard_bytes(bpc)
 
     def _accept_without_copy(
         self, state: _SessionState, request_id: int, job: _Job, error: str = ""

@@ -34,6 +34,7 @@ class ExtentAllocator:
         "_capacity",
         "_free_end",
         "_free_start",
+        "_interned",
         "_sizes",
         "_used",
     )
@@ -52,6 +53,8 @@ class ExtentAllocator:
         self._sizes: list[int] = []
         # offset -> rounded size; what makes a bad or double free detectable.
         self._allocated: dict[int, int] = {}
+        # One int object per distinct size: millions of extents share a handful of sizes.
+        self._interned: dict[int, int] = {}
         if self._capacity:
             self._add_free(0, self._capacity)
 
@@ -136,7 +139,7 @@ class ExtentAllocator:
         del self._free_end[start + have]
         if have > need:
             self._add_free(start + need, have - need)
-        self._allocated[start] = need
+        self._allocated[start] = self._interned.setdefault(need, need)
         self._used += need
         return start
 

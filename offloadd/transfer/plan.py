@@ -14,6 +14,8 @@ sides are merged, so blocks laid out back to back cost one copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from operator import sub
 from typing import NamedTuple
 
 from protocol.config import OffloadingGroupConfig
@@ -104,3 +106,95 @@ def block_id_problem(block_ids: Sequence[int], num_blocks: int) -> str | None:
         if not 0 <= block_id < num_blocks:
             return f"block id {block_id} out of range [0, {num_blocks})"
     return None
+
+
+# The daemon's fast path: the same copies as ``plan_chunk``, resolved straight to addresses
+# with the per-region arithmetic hoisted out of the per-block loop (planning runs on the event
+# loop, so its cost per page is paid by every request). ``plan_chunk`` stays the readable
+# reference that tests hold this against.
+
+
+class Span(NamedTuple):
+    """One region's part of a group's shard, resolved for one session: ``base`` is the
+    address of block 0 in the daemon's mapping, ``part`` the part's offset in the shard."""
+
+    base: int
+    stride: int
+    page: int
+    part: int
+
+
+def group_spans(
+    layout: GroupLayout,
+    regions: Sequence[KVRegion],
+    mappings: Sequence[tuple[int, int]],
+    *,
+    blocks_per_chunk: int,
+) -> tuple[Span, ...]:
+    """The spans of one group; ``mappings[i]`` is region ``i``'s (address, size).
+
+    Checked once here instead of per copy: every block id below ``num_blocks`` then stays
+    inside its mapping. Raises ValueError otherwise.
+    """
+    spans = []
+    part = 0
+    for index, page in zip(layout.regions, layout.pages, strict=True):
+        region = regions[index]
+        address, size = mappings[index]
+        if region.num_blocks and (region.num_blocks - 1) * region.block_stride + page > size:
+            raise ValueError(f"region {index}: {region.num_blocks} blocks exceed its mapping")
+        spans.append(Span(address, region.block_stride, page, part))
+        part += page * blocks_per_chunk
+    return tuple(spans)
+
+
+def chunk_copies(
+    spans: Sequence[Span],
+    block_ids: Sequence[int],
+    shard_address: int,
+    out: list[tuple[int, int, int]],
+    *,
+    first_sub_block: int = 0,
+    load: bool = False,
+) -> int:
+    """Append one chunk's ``(src, dst, nbytes)`` copies to ``out``; returns the bytes.
+
+    A store copies region -> shard, a load (``load=True``) shard -> region. Block ids must be
+    validated against ``num_blocks`` already.
+    """
+    count = len(block_ids)
+    runs = _runs(block_ids)
+    total = 0
+    for base, stride, page, part in spans:
+        dst = shard_address + part + first_sub_block * page
+        total += page * count
+        if runs is not None and stride == page:
+            for first, length in runs:
+                src, size = base + first * stride, length * page
+                out.append((dst, src, size) if load else (src, dst, size))
+                dst += size
+            continue
+        sources = [base + block * stride for block in block_ids]
+        targets = range(dst, dst + count * page, page)
+        sizes = repeat(page, count)
+        if load:
+            out.extend(zip(targets, sources, sizes, strict=False))
+        else:
+            out.extend(zip(sources, targets, sizes, strict=False))
+    return total
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]] | None:
+    """(first, length) runs of consecutive ids; None when no neighbours are consecutive."""
+    if len(block_ids) < 2 or 1 not in set(map(sub, block_ids[1:], block_ids[:-1])):
+        return None
+    runs: list[tuple[int, int]] = []
+    first, length = block_ids[0], 1
+    for block in block_ids[1:]:
+        if block == first + length:
+            length += 1
+        else:
+            runs.append((first, length))
+            first, length = block, 1
+    runs.append((first, length))
+    return runs
