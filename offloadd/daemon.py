@@ -732,7 +732,7 @@ class Daemon:
         reservation = cache.begin_store(
             namespace.name, request.keys, shard, namespace.shard_sizes_for_key
         )
-        self._announce_removed(reservation.evicted)
+        self._chunks_removed(reservation.evicted)
         job.failed_keys = [request.keys[i] for i in reservation.refused]
         job.writes = reservation.writes
         if job.failed_keys:
@@ -866,7 +866,7 @@ class Daemon:
             committed = cache.finish_store(job.writes, ok=copied and not job.abandoned)
             engine = self.registry.engine(job.state.session.engine_key)
             if engine is not None and engine.namespace is not None:
-                self._announce_stored(engine.namespace, committed)
+                self._chunks_committed(engine.namespace, committed)
             if copied:
                 self.counters.bytes_stored += job.nbytes
         else:
@@ -957,7 +957,7 @@ class Daemon:
                 self._publish_to(other, removed_events(keys, raw_hashes=self._raw_hashes(other)))
         return Ok(request.request_id, len(keys))
 
-    def _announce_stored(self, namespace: Namespace, entries: list[Entry]) -> None:
+    def _chunks_committed(self, namespace: Namespace, entries: list[Entry]) -> None:
         """Chunks that just became visible: journaled, and every engine of the namespace
         hears of them."""
         if not entries:
@@ -971,7 +971,7 @@ class Daemon:
         for engine in self._event_engines(namespace):
             self._publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
 
-    def _announce_removed(self, entries: list[Entry]) -> None:
+    def _chunks_removed(self, entries: list[Entry]) -> None:
         """Chunks evicted or removed: journaled before their extents can be reused, and
         announced in their own namespace (never-committed entries were never announced, so
         their removal is not either)."""

@@ -269,7 +269,10 @@ def shm_leftovers() -> list[str]:
 class ServeProcess:
     """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests)."""
 
-    def __init__(self, workdir: str, arena: str, capacity: str = "64MiB") -> None:
+    def __init__(
+        self, workdir: str, arena: str, capacity: str = "64MiB", *, persist: bool = True
+    ) -> None:
+        self.persist = persist
         self.endpoint = f"ipc://{workdir}/d.sock"
         self.events_endpoint = f"ipc://{workdir}/ev.sock"
         self.replay_endpoint = f"ipc://{workdir}/replay.sock"
@@ -286,6 +289,8 @@ class ServeProcess:
             "--metrics-address", "",
             "--log-level", "WARNING",
         ]  # fmt: skip
+        if not self.persist:
+            command.append("--no-persist")
         self.process = subprocess.Popen(command)
         deadline = time.monotonic() + 30
         while True:

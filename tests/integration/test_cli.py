@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from offloadd.client import OffloadClient
-from offloadd.errors import DaemonUnavailable
+from tests.integration.harness import ServeProcess
 
 
 def _offloadd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -30,42 +30,17 @@ def _offloadd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
 
 @pytest.fixture
 def served() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``offloadd serve`` on a private endpoint and arena."""
+    """``offloadd serve`` on a private endpoint and arena, removing both at exit."""
     workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    endpoint = f"ipc://{workdir}/d.sock"
     arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "offloadd",
-            "serve",
-            "--endpoint",
-            endpoint,
-            "--arena",
-            arena,
-            "--capacity",
-            "64MiB",
-            "--no-persist",
-            "--metrics-address",
-            "",
-        ],
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        assert process.poll() is None, "daemon exited at start"
-        try:
-            with OffloadClient(endpoint, timeout=0.5) as client:
-                client.stats()
-            break
-        except DaemonUnavailable:
-            assert time.monotonic() < deadline, "daemon did not start"
-    yield endpoint, process
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(30) == 0
+    daemon = ServeProcess(workdir, arena, persist=False).start()
+    assert daemon.process is not None
+    yield daemon.endpoint, daemon.process
+    assert daemon.stop(signal.SIGTERM) == 0
     assert not os.path.exists(workdir + "/d.sock"), "socket file left behind"
     assert not os.path.exists(arena), "arena left behind"
-    os.rmdir(workdir)
+    daemon.cleanup()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_demo_starts_its_own_daemon_and_verifies_every_byte() -> None:

@@ -98,7 +98,7 @@ async def test_commit_announced_to_every_engine_of_the_namespace(
     task = asyncio.create_task(stream.pump())
     try:
         a = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-a", 0)
-        b = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-b", 1)
+        await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-b", 1)
         keys = chain_keys(6)
         await asyncio.to_thread(_store, a, keys, [0, 1], 1)
 
@@ -117,7 +117,6 @@ async def test_commit_announced_to_every_engine_of_the_namespace(
             assert all(e.medium == "CPU" and e.group_idx == 0 for e in stored(dp))
             assert all(e.token_ids == [] and e.block_size == 0 for e in stored(dp))
         assert {r.topic for r in stream.batches} == {TOPIC_A}
-        assert b  # engine b is a separate engine in the same namespace
 
         # The arena holds 4 chunks: storing 4 more evicts exactly the first two... and the
         # removal names exactly the evicted hashes, under both engines.

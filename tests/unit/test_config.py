@@ -31,6 +31,7 @@ from protocol.config import (
     is_kv_cache_tensor_packed,
     resolve_kv_cache_block_sizes,
 )
+from tests.strategies import offloading_configs
 
 # --- stand-ins for vLLM's KV cache specs (only class names and block_size matter) ---------
 
@@ -865,35 +866,8 @@ texts = st.text(max_size=12)
 sizes = st.integers(min_value=0, max_value=2**40)
 json_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | texts
 
-configs = st.builds(
-    OffloadingConfig,
-    groups=st.lists(
-        st.builds(
-            OffloadingGroupConfig,
-            tokens_per_block=sizes,
-            layer_names=st.lists(texts, max_size=4).map(tuple),
-        ),
-        max_size=4,
-    ).map(tuple),
-    worker_kv_bytes_per_block=sizes,
-    enable_kv_cache_events=st.booleans(),
-    extra_config=st.dictionaries(texts, json_scalars | st.lists(json_scalars, max_size=3)),
-    engine_id=texts,
-    model=st.builds(OffloadingModelConfig, name=texts, dtype=texts),
-    cache=st.builds(OffloadingCacheConfig, tokens_per_hash=sizes, blocks_per_chunk=sizes),
-    parallel=st.builds(
-        OffloadingParallelConfig,
-        rank=sizes,
-        world_size=sizes,
-        tp_size=sizes,
-        pp_size=sizes,
-        pcp_size=sizes,
-        dcp_size=sizes,
-        data_parallel_index=sizes,
-        is_parallelism_agnostic=st.booleans(),
-    ),
-    replicated_layout=st.booleans(),
-    num_cpu_blocks=st.none() | sizes,
+configs = offloading_configs(
+    sizes, texts, st.dictionaries(texts, json_scalars | st.lists(json_scalars, max_size=3))
 )
 
 

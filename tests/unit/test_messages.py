@@ -48,6 +48,7 @@ from protocol.messages import (
     encode,
     peek_request_id,
 )
+from tests.strategies import offloading_configs
 
 # --- strategies ---------------------------------------------------------------------------
 
@@ -64,36 +65,7 @@ extra_configs = st.dictionaries(
     names, st.one_of(json_scalars, st.lists(json_scalars, max_size=3)), max_size=4
 )
 
-configs = st.builds(
-    OffloadingConfig,
-    groups=st.lists(
-        st.builds(
-            OffloadingGroupConfig,
-            tokens_per_block=small_ints,
-            layer_names=st.lists(names, max_size=3).map(tuple),
-        ),
-        max_size=3,
-    ).map(tuple),
-    worker_kv_bytes_per_block=small_ints,
-    enable_kv_cache_events=st.booleans(),
-    extra_config=extra_configs,
-    engine_id=names,
-    model=st.builds(OffloadingModelConfig, name=names, dtype=names),
-    cache=st.builds(OffloadingCacheConfig, tokens_per_hash=small_ints, blocks_per_chunk=small_ints),
-    parallel=st.builds(
-        OffloadingParallelConfig,
-        rank=small_ints,
-        world_size=small_ints,
-        tp_size=small_ints,
-        pp_size=small_ints,
-        pcp_size=small_ints,
-        dcp_size=small_ints,
-        data_parallel_index=small_ints,
-        is_parallelism_agnostic=st.booleans(),
-    ),
-    replicated_layout=st.booleans(),
-    num_cpu_blocks=st.none() | small_ints,
-)
+configs = offloading_configs(small_ints, names, extra_configs)
 
 memory_handles = st.one_of(
     st.builds(ShmHandle, path=names, offset=wire_ints, size=wire_ints),
