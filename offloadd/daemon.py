@@ -29,11 +29,12 @@ import zmq.asyncio
 
 from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.arena import Arena
-from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.cache.index import ChunkCache, Entry, LoadReservation, ShardWrite
 from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
 from offloadd.metrics import Metrics
+from offloadd.mirrors import Mirrors
 from offloadd.registry import (
     Engine,
     Namespace,
@@ -46,11 +47,18 @@ from offloadd.settings import Settings
 from offloadd.systemd import Notifier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable, Import
-from offloadd.transfer.plan import Span, block_id_problem, chunk_copies, group_spans
+from offloadd.transfer.plan import (
+    Span,
+    block_id_problem,
+    chunk_copies,
+    chunk_ranges,
+    group_spans,
+)
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
 from protocol.messages import (
+    Ack,
     Bye,
     Clear,
     DaemonStats,
@@ -58,6 +66,8 @@ from protocol.messages import (
     Error,
     GetStats,
     Hello,
+    HoldKeys,
+    HoldResult,
     JobAccepted,
     JobDone,
     Load,
@@ -68,8 +78,12 @@ from protocol.messages import (
     Release,
     Reply,
     Request,
+    Reserve,
+    Reserved,
+    Segment,
     StatsResult,
     Store,
+    UpdateHolds,
     Wait,
     WaitResult,
     Welcome,
@@ -159,6 +173,7 @@ class Daemon:
         self._sock: zmq.asyncio.Socket | None = None
         self._handles: HandleTable | None = None
         self._cache: ChunkCache | None = None
+        self._mirrors: Mirrors | None = None
         self._journal: Journal | None = None
         self._events: PublisherSet | None = None
         self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
@@ -196,6 +211,7 @@ class Daemon:
                 pin=self._pin_arena if cuda else None,
             )
             self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
+            self._mirrors = Mirrors(self._cache, self.registry, self._send_to_session)
             if settings.cache.persist:
                 self._restore()
             opener = None
@@ -493,6 +509,13 @@ class Daemon:
                 return self._wait(state, request)
             case Clear():
                 return self._clear(state, request)
+            case Reserve():
+                return self._reserve(state, request)
+            case UpdateHolds():
+                return self._update_holds(state, request)
+            case Ack():
+                self._require_cache().ack(state.session.session_id, request.seq)
+                return Ok(request.request_id)
             case Bye():
                 self._end_session(state, "said goodbye")
                 return Ok(request.request_id)
@@ -539,6 +562,8 @@ class Daemon:
         )
         if outcome.became_ready:
             self._engine_became_ready(engine)
+        else:
+            self._require_mirrors().start(outcome.session)
         self._report_status()
         return None
 
@@ -613,11 +638,16 @@ class Daemon:
             state = self._states.get(session.session_id)
             if state is not None:
                 self._send(state.identity, message)
+        for session in engine.schedulers.values():
+            self._require_mirrors().start(session)
 
     def _end_session(self, state: _SessionState, reason: str) -> None:
         outcome = self.registry.remove(state.session.session_id)
         self._drop_state(state, reason)
         self._report_status()
+        if outcome is not None and outcome.was_ready and not outcome.engine.ready:
+            # Its mirrors would go stale: they are sent a new snapshot when it is ready again.
+            self._require_mirrors().stop_engine(list(outcome.engine.schedulers.values()))
         if outcome is not None and outcome.was_ready and not outcome.engine_dropped:
             logger.info(
                 "engine %s dp %d waiting for ranks %s",
@@ -639,7 +669,11 @@ class Daemon:
             job.abandoned = True
             if job.direction is Direction.STORE:
                 cache.abandon(job.writes)
-        cache.release_owner(state.session.session_id)
+        session_id = state.session.session_id
+        cache.release_owner(session_id)
+        self._require_mirrors().stop(session_id)
+        cache.release_holds(session_id)
+        cache.release_reservations(session_id)
         for waiter in state.waiters:
             if waiter.timer is not None:
                 waiter.timer.cancel()
@@ -665,17 +699,17 @@ class Daemon:
     def _check_keys(self, keys: list[bytes], engine: Engine) -> None:
         if len(keys) > _MAX_KEYS_PER_REQUEST:
             raise _Refused(ErrorCode.TOO_LARGE, f"more than {_MAX_KEYS_PER_REQUEST} keys")
-        groups = len(engine.config.groups)
+        groups = engine.group_positions
         for key in keys:
             if len(key) < 5:
                 raise _Refused(
                     ErrorCode.BAD_REQUEST, f"key {key.hex()} is shorter than hash + 4-byte group"
                 )
             group = group_of_key(key)
-            if group >= groups:
+            if group not in groups:
                 raise _Refused(
                     ErrorCode.BAD_REQUEST,
-                    f"key {key.hex()} names group {group}, the engine has {groups}",
+                    f"key {key.hex()} names group {group}, the engine has groups {sorted(groups)}",
                 )
 
     def _lookup(self, state: _SessionState, request: Lookup) -> Reply:
@@ -709,12 +743,13 @@ class Daemon:
     def _store(self, state: _SessionState, request: Store) -> Reply | None:
         _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
-        if len(request.block_ids) != len(request.keys) * bpc:
+        if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
             raise _Refused(
                 ErrorCode.BAD_REQUEST,
                 f"{len(request.keys)} keys need {len(request.keys) * bpc} block ids "
                 f"({bpc} per chunk), got {len(request.block_ids)}",
             )
+        ranges = self._chunk_ranges(request.keys, request.block_ids, bpc, request.segments)
         self._check_block_ids(state, request.block_ids)
         for key in request.keys:
             if 0 in namespace.shard_sizes_for_key(key):
@@ -730,7 +765,11 @@ class Daemon:
         shard = 0 if namespace.replicated else session.rank
         cache = self._require_cache()
         reservation = cache.begin_store(
-            namespace.name, request.keys, shard, namespace.shard_sizes_for_key
+            namespace.name,
+            request.keys,
+            shard,
+            namespace.shard_sizes_for_key,
+            allocate=not request.reserved,
         )
         self._chunks_removed(reservation.evicted)
         job.failed_keys = [request.keys[i] for i in reservation.refused]
@@ -740,32 +779,47 @@ class Daemon:
         arena_address = self._require_arena().address
         moves: list[Triple] = []
         keys, block_ids = request.keys, request.block_ids
+        firsts = _block_offsets(ranges)
         for write in reservation.writes:
-            spans, shard_bytes = self._spans(state, group_of_key(keys[write.index]), bpc)
+            position = namespace.group_positions[group_of_key(keys[write.index])]
+            spans, shard_bytes = self._spans(state, position, bpc)
             if shard_bytes > write.size:
                 raise AssertionError("shard plan exceeds its slot")
-            start = write.index * bpc
+            sub_block, count = ranges[write.index]
+            start = firsts[write.index]
             job.nbytes += chunk_copies(
-                spans, block_ids[start : start + bpc], arena_address + write.offset, moves
+                spans,
+                block_ids[start : start + count],
+                arena_address + write.offset,
+                moves,
+                first_sub_block=sub_block,
             )
         return self._submit(state, request.request_id, job, moves, request.wait_event)
 
     def _load(self, state: _SessionState, request: Load) -> Reply | None:
-        _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
+        engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
         skip = request.skip
         expected = len(request.keys) * bpc - skip
-        if not request.keys or not 0 <= skip < bpc or len(request.block_ids) != expected:
+        if not request.keys or (
+            not request.segments and (not 0 <= skip < bpc or len(request.block_ids) != expected)
+        ):
             raise _Refused(
                 ErrorCode.BAD_REQUEST,
                 f"{len(request.keys)} keys with skip={skip} need {expected} block ids "
                 f"({bpc} per chunk, 0 <= skip < {bpc}), got {len(request.block_ids)}",
             )
+        ranges = self._chunk_ranges(
+            request.keys, request.block_ids, bpc, request.segments, skip=skip
+        )
         self._check_block_ids(state, request.block_ids)
         session = state.session
         job = _Job(request.job_id, state, Direction.LOAD, request.keys, [], 0)
         cache = self._require_cache()
-        reservation = cache.begin_load(namespace.name, request.keys)
+        if request.hold:
+            reservation = self._begin_held_load(engine, request.hold, request.keys)
+        else:
+            reservation = cache.begin_load(namespace.name, request.keys)
         if reservation.missing:
             job.failed_keys = list(reservation.missing)
             return self._accept_without_copy(state, request.request_id, job, "keys not in cache")
@@ -773,24 +827,53 @@ class Daemon:
         shard = 0 if namespace.replicated else session.rank
         arena_address = self._require_arena().address
         moves: list[Triple] = []
-        position = 0
         block_ids = request.block_ids
-        for index, entry in enumerate(reservation.entries):
-            first = skip if index == 0 else 0
-            spans, shard_bytes = self._spans(state, group_of_key(entry.key), bpc)
+        position = 0
+        for entry, (sub_block, count) in zip(reservation.entries, ranges, strict=True):
+            group = namespace.group_positions[group_of_key(entry.key)]
+            spans, shard_bytes = self._spans(state, group, bpc)
             if shard_bytes > entry.sizes[shard]:
                 raise AssertionError("shard plan exceeds its slot")
-            count = bpc - first
             job.nbytes += chunk_copies(
                 spans,
                 block_ids[position : position + count],
                 arena_address + entry.offsets[shard],
                 moves,
-                first_sub_block=first,
+                first_sub_block=sub_block,
                 load=True,
             )
             position += count
-        return self._submit(state, request.request_id, job, moves)
+        return self._submit(state, request.request_id, job, moves, request.wait_event)
+
+    def _begin_held_load(self, engine: Engine, token: str, keys: list[bytes]) -> LoadReservation:
+        """Read the entries a scheduler of ``engine`` holds under ``token``."""
+        cache = self._require_cache()
+        reservation = LoadReservation([], list(keys))
+        for scheduler in engine.schedulers.values():
+            reservation = cache.begin_load_held(scheduler.session_id, token, keys)
+            if not reservation.missing:
+                break
+        return reservation
+
+    @staticmethod
+    def _chunk_ranges(
+        keys: list[bytes],
+        block_ids: list[int],
+        bpc: int,
+        segments: Sequence[Segment],
+        *,
+        skip: int = 0,
+    ) -> list[tuple[int, int]]:
+        try:
+            return chunk_ranges(
+                len(keys),
+                len(block_ids),
+                bpc,
+                [(s.keys, s.skip, s.blocks) for s in segments],
+                skip=skip,
+            )
+        except ValueError as exc:
+            raise _Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
 
     def _check_block_ids(self, state: _SessionState, block_ids: list[int]) -> None:
         problem = block_id_problem(block_ids, state.session.num_blocks)
@@ -903,6 +986,76 @@ class Daemon:
         self._send(state.identity, done)
         self._wake_waiters(state)
 
+    # ----------------------------------------------------------------- schedulers
+
+    def _scheduler_checks(self, state: _SessionState) -> tuple[Engine, Namespace]:
+        if state.session.role != "scheduler":
+            raise _Refused(ErrorCode.WRONG_ROLE, "only schedulers reserve and hold keys")
+        engine, namespace = self._ready_engine(state)
+        return engine, namespace
+
+    def _acker(self, state: _SessionState) -> str | None:
+        """The requester, when its mirror applies this request's removals before any lookup
+        (FIFO on its socket) and it holds everything it has looked up: see ``Reserve``."""
+        session_id = state.session.session_id
+        return session_id if self._require_mirrors().watching(session_id) else None
+
+    def _reserve(self, state: _SessionState, request: Reserve) -> Reply:
+        engine, namespace = self._scheduler_checks(state)
+        self._check_keys(request.keys, engine)
+        for key in request.keys:
+            if 0 in namespace.shard_sizes_for_key(key):
+                raise _Refused(
+                    ErrorCode.BAD_REQUEST,
+                    f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
+                )
+        self._apply_holds(state, engine, namespace, request.holds, [], request.ack)
+        cache = self._require_cache()
+        reservation = cache.reserve(
+            namespace.name,
+            request.keys,
+            state.session.session_id,
+            namespace.shard_sizes_for_key,
+            acker=self._acker(state),
+        )
+        self._chunks_removed(reservation.evicted)
+        return Reserved(request.request_id, reservation.reserved)
+
+    def _update_holds(self, state: _SessionState, request: UpdateHolds) -> Reply:
+        engine, namespace = self._scheduler_checks(state)
+        held, missing = self._apply_holds(
+            state, engine, namespace, request.hold, request.release, request.ack
+        )
+        return HoldResult(request.request_id, held, missing)
+
+    def _apply_holds(
+        self,
+        state: _SessionState,
+        engine: Engine,
+        namespace: Namespace,
+        hold: list[HoldKeys],
+        release: list[HoldKeys],
+        ack: int,
+    ) -> tuple[int, list[bytes]]:
+        cache = self._require_cache()
+        owner = state.session.session_id
+        for item in (*hold, *release):
+            self._check_keys(item.keys, engine)
+        for item in release:
+            cache.release_hold(owner, item.token, item.keys)
+        held, missing = 0, []
+        for item in hold:
+            lost = cache.hold(namespace.name, owner, item.token, item.keys)
+            held += len(item.keys) - len(lost)
+            missing.extend(lost)
+        if missing:
+            logger.warning(
+                "%s: %d held keys were not in the cache", state.session.describe(), len(missing)
+            )
+        if ack:
+            cache.ack(owner, ack)
+        return held, missing
+
     # ----------------------------------------------------------------- wait
 
     def _wait(self, state: _SessionState, request: Wait) -> Reply | None:
@@ -941,7 +1094,7 @@ class Daemon:
 
     def _clear(self, state: _SessionState, request: Clear) -> Reply:
         engine, namespace = self._ready_engine(state)
-        removed = self._require_cache().clear_namespace(namespace.name)
+        removed = self._require_cache().clear_namespace(namespace.name, acker=self._acker(state))
         if self._journal is not None:
             self._journal.removed(removed)
         keys = [entry.key for entry in removed if entry.committed]
@@ -951,6 +1104,7 @@ class Daemon:
             namespace.name,
             len(keys),
         )
+        self._require_mirrors().changed(namespace.name, [], keys)
         self._publish_to(engine, [AllBlocksCleared()])
         for other in self._event_engines(namespace):
             if other is not engine:
@@ -965,9 +1119,10 @@ class Daemon:
         if self._journal is not None:
             self._journal.committed(entries)
             self._maybe_compact()
+        keys = [entry.key for entry in entries]
+        self._require_mirrors().changed(namespace.name, keys, [])
         if self._events is None:
             return
-        keys = [entry.key for entry in entries]
         for engine in self._event_engines(namespace):
             self._publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
 
@@ -977,12 +1132,14 @@ class Daemon:
         their removal is not either)."""
         if self._journal is not None:
             self._journal.removed(entries)
-        if self._events is None:
-            return
         by_namespace: dict[str, list[bytes]] = {}
         for entry in entries:
             if entry.committed:
                 by_namespace.setdefault(entry.namespace, []).append(entry.key)
+        for name, keys in by_namespace.items():
+            self._require_mirrors().changed(name, [], keys)
+        if self._events is None:
+            return
         for name, keys in by_namespace.items():
             namespace = self.registry.namespace(name)
             if namespace is None:
@@ -998,7 +1155,11 @@ class Daemon:
 
     def _event_engines(self, namespace: Namespace) -> list[Engine]:
         engines = (self.registry.engine(key) for key in sorted(namespace.engines))
-        return [e for e in engines if e is not None and e.config.enable_kv_cache_events]
+        return [
+            e
+            for e in engines
+            if e is not None and e.config.enable_kv_cache_events and not e.mirrored
+        ]
 
     def _raw_hashes(self, engine: Engine) -> bool:
         first = engine.workers.get(0)
@@ -1019,7 +1180,12 @@ class Daemon:
 
     def _publish_to(self, engine: Engine, events: list[KVEvent]) -> None:
         """Queue ``events`` under the engine's topic and dp index; never blocks."""
-        if self._events is None or not events or not engine.config.enable_kv_cache_events:
+        if (
+            self._events is None
+            or not events
+            or not engine.config.enable_kv_cache_events
+            or engine.mirrored  # its scheduler publishes the engine's events itself
+        ):
             return
         topic, dp = self._topic(engine), engine.key[1]
         for chunk in in_batches(events):
@@ -1054,6 +1220,15 @@ class Daemon:
         assert self._cache is not None, "daemon not started"
         return self._cache
 
+    def _require_mirrors(self) -> Mirrors:
+        assert self._mirrors is not None, "daemon not started"
+        return self._mirrors
+
+    def _send_to_session(self, session_id: str, message: Reply) -> None:
+        state = self._states.get(session_id)
+        if state is not None:
+            self._send(state.identity, message)
+
     def _require_arena(self) -> Arena:
         assert self._arena is not None, "daemon not started"
         return self._arena
@@ -1073,6 +1248,15 @@ async def serve(settings: Settings, *, shutdown: asyncio.Event | None = None) ->
     async with Daemon(settings) as daemon:
         await daemon.serve(stop)
     logger.info("offloadd stopped")
+
+
+def _block_offsets(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """Index of each key's first block id, given each key's ``(sub_block, count)``."""
+    offsets, total = [], 0
+    for _, count in ranges:
+        offsets.append(total)
+        total += count
+    return offsets
 
 
 def _own_pid_namespace() -> int:

@@ -58,6 +58,7 @@ class Session:
     pid: int = 0
     kv_events_topic: str = ""
     kv_events_raw_hashes: bool = False
+    mirror: bool = False  # a scheduler mirroring its namespace's keys (KeysChanged)
 
     @property
     def rank(self) -> int:
@@ -82,14 +83,16 @@ class Namespace:
 
     name: str
     blocks_per_chunk: int
-    # shard_sizes[group] -> one size per shard (one shard when the layout is replicated)
+    # shard_sizes[position] -> one size per shard (one shard when the layout is replicated)
     shard_sizes: list[tuple[int, ...]]
     replicated: bool
+    # group id (what keys name) -> position in the config's groups
+    group_positions: dict[int, int] = field(default_factory=dict)
     engines: set[EngineKey] = field(default_factory=set)
 
     def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
         """Shard sizes of the chunk ``key`` names (its group is the key's last 4 bytes)."""
-        return self.shard_sizes[group_of_key(key)]
+        return self.shard_sizes[self.group_positions[group_of_key(key)]]
 
 
 @dataclass(eq=False)
@@ -101,6 +104,16 @@ class Engine:
     workers: dict[int, Session] = field(default_factory=dict)
     schedulers: dict[str, Session] = field(default_factory=dict)
     namespace: Namespace | None = None
+
+    @property
+    def group_positions(self) -> dict[int, int]:
+        """Group id (what keys name) -> position in ``config.groups``."""
+        return {group_id: index for index, group_id in enumerate(self.config.group_ids())}
+
+    @property
+    def mirrored(self) -> bool:
+        """A scheduler mirrors the engine's keys and publishes its events itself."""
+        return any(session.mirror for session in self.schedulers.values())
 
     @property
     def world_size(self) -> int:
@@ -221,6 +234,7 @@ class Registry:
             pid=hello.pid,
             kv_events_topic=hello.kv_events_topic,
             kv_events_raw_hashes=hello.kv_events_raw_hashes,
+            mirror=hello.mirror,
         )
         self._sessions[session_id] = session
         if hello.role == "worker":
@@ -279,6 +293,7 @@ class Registry:
                 blocks_per_chunk=engine.config.cache.blocks_per_chunk,
                 shard_sizes=shard_sizes,
                 replicated=engine.config.replicated_layout,
+                group_positions=engine.group_positions,
             )
             self._namespaces[name] = namespace
         namespace.engines.add(engine.key)
@@ -318,10 +333,17 @@ def _check_own(hello: Hello) -> list[GroupLayout]:
             ErrorCode.BAD_REQUEST,
             f"cache.blocks_per_chunk={config.cache.blocks_per_chunk} must be >= 1",
         )
+    group_ids = config.group_ids()
+    if len(set(group_ids)) != len(group_ids) or min(group_ids, default=0) < 0:
+        raise RegistrationError(
+            ErrorCode.BAD_REQUEST, f"group ids {list(group_ids)} must be distinct and >= 0"
+        )
     if hello.role == "scheduler":
         if hello.regions:
             raise RegistrationError(ErrorCode.BAD_REQUEST, "a scheduler registers no KV regions")
         return []
+    if hello.mirror:
+        raise RegistrationError(ErrorCode.BAD_REQUEST, "only a scheduler mirrors keys")
     return _check_geometry(hello)
 
 
@@ -364,7 +386,12 @@ def _check_geometry(hello: Hello) -> list[GroupLayout]:
                 f"region {index} holds layers that no group of the config names: {sorted(unknown)}",
             )
     if config.worker_kv_bytes_per_block > 0:
-        per_block = sum(region.block_stride for region in regions)
+        # Regions over one tensor (a packed layout, pages of several sizes) count it once.
+        per_block = sum(
+            {
+                (region.handle, region.block_stride): region.block_stride for region in regions
+            }.values()
+        )
         if per_block != config.worker_kv_bytes_per_block:
             raise RegistrationError(
                 ErrorCode.BAD_GEOMETRY,
@@ -456,7 +483,7 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
         ],
         config.replicated_layout,
         [_geometry(session) for session in ranks],
-        str(extra.get("kv_cache_layout", "")),
+        str(config.kv_cache_layout or extra.get("kv_cache_layout", "")),
         str(extra.get(NAMESPACE_SALT_KEY, "")),
     ]
     if extra.get(PRIVATE_CACHE_KEY):

@@ -1,9 +1,9 @@
 """The offloading config a rank hands the daemon, and the two ways a rank obtains it.
 
 The Structs mirror vLLM 0.33's ``vllm/v1/kv_offload/config.py`` field for field, names and
-order included (checked against vllm-project/vllm at commit 006f89ac, the revision that added
-``replicated_layout`` and ``num_cpu_blocks``). They travel inside msgpack messages as maps, so a
-field is only ever appended, with a default.
+order included (checked against the installed vLLM 0.33.0; ``num_cpu_blocks`` is kept from an
+earlier revision, 006f89ac). They travel inside msgpack messages as maps, so a field is only ever
+appended, with a default.
 
 - ``build_offloading_config(vllm_config, kv_cache_config)`` is the translation exactly as the
   seed document defines it (vLLM's
@@ -41,11 +41,19 @@ __all__ = [
 
 
 class OffloadingGroupConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """One KV cache group; its position in ``OffloadingConfig.groups`` is its group index."""
+    """One offloaded KV cache group.
+
+    ``group_id`` is the group's index in vLLM's ``KVCacheConfig`` (offloaded groups can be a
+    subset, so it is not always the position in ``OffloadingConfig.groups``); it is the group
+    an ``OffloadKey`` names. None (configs from before 0.33) means the position.
+    """
 
     # Total token span of one block across all workers (context parallelism included).
     tokens_per_block: int
     layer_names: tuple[str, ...]
+    group_id: int | None = None
+    # Chunks of this group kept for one request; None for full attention.
+    sliding_window_size_in_chunks: int | None = None
 
 
 class OffloadingModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +61,8 @@ class OffloadingModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     dtype: str
+    # Longest request the engine accepts, in tokens; 0 when not known.
+    max_model_len: int = 0
 
 
 class OffloadingCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +85,9 @@ class OffloadingParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # True when concatenating a block's bytes across all workers gives the same result
     # whatever the parallel config.
     is_parallelism_agnostic: bool
+    data_parallel_size: int = 1
+    # Local rank of the data parallel group, set only in SPMD mode.
+    data_parallel_rank_local: int | None = None
 
 
 class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,8 +106,19 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True):
     parallel: OffloadingParallelConfig
     # Every worker's offloaded bytes are identical per block, so one host copy is enough.
     replicated_layout: bool = False
-    # CPU block count unified across workers, when vLLM precomputed one.
+    # CPU block count unified across workers, when vLLM precomputed one (before 0.33).
     num_cpu_blocks: int | None = None
+    # The canonical per-layer host byte layout was requested (vLLM 0.33).
+    canonical_layout: bool = False
+    # Resolved KVCacheLayout name of the worker KV cache ("NHD", "HND", ...), when known.
+    kv_cache_layout: str | None = None
+
+    def group_ids(self) -> tuple[int, ...]:
+        """The KV-cache group id of each entry of ``groups`` (what keys name)."""
+        return tuple(
+            index if group.group_id is None else group.group_id
+            for index, group in enumerate(self.groups)
+        )
 
 
 # vLLM's AttentionSpec subclasses. Real vLLM specs carry "AttentionSpec" in their MRO anyway;

@@ -9,6 +9,8 @@ Conversation of one rank:
     Hello -> Welcome (then EngineReady once every rank of the engine said Hello)
     Lookup -> LookupResult
     Store / Load -> JobAccepted, later JobDone(job_id)
+    Reserve -> Reserved; UpdateHolds -> HoldResult; Ack -> Ok   (schedulers)
+    KeysChanged arrives unasked at a scheduler that asked for the key mirror
     Wait -> WaitResult (when the jobs are done or the timeout passes)
     Release / Clear / Ping / Bye -> Ok
     GetStats -> StatsResult
@@ -51,6 +53,25 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     # through a pidfd only when it shares that namespace, since elsewhere the number names
     # some other process.
     pid_namespace: int = 0
+    # A scheduler that keeps a mirror of its namespace's committed keys (KeysChanged) and
+    # publishes the engine's KV events itself; the daemon then publishes none for the engine.
+    mirror: bool = False
+
+
+class Segment(msgspec.Struct, frozen=True, array_like=True):
+    """``keys`` consecutive keys of one group; their ``blocks`` block ids fill sub-blocks from
+    ``skip`` of the first key on, in order (the last chunk may be partly filled)."""
+
+    keys: int
+    skip: int
+    blocks: int
+
+
+class HoldKeys(msgspec.Struct, frozen=True, array_like=True):
+    """Keys held (or released) for one scheduler request, named by ``token``."""
+
+    token: str
+    keys: list[bytes]
 
 
 class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
@@ -76,6 +97,12 @@ class Store(msgspec.Struct, frozen=True, tag="store"):
     # recorded after the compute that wrote these blocks: the copy waits on it. Empty: the
     # rank synchronized its compute stream before sending the Store.
     wait_event: bytes = b""
+    # Empty: every key has exactly ``blocks_per_chunk`` block ids. Otherwise the keys in
+    # groups of ``Segment``s, each starting mid-chunk and ending with a partial chunk.
+    segments: list[Segment] = msgspec.field(default_factory=list)
+    # Write only keys a scheduler reserved (``Reserve``); others are skipped, never allocated,
+    # so such a store is never refused for lack of room.
+    reserved: bool = False
 
 
 class Load(msgspec.Struct, frozen=True, tag="load"):
@@ -90,6 +117,14 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     keys: list[bytes]
     block_ids: list[int]
     skip: int = 0
+    # A CUDA interprocess event recorded after the rank's last use of these blocks: the copy
+    # into them waits on it. Empty: the rank synchronized before sending the Load.
+    wait_event: bytes = b""
+    # As in ``Store``; when given, ``skip`` is ignored.
+    segments: list[Segment] = msgspec.field(default_factory=list)
+    # Load the entries a scheduler holds under this token (``UpdateHolds``), which cannot
+    # have been evicted, instead of looking the keys up.
+    hold: str = ""
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -139,7 +174,49 @@ class Bye(msgspec.Struct, frozen=True, tag="bye"):
     request_id: int
 
 
-Request = Hello | Lookup | Store | Load | Release | Wait | GetStats | Clear | Ping | Bye
+class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
+    """A scheduler reserves room for ``keys`` before its ranks store them (vLLM's
+    ``prepare_store``). Keys already committed or being stored, in this namespace by any
+    engine, are not reserved. ``holds`` are applied first and ``ack`` acknowledged."""
+
+    request_id: int
+    keys: list[bytes]
+    holds: list[HoldKeys] = msgspec.field(default_factory=list)
+    ack: int = 0
+
+
+class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):
+    """Hold committed keys for a request until released (vLLM's ``prepare_load`` /
+    ``complete_load``); held keys are never evicted, so their loads cannot miss."""
+
+    request_id: int
+    hold: list[HoldKeys] = msgspec.field(default_factory=list)
+    release: list[HoldKeys] = msgspec.field(default_factory=list)
+    ack: int = 0
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    """The scheduler has applied every ``KeysChanged`` up to ``seq``."""
+
+    request_id: int
+    seq: int
+
+
+Request = (
+    Hello
+    | Lookup
+    | Store
+    | Load
+    | Release
+    | Wait
+    | GetStats
+    | Clear
+    | Ping
+    | Bye
+    | Reserve
+    | UpdateHolds
+    | Ack
+)
 
 
 class EngineState(msgspec.Struct, frozen=True):
@@ -198,6 +275,37 @@ class JobDone(msgspec.Struct, frozen=True, tag="done"):
     nbytes: int
     seconds: float
     error: str = ""
+
+
+class Reserved(msgspec.Struct, frozen=True, tag="reserved"):
+    """Reply to Reserve: indices of the keys that got room (the ranks now store them)."""
+
+    request_id: int
+    reserved: list[int]
+
+
+class HoldResult(msgspec.Struct, frozen=True, tag="holds_r"):
+    """Reply to UpdateHolds: ``held`` keys newly held; ``missing`` were not committed."""
+
+    request_id: int
+    held: int
+    missing: list[bytes]
+
+
+class KeysChanged(msgspec.Struct, frozen=True, tag="keys"):
+    """Committed keys of a mirroring scheduler's namespace that appeared or went away.
+
+    Sent unasked, in order. ``reset`` starts a full snapshot that replaces the mirror and
+    continues while ``more``. Space of removed keys is reused only once every mirroring
+    scheduler acknowledged ``seq`` (or held the key), so a key still in a mirror stays
+    loadable.
+    """
+
+    seq: int
+    stored: list[bytes]
+    removed: list[bytes]
+    reset: bool = False
+    more: bool = False
 
 
 class WaitResult(msgspec.Struct, frozen=True, tag="wait_r"):
@@ -265,6 +373,9 @@ Reply = (
     | StatsResult
     | Ok
     | Error
+    | Reserved
+    | HoldResult
+    | KeysChanged
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -28,6 +28,14 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   so is every later key of that request (a prefix gains nothing from later chunks alone).
 - ``remove`` / ``clear_namespace`` drop entries at once; an entry with a copy in flight is
   *dead* (gone from the index, never visible) and its extents are freed when that copy ends.
+- Schedulers (vLLM's manager) work ahead of their ranks: ``reserve`` allocates new keys for a
+  later ``begin_store(..., allocate=False)`` and protects them from eviction until they commit
+  or ``release_reservations``; ``hold`` protects committed keys for one request until
+  ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile).
+- A scheduler that mirrors a namespace's keys (``watch``) may still show a removed key as
+  present: a removed committed entry of a watched namespace keeps its extents until every
+  watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
+  call names the watcher that applies that call's removals before anything else (it asked).
 - ``used_bytes <= capacity`` always; extents of live and dead-but-busy entries never overlap.
 - Misuse that can only be a caller bug (a write finished twice, a load finished without its
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
@@ -44,6 +52,7 @@ from types import MappingProxyType
 
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.policy import EvictionPolicy, make_policy
+from offloadd.cache.watchers import Watchers
 
 __all__ = [
     "CacheStats",
@@ -51,6 +60,7 @@ __all__ = [
     "Entry",
     "LoadReservation",
     "LookupOutcome",
+    "Reservation",
     "RestoredChunk",
     "ShardWrite",
     "StoreReservation",
@@ -72,11 +82,14 @@ class Entry:
     __slots__ = (
         "committed",
         "dead",
+        "holds",
         "key",
+        "leave_seq",
         "namespace",
         "offsets",
         "pins",
         "readers",
+        "reserved_by",
         "sizes",
         "writing",
         "written",
@@ -95,6 +108,9 @@ class Entry:
         self.pins: dict[str, float] | None = None
         self.committed = False
         self.dead = False
+        self.holds = 0  # references by scheduler holds: no eviction, no freeing
+        self.reserved_by: str | None = None  # a scheduler's reservation, until committed
+        self.leave_seq = 0  # removed, waiting for watchers to acknowledge this sequence number
 
     @property
     def nbytes(self) -> int:
@@ -163,6 +179,16 @@ class StoreReservation:
 
 
 @dataclass(slots=True)
+class Reservation:
+    """What ``reserve`` did with the ``keys`` passed in (indices): ``reserved`` got room,
+    ``refused`` did not, the rest were committed or already being stored."""
+
+    reserved: list[int]
+    refused: list[int]
+    evicted: list[Entry]
+
+
+@dataclass(slots=True)
 class LoadReservation:
     """``entries`` held for reading (then ``finish_load``), or the ``missing`` keys and none."""
 
@@ -185,6 +211,8 @@ class CacheStats:
     stores_refused: int
     evictions: int
     committed_bytes: int
+    held: int = 0  # entries held by scheduler requests
+    leaving: int = 0  # removed entries whose space waits for a mirror's acknowledgement
 
 
 class ChunkCache:
@@ -228,6 +256,12 @@ class ChunkCache:
         self._miss_keys = 0
         self._stores_refused = 0
         self._evictions = 0
+        self._watchers = Watchers()
+        self._leaving_bytes = 0
+        # (owner, token) -> key -> (entry, count): holds of a scheduler's requests.
+        self._holds: dict[tuple[str, str], dict[bytes, tuple[Entry, int]]] = {}
+        self._hold_tokens: dict[str, set[str]] = {}
+        self._reservations: dict[str, set[Entry]] = {}
 
     # -- restart ----------------------------------------------------------------------------
 
@@ -329,8 +363,15 @@ class ChunkCache:
         keys: Sequence[bytes],
         shard: int,
         shard_sizes: Callable[[bytes], tuple[int, ...]],
+        *,
+        allocate: bool = True,
+        acker: str | None = None,
     ) -> StoreReservation:
-        """Reserve ``shard`` of each key for writing, allocating and evicting as needed."""
+        """Reserve ``shard`` of each key for writing, allocating and evicting as needed.
+
+        With ``allocate=False`` only keys that already have a pending entry (a scheduler's
+        ``reserve``) are written; the others are skipped, never refused.
+        """
         if shard < 0:
             raise ValueError(f"shard must not be negative, got {shard}")
         bit = 1 << shard
@@ -354,26 +395,91 @@ class ChunkCache:
                     ShardWrite(i, entry, shard, entry.offsets[shard], entry.sizes[shard])
                 )
                 continue
+            if not allocate:
+                res.skipped.append(i)
+                continue
             sizes = tuple(shard_sizes(key))
             if not sizes or shard >= len(sizes) or min(sizes) <= 0:
                 self._cancel(res.writes)
                 raise ValueError(f"bad shard sizes {sizes} for shard {shard} of {key.hex()}")
             if protected is None:
                 protected = frozenset(keys)
-            offsets = self._place(namespace, sizes, protected, res.evicted)
-            if offsets is None:
+            entry = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
+            if entry is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
                 break
-            entry = Entry(namespace, key, offsets, sizes)
             entry.writing = bit
-            if table is None:
-                table = self._tables.setdefault(namespace, {})
-            table[key] = entry
-            self._entries += 1
-            self._policy.insert((namespace, key))
-            res.writes.append(ShardWrite(i, entry, shard, offsets[shard], sizes[shard]))
+            table = self._tables[namespace]
+            res.writes.append(ShardWrite(i, entry, shard, entry.offsets[shard], sizes[shard]))
         return res
+
+    def reserve(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        owner: str,
+        shard_sizes: Callable[[bytes], tuple[int, ...]],
+        *,
+        acker: str | None = None,
+    ) -> Reservation:
+        """Allocate every shard of each new key for a later ``begin_store(allocate=False)``.
+
+        Committed and pending keys are left out. A key that finds no room is refused, and so is
+        every later key (as in ``begin_store``). Reserved entries are not evictable until they
+        commit or ``release_reservations(owner)``.
+        """
+        res = Reservation([], [], [])
+        table = self._tables.get(namespace, _NO_ENTRIES)
+        protected = frozenset(keys)
+        for i, key in enumerate(keys):
+            if key in table:
+                continue
+            sizes = tuple(shard_sizes(key))
+            if not sizes or min(sizes) <= 0:
+                raise ValueError(f"bad shard sizes {sizes} for {key.hex()}")
+            entry = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
+            if entry is None:
+                res.refused.extend(range(i, len(keys)))
+                self._stores_refused += len(keys) - i
+                break
+            table = self._tables[namespace]
+            entry.reserved_by = owner
+            self._reservations.setdefault(owner, set()).add(entry)
+            res.reserved.append(i)
+        return res
+
+    def release_reservations(self, owner: str) -> int:
+        """Drop ``owner``'s reserved entries that have not committed (its scheduler left).
+
+        Shards being written keep their extents until their ``finish_store``; nothing of a
+        dropped entry ever becomes visible. Returns how many entries were dropped.
+        """
+        entries = self._reservations.pop(owner, set())
+        for entry in entries:
+            entry.reserved_by = None
+            if not entry.dead:
+                self._unlink(entry, evicted=False)
+                self._free_if_idle(entry)
+        return len(entries)
+
+    def _new_entry(
+        self,
+        namespace: str,
+        key: bytes,
+        sizes: tuple[int, ...],
+        protected: frozenset[bytes],
+        evicted: list[Entry],
+        acker: str | None,
+    ) -> Entry | None:
+        offsets = self._place(namespace, sizes, protected, evicted, acker)
+        if offsets is None:
+            return None
+        entry = Entry(namespace, key, offsets, sizes)
+        self._tables.setdefault(namespace, {})[key] = entry
+        self._entries += 1
+        self._policy.insert((namespace, key))
+        return entry
 
     def finish_store(self, writes: Sequence[ShardWrite], ok: bool) -> list[Entry]:
         """End the copies of ``writes``; returns the entries that became committed."""
@@ -397,8 +503,18 @@ class ChunkCache:
                     entry.committed = True
                     self._committed += 1
                     self._committed_bytes += entry.nbytes
+                    self._end_reservation(entry)
                     committed.append(entry)
         return committed
+
+    def _end_reservation(self, entry: Entry) -> None:
+        owner = entry.reserved_by
+        if owner is not None:
+            entry.reserved_by = None
+            reserved = self._reservations[owner]
+            reserved.discard(entry)
+            if not reserved:
+                del self._reservations[owner]
 
     def abandon(self, writes: Sequence[ShardWrite]) -> None:
         """Drop the pending entries of in-flight ``writes`` whose session went away.
@@ -444,6 +560,114 @@ class ChunkCache:
             entry.readers -= 1
             if entry.dead:
                 self._free_if_idle(entry)
+
+    def begin_load_held(self, owner: str, token: str, keys: Sequence[bytes]) -> LoadReservation:
+        """Like ``begin_load``, for keys held under ``(owner, token)`` (removed ones too)."""
+        held = self._holds.get((owner, token), {})
+        missing = [key for key in keys if key not in held]
+        if missing:
+            return LoadReservation([], missing)
+        entries = [held[key][0] for key in keys]
+        for entry in entries:
+            entry.readers += 1
+        return LoadReservation(entries, [])
+
+    # -- holds ------------------------------------------------------------------------------
+
+    def hold(self, namespace: str, owner: str, token: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Hold each committed key for ``(owner, token)``; returns the keys that are not.
+
+        A key removed while a watcher may still show it (see ``watch``) can be held too: its
+        bytes are intact. Holding a key twice for one token needs two releases.
+        """
+        table = self._tables.get(namespace, _NO_ENTRIES)
+        held = self._holds.get((owner, token))
+        missing: list[bytes] = []
+        touched: list[_PolicyKey] = []
+        for key in keys:
+            entry = table.get(key)
+            if entry is not None and entry.committed:
+                touched.append((namespace, key))
+            else:
+                entry = self._watchers.find(namespace, key)
+                if entry is None:
+                    missing.append(key)
+                    continue
+            if held is None:
+                held = self._holds[(owner, token)] = {}
+                self._hold_tokens.setdefault(owner, set()).add(token)
+            previous = held.get(key)
+            if previous is not None and previous[0] is not entry:
+                self._unhold(previous[0], previous[1])  # re-held after a re-store: keep newest
+                previous = None
+            held[key] = (entry, 1 if previous is None else previous[1] + 1)
+            entry.holds += 1
+        if touched:
+            self._policy.touch(touched)
+        return missing
+
+    def release_hold(self, owner: str, token: str, keys: Sequence[bytes]) -> int:
+        """Drop one hold of ``(owner, token)`` on each key; returns how many were dropped."""
+        held = self._holds.get((owner, token))
+        if held is None:
+            return 0
+        dropped = 0
+        for key in keys:
+            found = held.get(key)
+            if found is None:
+                continue
+            entry, count = found
+            if count > 1:
+                held[key] = (entry, count - 1)
+            else:
+                del held[key]
+            self._unhold(entry, 1)
+            dropped += 1
+        if not held:
+            del self._holds[(owner, token)]
+            tokens = self._hold_tokens[owner]
+            tokens.discard(token)
+            if not tokens:
+                del self._hold_tokens[owner]
+        return dropped
+
+    def release_holds(self, owner: str) -> int:
+        """Drop every hold of ``owner`` (its scheduler left); returns how many keys."""
+        dropped = 0
+        for token in self._hold_tokens.pop(owner, set()):
+            for entry, count in self._holds.pop((owner, token)).values():
+                self._unhold(entry, count)
+                dropped += 1
+        return dropped
+
+    def _unhold(self, entry: Entry, count: int) -> None:
+        entry.holds -= count
+        if entry.dead:
+            self._free_if_idle(entry)
+
+    # -- mirrors ----------------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last removal a watcher must acknowledge."""
+        return self._watchers.seq
+
+    def watch(self, namespace: str, watcher: str) -> None:
+        """``watcher`` mirrors ``namespace``'s committed keys from now on."""
+        self._watchers.watch(namespace, watcher)
+
+    def unwatch(self, watcher: str) -> None:
+        """``watcher`` is gone; removed entries stop waiting for it."""
+        self._release_leaving(self._watchers.unwatch(watcher))
+
+    def ack(self, watcher: str, seq: int) -> None:
+        """``watcher`` applied every removal up to ``seq``."""
+        self._release_leaving(self._watchers.ack(watcher, seq))
+
+    def _release_leaving(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._leaving_bytes -= self._footprint(entry)
+            self._free_if_idle(entry)
 
     # -- pins -------------------------------------------------------------------------------
 
@@ -494,7 +718,7 @@ class ChunkCache:
                 self._drop(entry, removed)
         return removed
 
-    def clear_namespace(self, namespace: str) -> list[Entry]:
+    def clear_namespace(self, namespace: str, *, acker: str | None = None) -> list[Entry]:
         """Drop every entry of ``namespace``; returns the removed committed entries."""
         table = self._tables.get(namespace)
         if table is None:
@@ -503,6 +727,8 @@ class ChunkCache:
         for entry in list(table.values()):
             self._drop(entry, removed)
         del self._tables[namespace]
+        if acker is not None:
+            self.ack(acker, self.seq)
         return removed
 
     # -- inspection -------------------------------------------------------------------------
@@ -530,6 +756,8 @@ class ChunkCache:
             stores_refused=self._stores_refused,
             evictions=self._evictions,
             committed_bytes=self._committed_bytes,
+            held=sum(len(held) for held in self._holds.values()),
+            leaving=self._watchers.waiting(),
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -586,7 +814,13 @@ class ChunkCache:
             if ns == namespace and key in protected:
                 continue
             entry = tables[ns][key]
-            if entry.readers or entry.writing or self._pinned(entry, now):
+            if (
+                entry.readers
+                or entry.writing
+                or entry.holds
+                or entry.reserved_by is not None
+                or self._pinned(entry, now)
+            ):
                 continue
             yield entry
 
@@ -596,8 +830,14 @@ class ChunkCache:
         sizes: tuple[int, ...],
         protected: frozenset[bytes],
         evicted: list[Entry],
+        acker: str | None,
     ) -> list[int] | None:
-        """Extents for a new entry's shards, evicting in policy order if needed."""
+        """Extents for a new entry's shards, evicting in policy order if needed.
+
+        A victim that a watcher other than ``acker`` may still show frees its space only once
+        acknowledged. When only such space (with what is already on its way) would make room,
+        the victims are evicted but the entry is refused now: the room comes a moment later.
+        """
         alloc = self._alloc
         need = sum(alloc.alloc_size(size) for size in sizes)
         if need > alloc.capacity:
@@ -608,18 +848,24 @@ class ChunkCache:
                 return offsets
         now = self._clock()
         victims: list[Entry] = []
-        found = alloc.free_bytes
-        if found < need:
+        found_now = alloc.free_bytes
+        if found_now < need:
             # Dry run: evict nothing unless enough evictable bytes exist.
+            found_later = self._leaving_bytes
             for entry in self._evictable(namespace, protected, now):
                 victims.append(entry)
-                found += self._footprint(entry)
-                if found >= need:
+                if self._frees_at_once(entry, acker):
+                    found_now += self._footprint(entry)
+                else:
+                    found_later += self._footprint(entry)
+                if found_now + found_later >= need:
                     break
             else:
                 return None
             for entry in victims:
-                self._evict(entry, evicted)
+                self._evict(entry, evicted, acker)
+            if found_now < need:
+                return None
             offsets = self._try_alloc(sizes)
             if offsets is not None:
                 return offsets
@@ -627,15 +873,23 @@ class ChunkCache:
         # evicting one victim at a time. Batches double so skipped entries are rescanned rarely.
         batch = max(8, len(victims))
         while True:
-            more = list(islice(self._evictable(namespace, protected, now), batch))
+            more = [
+                entry
+                for entry in islice(self._evictable(namespace, protected, now), batch)
+                if self._frees_at_once(entry, acker)
+            ]
             if not more:
                 return None
             for entry in more:
-                self._evict(entry, evicted)
+                self._evict(entry, evicted, acker)
                 offsets = self._try_alloc(sizes)
                 if offsets is not None:
                     return offsets
             batch *= 2
+
+    def _frees_at_once(self, entry: Entry, acker: str | None) -> bool:
+        """Whether evicting ``entry`` frees its extents now (no other watcher must ack)."""
+        return not entry.committed or self._watchers.only(entry.namespace, acker)
 
     def _unlink(self, entry: Entry, *, evicted: bool) -> None:
         """Take ``entry`` out of the index, the policy and the pin map; mark it dead."""
@@ -651,10 +905,16 @@ class ChunkCache:
         if entry.committed:
             self._committed -= 1
             self._committed_bytes -= entry.nbytes
+            if self._watchers.leave(entry):
+                self._leaving_bytes += self._footprint(entry)
+        else:
+            self._end_reservation(entry)
         entry.dead = True
 
-    def _evict(self, entry: Entry, evicted: list[Entry]) -> None:
+    def _evict(self, entry: Entry, evicted: list[Entry], acker: str | None) -> None:
         self._unlink(entry, evicted=True)
+        if acker is not None and entry.leave_seq:
+            self.ack(acker, self.seq)
         self._free_if_idle(entry)
         self._evictions += 1
         evicted.append(entry)
@@ -667,7 +927,13 @@ class ChunkCache:
 
     def _free_if_idle(self, entry: Entry) -> None:
         """Free a dead entry's extents once no copy references them."""
-        if entry.offsets and not entry.readers and not entry.writing:
+        if (
+            entry.offsets
+            and not entry.readers
+            and not entry.writing
+            and not entry.holds
+            and not entry.leave_seq
+        ):
             for offset, size in zip(entry.offsets, entry.sizes, strict=True):
                 self._alloc.free(offset, size)
             entry.offsets = []

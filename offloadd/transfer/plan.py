@@ -100,6 +100,53 @@ def _append(moves: list[Move], move: Move) -> None:
     moves.append(move)
 
 
+def chunk_ranges(
+    num_keys: int,
+    num_blocks: int,
+    blocks_per_chunk: int,
+    segments: Sequence[tuple[int, int, int]] = (),
+    *,
+    skip: int = 0,
+) -> list[tuple[int, int]]:
+    """``(first_sub_block, count)`` of each key's chunk, in order; block ids follow suit.
+
+    Without ``segments`` every key has a full chunk except the first, which starts at
+    ``skip``. A segment ``(keys, skip, blocks)`` is a run of keys whose ``blocks`` block ids
+    start at sub-block ``skip`` of its first key and may end mid-chunk (vLLM stores leave out
+    null blocks; loads start where the GPU prefix cache ends). Raises ValueError, naming the
+    problem, when the counts do not add up.
+    """
+    bpc = blocks_per_chunk
+    if not segments:
+        segments = [(num_keys, skip, num_keys * bpc - skip)] if num_keys else []
+        if num_keys and not 0 <= skip < bpc:
+            raise ValueError(f"skip={skip} outside [0, {bpc})")
+    ranges: list[tuple[int, int]] = []
+    for keys, first, blocks in segments:
+        if keys < 1 or not 0 <= first < bpc or blocks < 1:
+            raise ValueError(
+                f"segment ({keys}, {first}, {blocks}) needs keys >= 1, 0 <= skip < {bpc}, "
+                "blocks >= 1"
+            )
+        if -(-(first + blocks) // bpc) != keys:
+            raise ValueError(
+                f"segment ({keys}, {first}, {blocks}): {blocks} blocks from sub-block {first} "
+                f"span {-(-(first + blocks) // bpc)} chunks of {bpc}, not {keys}"
+            )
+        left = blocks
+        for index in range(keys):
+            start = first if index == 0 else 0
+            count = min(bpc - start, left)
+            ranges.append((start, count))
+            left -= count
+    if len(ranges) != num_keys:
+        raise ValueError(f"segments cover {len(ranges)} keys, the request has {num_keys}")
+    covered = sum(count for _, count in ranges)
+    if covered != num_blocks:
+        raise ValueError(f"segments cover {covered} block ids, the request has {num_blocks}")
+    return ranges
+
+
 def block_id_problem(block_ids: Sequence[int], num_blocks: int) -> str | None:
     """Why ``block_ids`` cannot be used with regions of ``num_blocks`` blocks, or None."""
     for block_id in block_ids:

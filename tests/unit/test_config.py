@@ -156,8 +156,13 @@ def test_struct_fields_mirror_vllm_in_order() -> None:
     def names(cls: type[msgspec.Struct]) -> list[str]:
         return [f.name for f in msgspec.structs.fields(cls)]
 
-    assert names(OffloadingGroupConfig) == ["tokens_per_block", "layer_names"]
-    assert names(OffloadingModelConfig) == ["name", "dtype"]
+    assert names(OffloadingGroupConfig) == [
+        "tokens_per_block",
+        "layer_names",
+        "group_id",
+        "sliding_window_size_in_chunks",
+    ]
+    assert names(OffloadingModelConfig) == ["name", "dtype", "max_model_len"]
     assert names(OffloadingCacheConfig) == ["tokens_per_hash", "blocks_per_chunk"]
     assert names(OffloadingParallelConfig) == [
         "rank",
@@ -168,6 +173,8 @@ def test_struct_fields_mirror_vllm_in_order() -> None:
         "dcp_size",
         "data_parallel_index",
         "is_parallelism_agnostic",
+        "data_parallel_size",
+        "data_parallel_rank_local",
     ]
     assert names(OffloadingConfig) == [
         "groups",
@@ -180,10 +187,21 @@ def test_struct_fields_mirror_vllm_in_order() -> None:
         "parallel",
         "replicated_layout",
         "num_cpu_blocks",
+        "canonical_layout",
+        "kv_cache_layout",
     ]
     defaults = {f.name: f.default for f in msgspec.structs.fields(OffloadingConfig)}
     assert defaults["replicated_layout"] is False
     assert defaults["num_cpu_blocks"] is None
+    assert defaults["canonical_layout"] is False
+    assert defaults["kv_cache_layout"] is None
+
+
+def test_group_ids_default_to_positions() -> None:
+    a = OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",))
+    b = OffloadingGroupConfig(tokens_per_block=16, layer_names=("b",), group_id=3)
+    config = sample_config(groups=(a, b))
+    assert config.group_ids() == (0, 3)
 
 
 def test_module_imports_only_msgspec_and_stdlib() -> None:
@@ -577,7 +595,7 @@ class VllmParallel:
 
 @dataclasses.dataclass(frozen=True)
 class VllmConfigV033:
-    """Shaped like vLLM 0.33's OffloadingConfig."""
+    """Shaped like the 006f89ac revision's OffloadingConfig (before 0.33.0's group ids)."""
 
     groups: tuple[VllmGroup, ...]
     worker_kv_bytes_per_block: int
@@ -628,6 +646,7 @@ class VllmConfigLater:
     canonical_layout: bool = False
     kv_cache_layout: str | None = None
     num_cpu_blocks: int | None = None
+    field_from_the_future: str = "unknown here"
 
 
 VLLM_PARALLEL = VllmParallel(
@@ -706,7 +725,7 @@ def test_converter_defaults_fields_an_older_release_lacks() -> None:
     assert config.parallel == OUR_PARALLEL
 
 
-def test_converter_ignores_unknown_fields() -> None:
+def test_converter_carries_0_33_fields_and_ignores_unknown_ones() -> None:
     vllm_config = VllmConfigLater(
         groups=(VllmGroupLater(16, ("a.0",), group_id=3),),
         worker_kv_bytes_per_block=10,
@@ -723,9 +742,13 @@ def test_converter_ignores_unknown_fields() -> None:
 
     config = from_vllm_offloading_config(vllm_config)
 
-    assert config.groups == (OffloadingGroupConfig(tokens_per_block=16, layer_names=("a.0",)),)
+    assert config.groups == (
+        OffloadingGroupConfig(tokens_per_block=16, layer_names=("a.0",), group_id=3),
+    )
     assert config.num_cpu_blocks == 5
-    assert not hasattr(config, "canonical_layout")
+    assert config.canonical_layout is True
+    assert config.kv_cache_layout == "HND"
+    assert not hasattr(config, "field_from_the_future")
 
 
 def test_converter_rejects_a_missing_required_field() -> None:
@@ -744,9 +767,11 @@ def test_converter_round_trips_our_own_build() -> None:
         enable_kv_cache_events=built.enable_kv_cache_events,
         extra_config=built.extra_config,
         engine_id=built.engine_id,
-        model=VllmModel(**msgspec.structs.asdict(built.model)),
+        model=VllmModel(built.model.name, built.model.dtype),
         cache=VllmCache(**msgspec.structs.asdict(built.cache)),
-        parallel=VllmParallel(**msgspec.structs.asdict(built.parallel)),
+        parallel=VllmParallel(
+            *(getattr(built.parallel, f.name) for f in dataclasses.fields(VllmParallel))
+        ),
     )
 
     assert from_vllm_offloading_config(as_vllm) == built
@@ -849,8 +874,13 @@ def test_msgpack_round_trip_as_maps() -> None:
     assert msgspec.msgpack.decode(data, type=OffloadingConfig) == config
     raw = msgspec.msgpack.decode(data)
     assert isinstance(raw, dict)
-    assert raw["model"] == {"name": "org/model", "dtype": "bfloat16"}
-    assert raw["groups"][1] == {"tokens_per_block": 32, "layer_names": ["b.0"]}
+    assert raw["model"] == {"name": "org/model", "dtype": "bfloat16", "max_model_len": 0}
+    assert raw["groups"][1] == {
+        "tokens_per_block": 32,
+        "layer_names": ["b.0"],
+        "group_id": None,
+        "sliding_window_size_in_chunks": None,
+    }
 
 
 def test_decoding_a_config_from_an_older_peer_fills_defaults() -> None:

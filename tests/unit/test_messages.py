@@ -20,6 +20,7 @@ from protocol.config import (
 )
 from protocol.handles import CudaIpcHandle, KVRegion, ShmHandle
 from protocol.messages import (
+    Ack,
     Bye,
     Clear,
     DaemonStats,
@@ -28,8 +29,11 @@ from protocol.messages import (
     Error,
     GetStats,
     Hello,
+    HoldKeys,
+    HoldResult,
     JobAccepted,
     JobDone,
+    KeysChanged,
     Load,
     Lookup,
     LookupResult,
@@ -38,8 +42,12 @@ from protocol.messages import (
     Release,
     Reply,
     Request,
+    Reserve,
+    Reserved,
+    Segment,
     StatsResult,
     Store,
+    UpdateHolds,
     Wait,
     WaitResult,
     Welcome,
@@ -93,6 +101,8 @@ regions = st.builds(
     layer_names=st.lists(names, max_size=3).map(tuple),
 )
 
+segments = st.lists(st.builds(Segment, wire_ints, wire_ints, wire_ints), max_size=4)
+holds = st.lists(st.builds(HoldKeys, names, keys), max_size=3)
 requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(
         Hello,
@@ -107,6 +117,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
         kv_events_topic=names,
         kv_events_raw_hashes=st.booleans(),
         pid_namespace=wire_ints,
+        mirror=st.booleans(),
     ),
     st.builds(
         Lookup, request_id=wire_ints, keys=keys, pin=st.booleans(), lease_seconds=finite_floats
@@ -118,6 +129,8 @@ requests: st.SearchStrategy[Request] = st.one_of(
         keys=keys,
         block_ids=block_ids,
         wait_event=st.binary(max_size=64),
+        segments=segments,
+        reserved=st.booleans(),
     ),
     st.builds(
         Load,
@@ -126,7 +139,13 @@ requests: st.SearchStrategy[Request] = st.one_of(
         keys=keys,
         block_ids=block_ids,
         skip=wire_ints,
+        wait_event=st.binary(max_size=64),
+        segments=segments,
+        hold=names,
     ),
+    st.builds(Reserve, request_id=wire_ints, keys=keys, holds=holds, ack=wire_ints),
+    st.builds(UpdateHolds, request_id=wire_ints, hold=holds, release=holds, ack=wire_ints),
+    st.builds(Ack, request_id=wire_ints, seq=wire_ints),
     st.builds(Release, request_id=wire_ints, keys=keys),
     st.builds(
         Wait, request_id=wire_ints, job_ids=st.lists(wire_ints, max_size=8), timeout=finite_floats
@@ -206,6 +225,16 @@ replies: st.SearchStrategy[Reply] = st.one_of(
     ),
     st.builds(Ok, request_id=wire_ints, count=wire_ints),
     st.builds(Error, request_id=wire_ints, code=wire_ints, message=names),
+    st.builds(Reserved, request_id=wire_ints, reserved=st.lists(wire_ints, max_size=8)),
+    st.builds(HoldResult, request_id=wire_ints, held=wire_ints, missing=keys),
+    st.builds(
+        KeysChanged,
+        seq=wire_ints,
+        stored=keys,
+        removed=keys,
+        reset=st.booleans(),
+        more=st.booleans(),
+    ),
 )
 
 
@@ -304,6 +333,9 @@ REQUEST_TAGS: dict[type, str] = {
     Clear: "clear",
     Ping: "ping",
     Bye: "bye",
+    Reserve: "reserve",
+    UpdateHolds: "holds",
+    Ack: "ack",
 }
 REPLY_TAGS: dict[type, str] = {
     Welcome: "welcome",
@@ -315,6 +347,9 @@ REPLY_TAGS: dict[type, str] = {
     StatsResult: "stats_r",
     Ok: "ok",
     Error: "error",
+    Reserved: "reserved",
+    HoldResult: "holds_r",
+    KeysChanged: "keys",
 }
 
 
@@ -346,7 +381,17 @@ def test_messages_are_maps_keyed_by_field_name() -> None:
         "keys": [b"k"],
         "block_ids": [1, 2],
         "wait_event": b"",
+        "segments": [],
+        "reserved": False,
     }
+
+
+def test_segments_and_holds_are_arrays() -> None:
+    raw = _raw(Reserve(request_id=1, keys=[], holds=[HoldKeys("req-1", [b"k"])]))
+    assert raw["holds"] == [["req-1", [b"k"]]]
+    raw = _raw(Load(1, 2, [b"k"], [5], segments=[Segment(1, 1, 1)], hold="req-1"))
+    assert raw["segments"] == [[1, 1, 1]]
+    assert raw["hold"] == "req-1"
 
 
 def test_handle_tags_inside_hello() -> None:

@@ -42,8 +42,10 @@ def region(
     num_blocks: int = NUM_BLOCKS,
     handle_size: int | None = None,
     offset: int = 0,
-    path: str = "/dev/shm/kv-test",
+    path: str | None = None,
 ) -> KVRegion:
+    # One file per tensor, as ranks register them: regions over one handle are one tensor.
+    path = path if path is not None else "/dev/shm/kv-test-" + "-".join(layers)
     stride = page if stride is None else stride
     size = num_blocks * stride if handle_size is None else handle_size
     return KVRegion(
