@@ -38,6 +38,7 @@ from protocol.config import OffloadingConfig
 from protocol.errors import ErrorCode
 from protocol.handles import KVRegion
 from protocol.messages import (
+    Ack,
     Bye,
     Clear,
     DaemonStats,
@@ -46,8 +47,11 @@ from protocol.messages import (
     Error,
     GetStats,
     Hello,
+    HoldKeys,
+    HoldResult,
     JobAccepted,
     JobDone,
+    KeysChanged,
     Load,
     Lookup,
     LookupResult,
@@ -56,9 +60,13 @@ from protocol.messages import (
     Release,
     Reply,
     Request,
+    Reserve,
+    Reserved,
     Role,
+    Segment,
     StatsResult,
     Store,
+    UpdateHolds,
     Welcome,
     decode_reply,
     encode,
@@ -81,6 +89,7 @@ class _ClientCore:
         self.engine: EngineState | None = None
         self.finished: OrderedDict[int, JobDone] = OrderedDict()
         self.submitted: set[int] = set()  # accepted jobs whose JobDone has not arrived
+        self.notices: list[KeysChanged] = []  # key-mirror changes not yet taken, in order
         self._hello: Hello | None = None
         self.last_request = time.monotonic()
 
@@ -97,6 +106,7 @@ class _ClientCore:
         name: str,
         events_topic: str = "",
         raw_hashes: bool = False,
+        mirror: bool = False,
     ) -> Hello:
         """The Hello to send; remembered so that a lost session can say it again."""
         self._hello = Hello(
@@ -111,6 +121,7 @@ class _ClientCore:
             kv_events_topic=events_topic,
             kv_events_raw_hashes=raw_hashes,
             pid_namespace=_pid_namespace(),
+            mirror=mirror,
         )
         return self._hello
 
@@ -161,7 +172,54 @@ class _ClientCore:
             case Welcome():
                 self.welcome = reply
                 self.engine = reply.engine
+            case KeysChanged():
+                self.notices.append(reply)
         return reply
+
+    def take_notices(self) -> list[KeysChanged]:
+        """Key-mirror changes received so far, oldest first; they are not returned again."""
+        notices, self.notices = self.notices, []
+        return notices
+
+    def store(
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        segments: Sequence[Segment],
+        reserved: bool,
+        wait_event: bytes,
+    ) -> Store:
+        return Store(
+            self.next_id(),
+            job_id,
+            list(keys),
+            list(block_ids),
+            wait_event,
+            list(segments),
+            reserved,
+        )
+
+    def load(
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        skip: int,
+        segments: Sequence[Segment],
+        hold: str,
+        wait_event: bytes,
+    ) -> Load:
+        return Load(
+            self.next_id(),
+            job_id,
+            list(keys),
+            list(block_ids),
+            skip,
+            wait_event,
+            list(segments),
+            hold,
+        )
 
     @staticmethod
     def expect(reply: Reply, kind: type[R]) -> R:
@@ -289,12 +347,16 @@ class OffloadClient:
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: float = DEFAULT_HEARTBEAT,
         curve: CurveKeys | None = None,
+        mirror: bool = False,
     ) -> OffloadClient:
-        """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable."""
+        """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable.
+
+        ``mirror`` (schedulers): receive the namespace's key changes (``take_notices``).
+        """
         client = cls(endpoint, timeout=timeout, heartbeat=heartbeat, curve=curve)
         try:
             hello = client._core.hello(
-                config, regions, role, device_uuid, name, events_topic, raw_hashes
+                config, regions, role, device_uuid, name, events_topic, raw_hashes, mirror
             )
             client._core.expect(client._exchange(hello, timeout), Welcome)
         except BaseException:
@@ -337,15 +399,76 @@ class OffloadClient:
         request = Lookup(self._core.next_id(), list(keys), pin, lease)
         return self._core.expect(self._request(request), LookupResult)
 
-    def store(self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Start storing this rank's shard of ``keys`` from ``block_ids``."""
-        self._submit(Store(self._core.next_id(), job_id, list(keys), list(block_ids)))
+    def store(
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        *,
+        segments: Sequence[Segment] = (),
+        reserved: bool = False,
+        wait_event: bytes = b"",
+    ) -> None:
+        """Start storing this rank's shard of ``keys`` from ``block_ids``.
+
+        ``segments`` for chunks that are not full (see ``Segment``); ``reserved``: write only
+        keys a scheduler reserved; ``wait_event``: a CUDA IPC event handle recorded after the
+        compute that wrote these blocks (else synchronize before calling).
+        """
+        self._submit(self._core.store(job_id, keys, block_ids, segments, reserved, wait_event))
 
     def load(
-        self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int], *, skip: int = 0
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
+        segments: Sequence[Segment] = (),
+        hold: str = "",
+        wait_event: bytes = b"",
     ) -> None:
-        """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0)."""
-        self._submit(Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip))
+        """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0).
+
+        ``hold``: the keys a scheduler holds under that token; ``wait_event``: a CUDA IPC event
+        handle recorded after the rank's last use of these blocks (else synchronize first).
+        """
+        self._submit(self._core.load(job_id, keys, block_ids, skip, segments, hold, wait_event))
+
+    def reserve(
+        self, keys: Sequence[bytes], *, holds: Sequence[HoldKeys] = (), ack: int = 0
+    ) -> list[int]:
+        """(Scheduler) Reserve room for ``keys``; the indices of the keys that got it."""
+        request = Reserve(self._core.next_id(), list(keys), list(holds), ack)
+        return self._core.expect(self._request(request), Reserved).reserved
+
+    def update_holds(
+        self,
+        hold: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        *,
+        ack: int = 0,
+    ) -> HoldResult:
+        """(Scheduler) Hold and release committed keys per request token."""
+        request = UpdateHolds(self._core.next_id(), list(hold), list(release), ack)
+        return self._core.expect(self._request(request), HoldResult)
+
+    def ack(self, seq: int) -> None:
+        """(Scheduler) Acknowledge key changes up to ``seq``, without waiting for the reply."""
+        self._post(Ack(self._core.next_id(), seq))
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Read every message that arrives within ``timeout`` (0: only those already here);
+        JobDone and KeysChanged are recorded. Returns how many were read."""
+        count, wait_ms = 0, int(timeout * 1000)
+        while self._sock.poll(wait_ms):
+            self._core.decode(self._sock.recv())
+            count, wait_ms = count + 1, 0
+        return count
+
+    def take_notices(self) -> list[KeysChanged]:
+        """(Scheduler) Key changes received since the last call, oldest first."""
+        return self._core.take_notices()
 
     def _submit(self, request: Store | Load) -> None:
         self._core.finished.pop(request.job_id, None)  # a reused id must not see the old result
@@ -435,6 +558,15 @@ class OffloadClient:
             return None
         return self._core.decode(self._sock.recv())
 
+    def _post(self, request: Request) -> None:
+        """Send without waiting for the reply (it is read and dropped later)."""
+        if self._closed:
+            raise OffloaddError("client is closed")
+        try:
+            self._sock.send(encode(request), zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"cannot reach {self.endpoint}") from None
+
     def _start_heartbeat(self) -> None:
         if self.heartbeat <= 0:
             return
@@ -505,12 +637,16 @@ class AsyncOffloadClient:
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: float = DEFAULT_HEARTBEAT,
         curve: CurveKeys | None = None,
+        mirror: bool = False,
     ) -> AsyncOffloadClient:
-        """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable."""
+        """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable.
+
+        ``mirror`` (schedulers): receive the namespace's key changes (``take_notices``).
+        """
         client = cls(endpoint, timeout=timeout, heartbeat=heartbeat, curve=curve)
         try:
             hello = client._core.hello(
-                config, regions, role, device_uuid, name, events_topic, raw_hashes
+                config, regions, role, device_uuid, name, events_topic, raw_hashes, mirror
             )
             client._core.expect(await client._exchange(hello), Welcome)
         except BaseException:
@@ -554,15 +690,60 @@ class AsyncOffloadClient:
         request = Lookup(self._core.next_id(), list(keys), pin, lease)
         return self._core.expect(await self._request(request), LookupResult)
 
-    async def store(self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Start storing this rank's shard of ``keys`` from ``block_ids``."""
-        await self._submit(Store(self._core.next_id(), job_id, list(keys), list(block_ids)))
+    async def store(
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        *,
+        segments: Sequence[Segment] = (),
+        reserved: bool = False,
+        wait_event: bytes = b"",
+    ) -> None:
+        """Start storing this rank's shard of ``keys`` (see ``OffloadClient.store``)."""
+        request = self._core.store(job_id, keys, block_ids, segments, reserved, wait_event)
+        await self._submit(request)
 
     async def load(
-        self, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int], *, skip: int = 0
+        self,
+        job_id: int,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
+        segments: Sequence[Segment] = (),
+        hold: str = "",
+        wait_event: bytes = b"",
     ) -> None:
-        """Start loading ``keys`` into ``block_ids`` (``skip`` leading blocks of chunk 0)."""
-        await self._submit(Load(self._core.next_id(), job_id, list(keys), list(block_ids), skip))
+        """Start loading ``keys`` into ``block_ids`` (see ``OffloadClient.load``)."""
+        request = self._core.load(job_id, keys, block_ids, skip, segments, hold, wait_event)
+        await self._submit(request)
+
+    async def reserve(
+        self, keys: Sequence[bytes], *, holds: Sequence[HoldKeys] = (), ack: int = 0
+    ) -> list[int]:
+        """(Scheduler) Reserve room for ``keys``; the indices of the keys that got it."""
+        request = Reserve(self._core.next_id(), list(keys), list(holds), ack)
+        return self._core.expect(await self._request(request), Reserved).reserved
+
+    async def update_holds(
+        self,
+        hold: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        *,
+        ack: int = 0,
+    ) -> HoldResult:
+        """(Scheduler) Hold and release committed keys per request token."""
+        request = UpdateHolds(self._core.next_id(), list(hold), list(release), ack)
+        return self._core.expect(await self._request(request), HoldResult)
+
+    async def ack(self, seq: int) -> None:
+        """(Scheduler) Acknowledge key changes up to ``seq``."""
+        self._core.expect(await self._request(Ack(self._core.next_id(), seq)), Ok)
+
+    def take_notices(self) -> list[KeysChanged]:
+        """(Scheduler) Key changes received since the last call, oldest first."""
+        return self._core.take_notices()
 
     async def _submit(self, request: Store | Load) -> None:
         self._core.finished.pop(request.job_id, None)  # a reused id must not see the old result

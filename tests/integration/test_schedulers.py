@@ -1,0 +1,265 @@
+"""Schedulers ahead of their ranks: reservations, holds, key mirrors and acknowledged removals.
+
+A real daemon, a scheduler client (``mirror=True``) and rank clients on shared-memory tensors;
+every load is checked byte for byte against the pages that were stored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from offloadd.client import OffloadClient
+from offloadd.errors import InvalidRequest
+from protocol.messages import HoldKeys, KeysChanged, Segment
+from tests.integration.harness import (
+    DaemonThread,
+    Rank,
+    chain_keys,
+    chunk_block_ids,
+    make_config,
+    make_rank,
+)
+
+PAGE = 1024
+BPC = 2
+# One key: 3 layers x BPC pages of PAGE bytes, one shard (TP=1), 4 KiB aligned.
+KEY_BYTES = 3 * BPC * PAGE
+KEY_FOOTPRINT = -(-KEY_BYTES // 4096) * 4096
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonThread]:
+    d = DaemonThread(capacity=64 << 20).start()
+    yield d
+    d.stop()
+
+
+def scheduler(endpoint: str, **config_args: object) -> OffloadClient:
+    config = make_config(tp=1, bytes_per_block=3 * PAGE, **config_args)  # type: ignore[arg-type]
+    return OffloadClient.connect(endpoint, config, role="scheduler", mirror=True)
+
+
+def rank(endpoint: str, seed: int = 1, **config_args: object) -> Rank:
+    r = make_rank(endpoint, tp=1, page=PAGE, num_blocks=64, **config_args)
+    r.fill(seed)
+    return r
+
+
+def mirror_of(client: OffloadClient, notices: list[KeysChanged] | None = None) -> set[bytes]:
+    """Apply the client's key changes to a set, as the vLLM manager does."""
+    keys: set[bytes] = set()
+    for notice in notices if notices is not None else client.take_notices():
+        if notice.reset:
+            keys.clear()
+        keys.update(notice.stored)
+        keys.difference_update(notice.removed)
+    return keys
+
+
+def wait_for(condition: object, client: OffloadClient, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        client.poll(0.05)
+
+
+def store_reserved(r: Rank, job_id: int, keys: list[bytes], chunks: list[int]) -> None:
+    assert r.client is not None
+    r.client.store(job_id, keys, chunk_block_ids(chunks, BPC), reserved=True)
+    r.client.wait([job_id])
+
+
+def test_reserve_store_commit_reaches_the_mirror(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(4, b"a")
+        assert sched.reserve(keys) == [0, 1, 2, 3]
+        # Reserved (pending) keys are not reserved twice, by anyone.
+        assert sched.reserve(keys) == []
+        store_reserved(r, 1, keys, [0, 1, 2, 3])
+        notices: list[KeysChanged] = []
+
+        def mirrored() -> int:
+            notices.extend(sched.take_notices())
+            return len(mirror_of(sched, notices))
+
+        wait_for(lambda: mirrored() == 4, sched)
+        assert notices[0].reset
+        assert mirror_of(sched, notices) == set(keys)
+        # Committed keys are not reserved again.
+        assert sched.reserve(keys) == []
+    finally:
+        sched.close()
+        r.close()
+
+
+def test_reserved_store_skips_keys_nobody_reserved(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(3, b"b")
+        assert sched.reserve(keys[:1]) == [0]
+        assert r.client is not None
+        r.client.store(7, keys, chunk_block_ids([0, 1, 2], BPC), reserved=True)
+        (done,) = r.client.wait([7])
+        assert done.ok and done.failed_keys == []
+        assert done.nbytes == KEY_BYTES  # one key written, two skipped
+        assert r.client.lookup(keys).hits == 1
+    finally:
+        sched.close()
+        r.close()
+
+
+def test_held_keys_load_byte_exact_even_after_clear(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint, seed=3)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(2, b"c")
+        sched.reserve(keys)
+        store_reserved(r, 1, keys, [0, 1])
+        result = sched.update_holds([HoldKeys("req-1", keys)])
+        assert result.held == 2 and result.missing == []
+        assert sched.clear() == 2  # the keys are gone from the index, not from the arena
+        expected = r.pages(chunk_block_ids([0, 1], BPC))
+        assert r.client is not None
+        r.client.load(2, keys, chunk_block_ids([10, 11], BPC), hold="req-1")
+        r.client.wait([2])
+        for got, want in zip(r.pages(chunk_block_ids([10, 11], BPC)), expected, strict=True):
+            assert got.equal(want)
+        # A key nobody holds under that token fails the load; nothing is copied.
+        r.client.load(3, chain_keys(1, b"other"), chunk_block_ids([20], BPC), hold="req-1")
+        (done,) = r.client.wait([3], raise_on_failure=False)
+        assert not done.ok
+        assert sched.update_holds(release=[HoldKeys("req-1", keys)]).held == 0
+        assert daemon.daemon is not None and daemon.daemon.stats().used_bytes == 0
+    finally:
+        sched.close()
+        r.close()
+
+
+def test_segments_store_partial_chunks_and_load_mid_chunk(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint, seed=4)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(3, b"d")
+        sched.reserve(keys)
+        # Chunk 0 starts at its second block (a null block left out), then two full chunks.
+        blocks = [1, 2, 3, 4, 5]
+        assert r.client is not None
+        r.client.store(1, keys, blocks, segments=[Segment(3, 1, 5)], reserved=True)
+        r.client.wait([1])
+        # Load from the middle of chunk 0 and stop in the middle of chunk 2.
+        r.client.load(2, keys, [30, 31, 32, 33], segments=[Segment(3, 1, 4)])
+        r.client.wait([2])
+        for got, want in zip(r.pages([30, 31, 32, 33]), r.pages([1, 2, 3, 4]), strict=True):
+            assert got.equal(want)
+        with pytest.raises(Exception, match="span 2 chunks"):
+            r.client.load(3, keys, [40, 41, 42], segments=[Segment(3, 1, 3)])
+    finally:
+        sched.close()
+        r.close()
+
+
+def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
+    # Room for 4 keys: engine A's fifth key evicts one that engine B still mirrors.
+    d = DaemonThread(capacity=4 * KEY_FOOTPRINT).start()
+    ra, rb = rank(d.endpoint, seed=5, engine_id="a"), rank(d.endpoint, seed=5, engine_id="b")
+    sa, sb = scheduler(d.endpoint, engine_id="a"), scheduler(d.endpoint, engine_id="b")
+    try:
+        sa.wait_ready()
+        sb.wait_ready()
+        keys = chain_keys(5, b"e")
+        assert sa.reserve(keys[:4]) == [0, 1, 2, 3]
+        store_reserved(ra, 1, keys[:4], [0, 1, 2, 3])
+        wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
+        mirror_b = mirror_of(sb)
+        sb.poll(0.2)
+        mirror_b |= mirror_of(sb)
+        assert mirror_b == set(keys[:4])
+        # B has not acknowledged the removal: A's key is refused for now, the victim waits.
+        assert sa.reserve(keys[4:]) == []
+        assert d.daemon is not None
+        stats = d.daemon.stats()
+        assert stats.committed_entries == 3 and stats.used_bytes == 4 * KEY_FOOTPRINT
+        victim = keys[0]
+        # B still shows the victim: it can hold it and load the right bytes.
+        assert sb.update_holds([HoldKeys("r", [victim])]).missing == []
+        assert rb.client is not None
+        rb.client.load(1, [victim], chunk_block_ids([10], BPC), hold="r")
+        rb.client.wait([1])
+        for got, want in zip(
+            rb.pages(chunk_block_ids([10], BPC)), ra.pages(chunk_block_ids([0], BPC)), strict=True
+        ):
+            assert got.equal(want)
+        # B applies the removal and acknowledges it; releasing the hold frees the space.
+        sb.poll(0.2)
+        changes = sb.take_notices()
+        assert any(victim in n.removed for n in changes)
+        sb.update_holds(release=[HoldKeys("r", [victim])], ack=max(n.seq for n in changes))
+        assert d.daemon.stats().used_bytes == 3 * KEY_FOOTPRINT
+        assert sa.reserve(keys[4:]) == [0]
+    finally:
+        for client in (sa, sb):
+            client.close()
+        for r in (ra, rb):
+            r.close()
+        d.stop()
+
+
+def test_a_scheduler_that_leaves_frees_its_reservations_and_holds(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(3, b"f")
+        sched.reserve(keys[:1])
+        store_reserved(r, 1, keys[:1], [0])
+        sched.update_holds([HoldKeys("r", keys[:1])])
+        sched.reserve(keys[1:])
+        assert daemon.daemon is not None
+        assert daemon.daemon.stats().entries == 3
+        sched.close()
+        wait_for(lambda: daemon.daemon is not None and daemon.daemon.stats().entries == 1, r.client)  # type: ignore[arg-type]
+        assert daemon.daemon.stats().used_bytes == KEY_FOOTPRINT
+    finally:
+        sched.close()
+        r.close()
+
+
+def test_only_schedulers_reserve(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint)
+    try:
+        assert r.client is not None
+        with pytest.raises(InvalidRequest, match="only schedulers"):
+            r.client.reserve(chain_keys(1))
+    finally:
+        r.close()
+
+
+def test_mirror_snapshot_of_a_warm_namespace(daemon: DaemonThread) -> None:
+    r = rank(daemon.endpoint)
+    try:
+        assert r.client is not None
+        keys = chain_keys(3, b"g")
+        r.client.store(1, keys, chunk_block_ids([0, 1, 2], BPC))
+        r.client.wait([1])
+        sched = scheduler(daemon.endpoint)
+        try:
+            wait_for(lambda: bool(sched._core.notices), sched)
+            (first, *_rest) = sched._core.notices
+            assert first.reset and not first.more
+            assert set(first.stored) == set(keys)
+            assert msgspec.structs.asdict(first)["removed"] == []
+        finally:
+            sched.close()
+    finally:
+        r.close()
