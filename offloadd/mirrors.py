@@ -44,7 +44,9 @@ class Mirrors:
     def start(self, session: Session) -> None:
         """Watch the session's (ready) namespace and send it a full snapshot."""
         engine = self._registry.engine(session.engine_key)
-        if not session.mirror or engine is None or engine.namespace is None:
+        if session.role != "scheduler" or not session.mirror:
+            return
+        if engine is None or engine.namespace is None:
             return
         name = engine.namespace.name
         self._cache.watch(name, session.session_id)

@@ -58,7 +58,9 @@ class Session:
     pid: int = 0
     kv_events_topic: str = ""
     kv_events_raw_hashes: bool = False
-    mirror: bool = False  # a scheduler mirroring its namespace's keys (KeysChanged)
+    # A scheduler mirroring its namespace's keys (KeysChanged); on a worker: its engine's
+    # scheduler does, and publishes the engine's events itself.
+    mirror: bool = False
 
     @property
     def rank(self) -> int:
@@ -112,8 +114,8 @@ class Engine:
 
     @property
     def mirrored(self) -> bool:
-        """A scheduler mirrors the engine's keys and publishes its events itself."""
-        return any(session.mirror for session in self.schedulers.values())
+        """The engine's scheduler mirrors its keys and publishes its events itself."""
+        return any(session.mirror for session in self.sessions())
 
     @property
     def world_size(self) -> int:
@@ -342,8 +344,6 @@ def _check_own(hello: Hello) -> list[GroupLayout]:
         if hello.regions:
             raise RegistrationError(ErrorCode.BAD_REQUEST, "a scheduler registers no KV regions")
         return []
-    if hello.mirror:
-        raise RegistrationError(ErrorCode.BAD_REQUEST, "only a scheduler mirrors keys")
     return _check_geometry(hello)
 
 

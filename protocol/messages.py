@@ -55,6 +55,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     pid_namespace: int = 0
     # A scheduler that keeps a mirror of its namespace's committed keys (KeysChanged) and
     # publishes the engine's KV events itself; the daemon then publishes none for the engine.
+    # A worker says so for its engine's scheduler, which may connect after it.
     mirror: bool = False
 
 

@@ -9,8 +9,13 @@ if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
 stamp=.venv/.offloadd-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+    || [ scripts/vllm-test-requirements.txt -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
     .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+    # vLLM 0.33 for the plugin tests (offloadd.vllm), without its CUDA stack.
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'vllm==0.33.0'
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+        -r scripts/vllm-test-requirements.txt
     touch "$stamp"
 fi

@@ -1,0 +1,322 @@
+"""The scheduler side: vLLM's ``OffloadingManager`` over the daemon, one per engine.
+
+Design (see README "Use with vLLM"): vLLM calls ``lookup`` once per key inside ``schedule()``,
+so lookups are answered from a local mirror of the namespace's committed keys (``KeyMirror``,
+fed by the daemon's ``KeysChanged``), a set probe. Each step costs at most:
+- one ``Reserve`` round trip per ``prepare_store`` call (vLLM makes one per request), which
+  also carries the step's new holds and the mirror's acknowledgement;
+- one ``UpdateHolds`` round trip at ``on_schedule_end`` when holds are still unsent (before the
+  ranks see the step's loads) or releases are due.
+A key the mirror shows stays loadable: the daemon keeps a removed key's bytes until this
+scheduler acknowledged the removal, and this scheduler holds every key it hit before that.
+
+Threads: vLLM calls every method but ``shutdown`` holding ``lock``; a background thread takes
+the same lock to read notices, acknowledge them and keep the session alive while the engine
+idles, so the socket is only ever used under ``lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable, Sequence
+from typing import cast
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+
+from offloadd.client import OffloadClient
+from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed
+from offloadd.vllm.mirror import KeyMirror
+from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
+from protocol.config import OffloadingConfig
+from protocol.messages import HoldKeys
+
+logger = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.02  # background: read notices and acknowledge them this often
+KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
+
+
+class OffloaddManager(OffloadingManager):
+    """vLLM's scheduler-side manager backed by offloadd; see the module docstring."""
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        *,
+        endpoint: str,
+        optional: bool,
+        record_events: bool,
+        timeout: float = 10.0,
+    ) -> None:
+        self._config = config
+        self._endpoint = endpoint
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._mirror = KeyMirror(record_events=record_events)
+        self._acked = 0
+        self._in_flight: dict[bytes, int] = {}  # keys this scheduler reserved, being stored
+        self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
+        self._releases: dict[str, list[bytes]] = {}
+        self._last_request = time.monotonic()
+        self._client: OffloadClient | None = None
+        self._stop = threading.Event()
+        try:
+            self._client = self._connect()
+        except DaemonUnavailable:
+            if not optional:
+                raise DaemonUnavailable(
+                    f"offloadd: no daemon answers at {endpoint}; start it "
+                    "(offloadd serve / systemctl start offloadd), point offloadd_endpoint at it, "
+                    'or set "offloadd_optional": true to run without offload until it appears'
+                ) from None
+            logger.warning("offloadd: no daemon at %s; running without offload for now", endpoint)
+        self._thread = threading.Thread(
+            target=self._background, name="offloadd-mirror", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by vLLM around every call, and by the background thread."""
+        return self._lock
+
+    # -- lookups and loads ---------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT for a committed key (from the mirror); HIT_PENDING while this engine stores it."""
+        if key in self._mirror.keys:
+            return LookupResult.HIT
+        if key in self._in_flight:
+            return LookupResult.HIT_PENDING
+        return LookupResult.MISS
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> OffloaddLoadSpec:
+        """Hold the keys for the request (sent before the ranks load them)."""
+        token = req_context.req_id
+        self._holds.setdefault(token, []).extend(keys)
+        return OffloaddLoadSpec(list(keys), token)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Release the request's holds (sent with the next message)."""
+        self._releases.setdefault(req_context.req_id, []).extend(keys)
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve room in the daemon; only keys that got it are returned to store."""
+        candidates = [k for k in keys if k not in self._mirror.keys and k not in self._in_flight]
+        reserved: list[bytes] = []
+        if candidates and self._client is not None:
+            holds = self._take_holds()
+            try:
+                indices = self._client.reserve(candidates, holds=holds, ack=self._mirror.seq)
+            except OffloaddError as exc:
+                self._failed("reserve", exc, holds)
+                indices = []
+            else:
+                self._acked = self._mirror.seq
+            self._after_request()
+            reserved = [candidates[i] for i in indices]
+            for key in reserved:
+                self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        return PrepareStoreOutput(
+            cast("list[OffloadKey]", reserved), OffloaddStoreSpec(reserved), []
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """The ranks stored ``keys``: they show in the mirror once committed."""
+        if self._client is not None:
+            # Read the commit notices first, so a key never looks missing in between.
+            self._poll()
+        for key in keys:
+            count = self._in_flight.get(key, 0)
+            if count > 1:
+                self._in_flight[key] = count - 1
+            else:
+                self._in_flight.pop(key, None)
+
+    # -- per step --------------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Chunk-level offload: prefix hits are not stored again."""
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send the step's holds before its loads reach the ranks; acknowledge notices."""
+        self._flush()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The namespace's stored and removed chunks, as vLLM publishes them for this engine."""
+        for removed, keys in self._mirror.take_events():
+            yield OffloadingEvent(
+                keys=cast("list[OffloadKey]", keys), medium=Medium.CPU, removed=removed
+            )
+
+    def reset_cache(self) -> None:
+        """Drop every chunk of the engine's namespace in the daemon."""
+        if self._client is None:
+            return
+        try:
+            count = self._client.clear()
+        except OffloaddError as exc:
+            self._failed("clear", exc)
+            return
+        self._after_request()
+        logger.info("offloadd: cache reset, %d chunks dropped", count)
+
+    def shutdown(self) -> None:
+        """Stop the background thread and end the session."""
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _connect(self) -> OffloadClient:
+        return OffloadClient.connect(
+            self._endpoint,
+            self._config,
+            role="scheduler",
+            name=f"vllm scheduler {self._config.engine_id}",
+            mirror=True,
+            timeout=self._timeout,
+        )
+
+    def _flush(self) -> None:
+        client = self._client
+        if client is None:
+            return
+        holds, releases = self._take_holds(), self._take_releases()
+        if not (holds or releases or self._mirror.seq > self._acked):
+            return
+        try:
+            if holds or releases:
+                result = client.update_holds(holds, releases, ack=self._mirror.seq)
+                if result.missing:
+                    logger.error(
+                        "offloadd: %d keys to load were not in the cache (daemon restarted?); "
+                        "their loads will fail",
+                        len(result.missing),
+                    )
+            else:
+                client.ack(self._mirror.seq)
+        except OffloaddError as exc:
+            self._failed("update holds", exc, holds)
+            return
+        self._acked = self._mirror.seq
+        self._after_request()
+
+    def _take_holds(self) -> list[HoldKeys]:
+        holds = [HoldKeys(token, keys) for token, keys in self._holds.items()]
+        self._holds = {}
+        return holds
+
+    def _take_releases(self) -> list[HoldKeys]:
+        releases = [HoldKeys(token, keys) for token, keys in self._releases.items()]
+        self._releases = {}
+        return releases
+
+    def _poll(self) -> None:
+        assert self._client is not None
+        try:
+            self._client.poll(0)
+        except OffloaddError as exc:
+            self._failed("poll", exc)
+        self._after_request()
+
+    def _after_request(self) -> None:
+        """Apply what arrived with the last exchange (notices come before its reply)."""
+        self._last_request = time.monotonic()
+        if self._client is not None:
+            self._mirror.apply(self._client.take_notices())
+
+    def _failed(self, what: str, exc: Exception, holds: Sequence[HoldKeys] = ()) -> None:
+        """Log a failed exchange; holds it carried are sent again if the daemon was away."""
+        if isinstance(exc, RequestFailed):
+            logger.warning("offloadd: %s refused: %s", what, exc)
+            return
+        logger.warning("offloadd: %s failed: %s", what, exc)
+        for hold in holds:
+            self._holds.setdefault(hold.token, []).extend(hold.keys)
+
+    def _background(self) -> None:
+        while not self._stop.wait(TICK_SECONDS):
+            if self._client is None:
+                self._try_reconnect()
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # vLLM is scheduling: it reads notices itself
+            try:
+                self._tick()
+            except Exception:
+                logger.exception("offloadd: background tick failed")
+            finally:
+                self._lock.release()
+
+    def _tick(self) -> None:
+        client = self._client
+        assert client is not None
+        client.poll(0)
+        notices = client.take_notices()
+        if notices:
+            self._mirror.apply(notices)
+        if time.monotonic() - self._last_request > KEEPALIVE_SECONDS:
+            # A real exchange: a daemon that restarted is noticed here (and said Hello to
+            # again, which sends a fresh snapshot), not at the next step's holds.
+            self._flush_or_ping()
+        elif self._mirror.seq > self._acked:
+            client.ack(self._mirror.seq)
+            self._acked = self._mirror.seq
+
+    def _flush_or_ping(self) -> None:
+        client = self._client
+        assert client is not None
+        try:
+            client.update_holds(ack=self._mirror.seq)
+        except OffloaddError as exc:
+            self._failed("keepalive", exc)
+            self._last_request = time.monotonic()
+            return
+        self._acked = self._mirror.seq
+        self._after_request()
+
+    def _try_reconnect(self) -> None:
+        if time.monotonic() - self._last_request < KEEPALIVE_SECONDS:
+            return
+        self._last_request = time.monotonic()
+        try:
+            client = OffloadClient.connect(
+                self._endpoint,
+                self._config,
+                role="scheduler",
+                name=f"vllm scheduler {self._config.engine_id}",
+                mirror=True,
+                timeout=0.5,
+            )
+        except OffloaddError:
+            return
+        with self._lock:
+            self._client = client
+            self._after_request()
+        logger.info("offloadd: connected to %s; offloading from now on", self._endpoint)

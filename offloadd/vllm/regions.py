@@ -1,0 +1,119 @@
+"""A rank's KV regions from vLLM's ``CanonicalKVCaches``.
+
+vLLM hands a worker its KV caches as canonical tensors (``tensors[i].tensor`` is an int8
+``(num_blocks, page)`` view whose ``stride(0)`` is the block stride) and, per offloaded group,
+one ``CanonicalKVCacheRef(tensor_idx, page_size_bytes)`` per layer in the group's layer order
+(a packed layout gives one ref per group). There are no layer names inside; they come from the
+offloading config's groups. One region is registered per (tensor, unpadded page size) with the
+names of every layer that uses it, so aliased layers are copied once and a tensor shared by
+groups with different page sizes becomes one region per size.
+
+CUDA tensors are exported as CUDA IPC handles. A CPU tensor must live in a shared file mapping
+(a file in ``/dev/shm``, as vLLM's CPU backend tests and offloadd's own tests allocate them):
+its file and offset are found in ``/proc/self/maps``. Anything else is refused with a message
+saying how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.config import OffloadingGroupConfig
+from protocol.handles import KVRegion, ShmHandle, region_problem
+
+__all__ = ["NotShareable", "kv_regions", "shared_file_of"]
+
+FIX_CPU_TENSOR = (
+    "offloadd reads a CPU KV cache through shared memory: allocate it on a MAP_SHARED file "
+    "mapping (e.g. a file in /dev/shm mapped with mmap, or torch.from_file(path, shared=True)), "
+    "or run the engine on GPUs"
+)
+
+
+class NotShareable(ValueError):
+    """A KV tensor the daemon cannot reach."""
+
+
+def shared_file_of(address: int, length: int, maps: str | None = None) -> tuple[str, int]:
+    """``(path, offset)`` of the shared file mapping that holds ``[address, address+length)``.
+
+    ``maps`` is the text of ``/proc/self/maps`` (read when None).
+    """
+    if maps is None:
+        with open("/proc/self/maps") as file:
+            maps = file.read()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        start_text, _, end_text = fields[0].partition("-")
+        start, end = int(start_text, 16), int(end_text, 16)
+        if not start <= address < end:
+            continue
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if fields[1][3:4] != "s" or not path.startswith("/"):
+            raise NotShareable(
+                f"KV memory at {address:#x} is not a shared file mapping; {FIX_CPU_TENSOR}"
+            )
+        if path.endswith(" (deleted)"):
+            raise NotShareable(f"the file backing KV memory at {address:#x} was removed: {path}")
+        if address + length > end:
+            raise NotShareable(
+                f"KV memory at {address:#x} (+{length} bytes) runs past its mapping of {path}"
+            )
+        return path, int(fields[2], 16) + (address - start)
+    raise NotShareable(f"KV memory at {address:#x} is not mapped; {FIX_CPU_TENSOR}")
+
+
+def kv_regions(kv_caches: Any, groups: Sequence[OffloadingGroupConfig]) -> list[KVRegion]:
+    """The rank's regions: one per (canonical tensor, unpadded page size) that a group uses."""
+    refs_per_group = kv_caches.group_data_refs
+    if len(refs_per_group) != len(groups):
+        raise ValueError(
+            f"vLLM gave KV refs for {len(refs_per_group)} groups, the offloading config has "
+            f"{len(groups)}"
+        )
+    layers: dict[tuple[int, int], list[str]] = {}
+    for group, refs in zip(groups, refs_per_group, strict=True):
+        names = list(group.layer_names)
+        # One ref per layer, or one ref standing for the whole group (packed layout).
+        per_ref = [[name] for name in names] if len(refs) == len(names) else [names] * len(refs)
+        for ref, ref_names in zip(refs, per_ref, strict=True):
+            if getattr(ref, "mapping", None) is not None:
+                raise ValueError("canonical page mappings are not supported by offloadd yet")
+            found = layers.setdefault((ref.tensor_idx, ref.page_size_bytes), [])
+            found.extend(name for name in ref_names if name not in found)
+    regions = [
+        _region(kv_caches.tensors[tensor_idx].tensor, page, names)
+        for (tensor_idx, page), names in layers.items()
+    ]
+    for region in regions:
+        problem = region_problem(region)
+        if problem:
+            raise ValueError(f"KV region of layers {region.layer_names}: {problem}")
+    return regions
+
+
+def _region(tensor: Any, page_size: int, layer_names: Sequence[str]) -> KVRegion:
+    if tensor.is_cuda:
+        from offloadd.cuda_ipc import kv_region_from_tensor
+
+        return kv_region_from_tensor(tensor, page_size, layer_names)
+    num_blocks = int(tensor.shape[0])
+    stride = int(tensor.stride(0)) * tensor.element_size()
+    # The whole rows when mapped (so regions over one tensor share a handle), else the bytes
+    # the last block's page reaches.
+    size = num_blocks * stride
+    try:
+        path, offset = shared_file_of(tensor.data_ptr(), max(size, 1))
+    except NotShareable:
+        size = (num_blocks - 1) * stride + page_size if num_blocks else 0
+        path, offset = shared_file_of(tensor.data_ptr(), max(size, 1))
+    return KVRegion(
+        handle=ShmHandle(path=path, offset=offset, size=size),
+        num_blocks=num_blocks,
+        page_size=page_size,
+        block_stride=stride,
+        layer_names=tuple(layer_names),
+    )

@@ -1,0 +1,82 @@
+"""``OffloaddSpec``: what stock vLLM 0.33 loads through ``spec_module_path="offloadd.vllm"``.
+
+vLLM's ``OffloadingConnector`` builds its ``OffloadingConfig`` and creates the spec in every
+process: the scheduler asks it for a manager, each rank for a worker. Keys read from
+``kv_connector_extra_config``:
+
+- ``offloadd_endpoint``: the daemon's control endpoint (else ``OFFLOADD_ENDPOINT``, else the
+  daemon's default socket);
+- ``offloadd_optional``: with no daemon at start, run without offload (every lookup misses,
+  nothing is stored) and start offloading when it appears, instead of failing;
+- ``offloadd_timeout``: seconds to wait for the daemon's answers (default 10);
+- ``offloadd_load_timeout``: seconds after which a load still not finished fails loudly
+  (default 60).
+``block_size`` / ``blocks_per_chunk``, ``namespace`` and ``private_cache`` are read by vLLM and
+the daemon as usual.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker
+
+from offloadd.settings import default_endpoint
+from protocol.config import from_vllm_offloading_config
+
+__all__ = ["OffloaddSpec"]
+
+
+class OffloaddSpec(OffloadingSpec):
+    """Offload vLLM's KV cache to the node's offloadd daemon."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if config.canonical_layout:
+            raise ValueError(
+                "offloadd does not support the canonical KV layout yet: remove "
+                '"canonical_layout" from kv_connector_extra_config'
+            )
+        # Exactly the config vLLM built, converted field by field for the daemon.
+        self.offloadd_config = from_vllm_offloading_config(config)
+        extra = self.extra_config
+        self.endpoint: str = str(
+            extra.get("offloadd_endpoint")
+            or os.environ.get("OFFLOADD_ENDPOINT")
+            or default_endpoint()
+        )
+        self.optional = bool(extra.get("offloadd_optional", False))
+        self.timeout = float(extra.get("offloadd_timeout", 10.0))
+        self.load_timeout = float(extra.get("offloadd_load_timeout", 60.0))
+        self._manager: OffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler's manager (one per process)."""
+        if self._manager is None:
+            from offloadd.vllm.manager import OffloaddManager
+
+            self._manager = OffloaddManager(
+                self.offloadd_config,
+                endpoint=self.endpoint,
+                optional=self.optional,
+                record_events=self.kv_events_config.enable_kv_cache_events,
+                timeout=self.timeout,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        """This rank's worker (one per process)."""
+        if self._worker is None:
+            from offloadd.vllm.worker import OffloaddWorker
+
+            self._worker = OffloaddWorker(
+                self.offloadd_config,
+                kv_caches,
+                endpoint=self.endpoint,
+                optional=self.optional,
+                load_timeout=self.load_timeout,
+                timeout=self.timeout,
+            )
+        return self._worker

@@ -1,0 +1,96 @@
+"""The vLLM plugin's pure parts: the key mirror and finding a CPU tensor's shared file."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import pytest
+import torch
+
+from offloadd.vllm.mirror import KeyMirror
+from offloadd.vllm.regions import NotShareable, shared_file_of
+from protocol.messages import KeysChanged
+
+K = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(6)]
+
+
+def test_mirror_applies_changes_in_order_and_reports_runs() -> None:
+    mirror = KeyMirror(record_events=True)
+    mirror.apply([KeysChanged(0, [K[0], K[1]], [], reset=True)])
+    mirror.apply([KeysChanged(3, [K[2]], [K[0]]), KeysChanged(4, [K[0]], [])])
+    assert mirror.keys == {K[0], K[1], K[2]}
+    assert mirror.seq == 4
+    # Removed then stored again: both reported, in that order.
+    assert mirror.take_events() == [
+        (False, [K[0], K[1], K[2]]),
+        (True, [K[0]]),
+        (False, [K[0]]),
+    ]
+    assert mirror.take_events() == []
+
+
+def test_mirror_reset_reports_only_the_difference_and_restarts_seq() -> None:
+    mirror = KeyMirror(record_events=True)
+    mirror.apply([KeysChanged(9, [K[0], K[1]], [], reset=True)])
+    mirror.take_events()
+    # A restarted daemon's snapshot, in two parts; its seq starts low again.
+    mirror.apply([KeysChanged(1, [K[1]], [], reset=True, more=True)])
+    assert mirror.keys == {K[0], K[1]}  # unchanged until the snapshot is complete
+    mirror.apply([KeysChanged(1, [K[2]], [], more=False)])
+    assert mirror.keys == {K[1], K[2]}
+    assert mirror.seq == 1
+    assert mirror.take_events() == [(True, [K[0]]), (False, [K[2]])]
+
+
+def test_mirror_without_events_records_none() -> None:
+    mirror = KeyMirror(record_events=False)
+    mirror.apply([KeysChanged(0, [K[0]], [], reset=True), KeysChanged(1, [], [K[0]])])
+    assert mirror.keys == set()
+    assert mirror.take_events() == []
+
+
+def test_mirror_ignores_removal_of_unknown_and_double_store() -> None:
+    mirror = KeyMirror(record_events=True)
+    mirror.apply(
+        [KeysChanged(0, [], [K[3]]), KeysChanged(0, [K[4]], []), KeysChanged(0, [K[4]], [])]
+    )
+    assert mirror.take_events() == [(False, [K[4]])]
+
+
+def test_shared_file_of_a_dev_shm_tensor() -> None:
+    fd, path = tempfile.mkstemp(prefix="od-test-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, 3 * 4096)
+        with mmap.mmap(fd, 3 * 4096, mmap.MAP_SHARED) as mapping:
+            tensor = torch.frombuffer(mapping, dtype=torch.int8).view(3, 4096)
+            found, offset = shared_file_of(tensor[1].data_ptr(), 4096)
+            assert (found, offset) == (path, 4096)
+            del tensor
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_private_memory_is_refused_with_a_fix() -> None:
+    tensor = torch.zeros(4, 4096, dtype=torch.int8)
+    with pytest.raises(NotShareable, match="MAP_SHARED file"):
+        shared_file_of(tensor.data_ptr(), tensor.numel())
+
+
+def test_maps_parsing_checks_bounds_and_deleted_files() -> None:
+    maps = (
+        "7f0000000000-7f0000002000 rw-s 00001000 00:1a 42 /dev/shm/kv\n"
+        "7f0000002000-7f0000003000 rw-s 00000000 00:1a 43 /dev/shm/gone (deleted)\n"
+        "7f0000003000-7f0000004000 rw-p 00000000 00:00 0 \n"
+    )
+    assert shared_file_of(0x7F0000001000, 0x1000, maps) == ("/dev/shm/kv", 0x2000)
+    with pytest.raises(NotShareable, match="runs past"):
+        shared_file_of(0x7F0000001000, 0x2000, maps)
+    with pytest.raises(NotShareable, match="was removed"):
+        shared_file_of(0x7F0000002000, 16, maps)
+    with pytest.raises(NotShareable, match="not a shared file mapping"):
+        shared_file_of(0x7F0000003000, 16, maps)
+    with pytest.raises(NotShareable, match="not mapped"):
+        shared_file_of(0x1000, 16, maps)
