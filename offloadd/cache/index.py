@@ -853,10 +853,11 @@ class ChunkCache:
             # Dry run: evict nothing unless enough evictable bytes exist.
             found_later = self._leaving_bytes
             for entry in self._evictable(namespace, protected, now):
-                victims.append(entry)
                 if self._frees_at_once(entry, acker):
+                    victims.append(entry)
                     found_now += self._footprint(entry)
-                else:
+                elif found_now + found_later < need:  # else: the room is already on its way
+                    victims.append(entry)
                     found_later += self._footprint(entry)
                 if found_now + found_later >= need:
                     break

@@ -1,0 +1,152 @@
+"""ChunkCache for schedulers: reservations, holds, watchers and acknowledged removals (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from offloadd.cache.index import ChunkCache
+
+NS = "ns"
+SIZE = 4096  # one aligned shard per key
+
+
+def sizes(_key: bytes) -> tuple[int, ...]:
+    return (SIZE,)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+def commit(cache: ChunkCache, keys: list[bytes]) -> None:
+    res = cache.begin_store(NS, keys, 0, sizes)
+    assert not res.refused
+    cache.finish_store(res.writes, ok=True)
+
+
+def test_reserve_then_store_without_allocating() -> None:
+    cache = ChunkCache(4 * SIZE)
+    res = cache.reserve(NS, [key(0), key(1)], "sched", sizes)
+    assert res.reserved == [0, 1] and res.refused == []
+    # Only reserved keys are written; others are skipped, never allocated.
+    store = cache.begin_store(NS, [key(0), key(2)], 0, sizes, allocate=False)
+    assert [w.index for w in store.writes] == [0]
+    assert store.skipped == [1] and store.refused == []
+    assert [e.key for e in cache.finish_store(store.writes, ok=True)] == [key(0)]
+    assert cache.get(NS, key(2)) is None
+    # Pending and committed keys are not reserved again.
+    assert cache.reserve(NS, [key(0), key(1), key(3)], "other", sizes).reserved == [2]
+
+
+def test_reserved_entries_are_not_evicted_until_committed() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.reserve(NS, [key(0), key(1)], "sched", sizes)
+    res = cache.begin_store(NS, [key(2)], 0, sizes)
+    assert res.refused == [0]  # both slots reserved: nothing evictable
+    store = cache.begin_store(NS, [key(0)], 0, sizes, allocate=False)
+    cache.finish_store(store.writes, ok=True)
+    res = cache.begin_store(NS, [key(2)], 0, sizes)
+    assert res.refused == [] and [e.key for e in res.evicted] == [key(0)]
+
+
+def test_release_reservations_frees_what_was_never_written() -> None:
+    cache = ChunkCache(4 * SIZE)
+    cache.reserve(NS, [key(0), key(1)], "sched", sizes)
+    store = cache.begin_store(NS, [key(1)], 0, sizes, allocate=False)  # a copy in flight
+    assert cache.release_reservations("sched") == 2
+    assert cache.get(NS, key(0)) is None and cache.get(NS, key(1)) is None
+    assert cache.stats().used_bytes == SIZE  # the shard being written keeps its extent
+    assert cache.finish_store(store.writes, ok=True) == []  # never visible
+    assert cache.stats().used_bytes == 0
+
+
+def test_hold_protects_and_outlives_removal() -> None:
+    cache = ChunkCache(2 * SIZE)
+    commit(cache, [key(0), key(1)])
+    assert cache.hold(NS, "sched", "req", [key(0), key(9)]) == [key(9)]
+    res = cache.begin_store(NS, [key(2)], 0, sizes)
+    assert [e.key for e in res.evicted] == [key(1)]  # the held key is skipped
+    assert cache.begin_store(NS, [key(3)], 0, sizes).refused == [0]
+    cache.finish_store(res.writes, ok=True)
+    removed = cache.clear_namespace(NS)
+    assert {e.key for e in removed} == {key(0), key(2)}
+    assert cache.stats().used_bytes == SIZE  # held: its bytes stay until released
+    load = cache.begin_load_held("sched", "req", [key(0)])
+    assert load.missing == [] and load.entries[0].key == key(0)
+    assert cache.begin_load_held("sched", "req", [key(2)]).missing == [key(2)]
+    assert cache.release_hold("sched", "req", [key(0)]) == 1
+    assert cache.stats().used_bytes == SIZE  # still being read
+    cache.finish_load(load.entries)
+    assert cache.stats().used_bytes == 0
+
+
+def test_holds_are_counted_per_request() -> None:
+    cache = ChunkCache(2 * SIZE)
+    commit(cache, [key(0)])
+    cache.hold(NS, "sched", "req", [key(0)])
+    cache.hold(NS, "sched", "req", [key(0)])
+    cache.hold(NS, "sched", "other", [key(0)])
+    assert cache.release_hold("sched", "req", [key(0)]) == 1
+    assert cache.release_hold("sched", "other", [key(0)]) == 1
+    commit(cache, [key(1)])
+    assert cache.begin_store(NS, [key(2), key(3)], 0, sizes).refused == [1]  # still one hold
+    assert cache.release_holds("sched") == 1
+    assert cache.stats().held == 0
+
+
+def test_a_watched_removal_keeps_its_bytes_until_every_watcher_acks() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "a")
+    cache.watch(NS, "b")
+    commit(cache, [key(0), key(1)])
+    res = cache.begin_store(NS, [key(2)], 0, sizes)
+    assert res.refused == [0]  # the victim frees only when acknowledged
+    assert [e.key for e in res.evicted] == [key(0)]
+    stats = cache.stats()
+    assert stats.leaving == 1 and stats.used_bytes == 2 * SIZE
+    seq = cache.seq
+    # A watcher that has not acknowledged may still hold (and load) the removed key.
+    assert cache.hold(NS, "b", "req", [key(0)]) == []
+    cache.ack("a", seq)
+    assert cache.stats().leaving == 1
+    # Space already on its way: the next store waits instead of evicting more.
+    again = cache.begin_store(NS, [key(2)], 0, sizes)
+    assert again.refused == [0] and again.evicted == []
+    cache.ack("b", seq)
+    assert cache.stats().leaving == 0 and cache.stats().used_bytes == 2 * SIZE  # held
+    cache.release_hold("b", "req", [key(0)])
+    assert cache.begin_store(NS, [key(2)], 0, sizes).refused == []
+
+
+def test_the_acker_frees_its_own_evictions_at_once() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "sched")
+    commit(cache, [key(0), key(1)])
+    res = cache.reserve(NS, [key(2)], "sched", sizes, acker="sched")
+    assert res.reserved == [0] and [e.key for e in res.evicted] == [key(0)]
+    assert cache.stats().leaving == 0
+
+
+def test_unwatch_releases_what_waited_for_that_watcher() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "gone")
+    commit(cache, [key(0)])
+    cache.clear_namespace(NS)
+    assert cache.stats().used_bytes == SIZE
+    cache.unwatch("gone")
+    assert cache.stats().used_bytes == 0
+
+
+def test_ack_beyond_the_last_removal_does_not_cover_later_ones() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "a")
+    cache.ack("a", 10**9)  # clamped to the current sequence number
+    commit(cache, [key(0)])
+    cache.clear_namespace(NS)
+    assert cache.stats().leaving == 1
+
+
+def test_reserve_rejects_bad_shard_sizes() -> None:
+    cache = ChunkCache(2 * SIZE)
+    with pytest.raises(ValueError, match="bad shard sizes"):
+        cache.reserve(NS, [key(0)], "sched", lambda _key: (0,))
