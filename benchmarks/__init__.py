@@ -15,6 +15,8 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   the key bytes.
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
+- ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
+  vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed).
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -70,6 +72,12 @@ def _index(ctx: Context) -> list[Result]:
     return growth.run(ctx)
 
 
+def _vllm(ctx: Context) -> list[Result]:
+    from benchmarks import vllm_manager
+
+    return vllm_manager.run(ctx)
+
+
 def _events(ctx: Context) -> list[Result]:
     from benchmarks import events
 
@@ -86,6 +94,7 @@ GROUPS = (
         _index,
     ),
     Group("events", ("events_per_s",), _events),
+    Group("vllm", ("vllm_*",), _vllm),
 )
 
 

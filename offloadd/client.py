@@ -436,10 +436,15 @@ class OffloadClient:
         self._submit(self._core.load(job_id, keys, block_ids, skip, segments, hold, wait_event))
 
     def reserve(
-        self, keys: Sequence[bytes], *, holds: Sequence[HoldKeys] = (), ack: int = 0
+        self,
+        keys: Sequence[bytes],
+        *,
+        holds: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        ack: int = 0,
     ) -> list[int]:
         """(Scheduler) Reserve room for ``keys``; the indices of the keys that got it."""
-        request = Reserve(self._core.next_id(), list(keys), list(holds), ack)
+        request = Reserve(self._core.next_id(), list(keys), list(holds), ack, list(release))
         return self._core.expect(self._request(request), Reserved).reserved
 
     def update_holds(
@@ -720,10 +725,15 @@ class AsyncOffloadClient:
         await self._submit(request)
 
     async def reserve(
-        self, keys: Sequence[bytes], *, holds: Sequence[HoldKeys] = (), ack: int = 0
+        self,
+        keys: Sequence[bytes],
+        *,
+        holds: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        ack: int = 0,
     ) -> list[int]:
         """(Scheduler) Reserve room for ``keys``; the indices of the keys that got it."""
-        request = Reserve(self._core.next_id(), list(keys), list(holds), ack)
+        request = Reserve(self._core.next_id(), list(keys), list(holds), ack, list(release))
         return self._core.expect(await self._request(request), Reserved).reserved
 
     async def update_holds(

@@ -1009,7 +1009,7 @@ class Daemon:
                     ErrorCode.BAD_REQUEST,
                     f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
                 )
-        self._apply_holds(state, engine, namespace, request.holds, [], request.ack)
+        self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
         cache = self._require_cache()
         reservation = cache.reserve(
             namespace.name,

@@ -178,12 +178,14 @@ class Bye(msgspec.Struct, frozen=True, tag="bye"):
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     """A scheduler reserves room for ``keys`` before its ranks store them (vLLM's
     ``prepare_store``). Keys already committed or being stored, in this namespace by any
-    engine, are not reserved. ``holds`` are applied first and ``ack`` acknowledged."""
+    engine, are not reserved. ``holds`` and ``release`` are applied first (as in
+    ``UpdateHolds``) and ``ack`` acknowledged."""
 
     request_id: int
     keys: list[bytes]
     holds: list[HoldKeys] = msgspec.field(default_factory=list)
     ack: int = 0
+    release: list[HoldKeys] = msgspec.field(default_factory=list)
 
 
 class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):

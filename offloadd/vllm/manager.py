@@ -4,7 +4,7 @@ Design (see README "Use with vLLM"): vLLM calls ``lookup`` once per key inside `
 so lookups are answered from a local mirror of the namespace's committed keys (``KeyMirror``,
 fed by the daemon's ``KeysChanged``), a set probe. Each step costs at most:
 - one ``Reserve`` round trip per ``prepare_store`` call (vLLM makes one per request), which
-  also carries the step's new holds and the mirror's acknowledgement;
+  also carries the step's new holds, due releases and the mirror's acknowledgement;
 - one ``UpdateHolds`` round trip at ``on_schedule_end`` when holds are still unsent (before the
   ranks see the step's loads) or releases are due.
 A key the mirror shows stays loadable: the daemon keeps a removed key's bytes until this
@@ -123,9 +123,11 @@ class OffloaddManager(OffloadingManager):
         candidates = [k for k in keys if k not in self._mirror.keys and k not in self._in_flight]
         reserved: list[bytes] = []
         if candidates and self._client is not None:
-            holds = self._take_holds()
+            holds, releases = self._take_holds(), self._take_releases()
             try:
-                indices = self._client.reserve(candidates, holds=holds, ack=self._mirror.seq)
+                indices = self._client.reserve(
+                    candidates, holds=holds, release=releases, ack=self._mirror.seq
+                )
             except OffloaddError as exc:
                 self._failed("reserve", exc, holds)
                 indices = []

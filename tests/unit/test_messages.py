@@ -143,7 +143,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
         segments=segments,
         hold=names,
     ),
-    st.builds(Reserve, request_id=wire_ints, keys=keys, holds=holds, ack=wire_ints),
+    st.builds(Reserve, request_id=wire_ints, keys=keys, holds=holds, ack=wire_ints, release=holds),
     st.builds(UpdateHolds, request_id=wire_ints, hold=holds, release=holds, ack=wire_ints),
     st.builds(Ack, request_id=wire_ints, seq=wire_ints),
     st.builds(Release, request_id=wire_ints, keys=keys),
