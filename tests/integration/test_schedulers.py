@@ -181,10 +181,13 @@ def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
         assert sa.reserve(keys[:4]) == [0, 1, 2, 3]
         store_reserved(ra, 1, keys[:4], [0, 1, 2, 3])
         wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
-        mirror_b = mirror_of(sb)
-        sb.poll(0.2)
-        mirror_b |= mirror_of(sb)
-        assert mirror_b == set(keys[:4])
+        seen_b: list[KeysChanged] = []
+
+        def mirror_b() -> set[bytes]:
+            seen_b.extend(sb.take_notices())
+            return mirror_of(sb, seen_b)
+
+        wait_for(lambda: mirror_b() == set(keys[:4]), sb)
         # B has not acknowledged the removal: A's key is refused for now, the victim waits.
         assert sa.reserve(keys[4:]) == []
         assert d.daemon is not None
@@ -201,10 +204,8 @@ def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
         ):
             assert got.equal(want)
         # B applies the removal and acknowledges it; releasing the hold frees the space.
-        sb.poll(0.2)
-        changes = sb.take_notices()
-        assert any(victim in n.removed for n in changes)
-        sb.update_holds(release=[HoldKeys("r", [victim])], ack=max(n.seq for n in changes))
+        wait_for(lambda: victim not in mirror_b(), sb)
+        sb.update_holds(release=[HoldKeys("r", [victim])], ack=max(n.seq for n in seen_b))
         assert d.daemon.stats().used_bytes == 3 * KEY_FOOTPRINT
         assert sa.reserve(keys[4:]) == [0]
     finally:
