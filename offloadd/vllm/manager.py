@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.02  # background: read notices and acknowledge them this often
 KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
+COMMIT_WAIT_SECONDS = 0.005  # complete_store: how long commit notices may lag the ranks
 
 
 class OffloaddManager(OffloadingManager):
@@ -146,8 +147,11 @@ class OffloaddManager(OffloadingManager):
     ) -> None:
         """The ranks stored ``keys``: they show in the mirror once committed."""
         if self._client is not None:
-            # Read the commit notices first, so a key never looks missing in between.
+            # Read the commit notices first, so a key never looks missing in between. They
+            # were sent before the ranks heard their stores were done, but on another socket.
             self._poll()
+            if any(key not in self._mirror.keys for key in keys):
+                self._poll(COMMIT_WAIT_SECONDS)
         for key in keys:
             count = self._in_flight.get(key, 0)
             if count > 1:
@@ -239,10 +243,10 @@ class OffloaddManager(OffloadingManager):
         self._releases = {}
         return releases
 
-    def _poll(self) -> None:
+    def _poll(self, timeout: float = 0.0) -> None:
         assert self._client is not None
         try:
-            self._client.poll(0)
+            self._client.poll(timeout)
         except OffloaddError as exc:
             self._failed("poll", exc)
         self._after_request()

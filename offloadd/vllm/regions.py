@@ -4,7 +4,8 @@ vLLM hands a worker its KV caches as canonical tensors (``tensors[i].tensor`` is
 ``(num_blocks, page)`` view whose ``stride(0)`` is the block stride) and, per offloaded group,
 one ``CanonicalKVCacheRef(tensor_idx, page_size_bytes)`` per layer in the group's layer order
 (a packed layout gives one ref per group). There are no layer names inside; they come from the
-offloading config's groups. One region is registered per (tensor, unpadded page size) with the
+offloading config's groups. A ref's canonical page mapping only matters to the canonical
+layout, which the spec refuses, so it is not read. One region is registered per (tensor, unpadded page size) with the
 names of every layer that uses it, so aliased layers are copied once and a tensor shared by
 groups with different page sizes becomes one region per size.
 
@@ -80,8 +81,6 @@ def kv_regions(kv_caches: Any, groups: Sequence[OffloadingGroupConfig]) -> list[
         # One ref per layer, or one ref standing for the whole group (packed layout).
         per_ref = [[name] for name in names] if len(refs) == len(names) else [names] * len(refs)
         for ref, ref_names in zip(refs, per_ref, strict=True):
-            if getattr(ref, "mapping", None) is not None:
-                raise ValueError("canonical page mappings are not supported by offloadd yet")
             found = layers.setdefault((ref.tensor_idx, ref.page_size_bytes), [])
             found.extend(name for name in ref_names if name not in found)
     regions = [

@@ -1,0 +1,237 @@
+"""Stock vLLM 0.33 offloading through a real offloadd daemon.
+
+vLLM's real Scheduler and OffloadingConnector (scheduler role, and one worker-role connector
+per rank) load ``OffloaddSpec`` through ``spec_module_path``; the ranks' KV caches are
+allocated by vLLM's own code on files in /dev/shm; a simulated forward pass writes bytes
+derived from each token prefix, and every loaded page on every rank is checked against them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from offloadd.errors import DaemonUnavailable
+from offloadd.vllm.manager import OffloaddManager
+from tests.integration.harness import DaemonThread
+from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
+
+BLOCK = 16
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(n)]
+
+
+A_PROMPT = prompt_of(100)
+
+
+def b_prompt(shared: int, seed: int = 1) -> list[int]:
+    return A_PROMPT[:shared] + prompt_of(7, seed=seed)
+
+
+def compute(h: VllmHarness, prompt: list[int], max_tokens: int = 2) -> str:
+    """Run one request to completion and check the simulated sampler's output."""
+    req = h.add_request(prompt, max_tokens=max_tokens)
+    h.run_until_finished()
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(sampled_token(tokens))
+    assert h.outputs[req] == tokens[len(prompt) :]
+    return req
+
+
+def settle(h: VllmHarness, chunks: int) -> None:
+    """Wait until the scheduler's mirror shows ``chunks`` chunks (commits reach it async)."""
+    manager = h.offloading_manager
+    assert isinstance(manager, OffloaddManager)
+    deadline = time.monotonic() + 10
+    while len(manager._mirror.keys) < chunks:
+        assert time.monotonic() < deadline, f"mirror has {len(manager._mirror.keys)} chunks"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonThread]:
+    d = DaemonThread(capacity=64 << 20).start()
+    yield d
+    d.stop()
+
+
+def extra_for(daemon: DaemonThread, **more: object) -> dict[str, object]:
+    return {
+        "spec_name": "OffloaddSpec",
+        "spec_module_path": "offloadd.vllm",
+        "offloadd_endpoint": daemon.endpoint,
+        **more,
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("chunk_tokens", [16, 32])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_shared_prefix_round_trip_and_reset(
+    tmp_path: Path, daemon: DaemonThread, tp: int, chunk_tokens: int, async_scheduling: bool
+) -> None:
+    extra = extra_for(daemon, block_size=chunk_tokens)
+    with VllmHarness(
+        tmp_path, extra, tensor_parallel_size=tp, async_scheduling=async_scheduling
+    ) as h:
+        a = compute(h, A_PROMPT)
+        assert h.external_tokens(a) == 0
+        stored = 96 // chunk_tokens  # 100 prompt tokens: whole chunks only
+        settle(h, stored)
+        h.reset_prefix_cache()  # drop the GPU prefix cache and zero every rank's KV
+        b = compute(h, b_prompt(85))
+        aligned = 85 - 85 % chunk_tokens
+        call = h.match_call(b)
+        assert (call.num_computed_tokens, call.num_matched) == (0, aligned)
+        assert h.assert_loaded_pages(b) == aligned // BLOCK * NUM_LAYERS * tp
+        (_, start, count), *_ = h.forward_ranges[b]
+        assert (start, count) == (aligned, len(b_prompt(85)) - aligned)
+        # reset_cache: the daemon drops the namespace, and every key misses.
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+        assert daemon.daemon is not None
+        assert daemon.daemon.stats().committed_entries == 0
+        c = compute(h, b_prompt(85, seed=2))
+        assert h.external_tokens(c) == 0
+
+
+def test_load_starting_mid_chunk(tmp_path: Path, daemon: DaemonThread) -> None:
+    with VllmHarness(tmp_path, extra_for(daemon, block_size=32)) as h:
+        compute(h, A_PROMPT)
+        settle(h, 3)
+        h.reset_prefix_cache()
+        compute(h, A_PROMPT[:20], max_tokens=1)  # block 0 back in the GPU prefix cache only
+        b = compute(h, b_prompt(70))
+        call = h.match_call(b)
+        assert (call.num_computed_tokens, call.num_matched) == (16, 48)
+        (job,) = h.load_jobs[b]
+        assert list(job.dst.block_indices) == [1]
+        assert h.assert_loaded_pages(b) == 3 * NUM_LAYERS
+
+
+def test_two_dp_engines_share_one_cache(tmp_path: Path, daemon: DaemonThread) -> None:
+    extra = extra_for(daemon)
+    with (
+        # One model directory: the same model, so the two engines' bytes are interchangeable.
+        VllmHarness(tmp_path, extra, data_parallel_size=2, data_parallel_index=0) as h0,
+        VllmHarness(tmp_path, extra, data_parallel_size=2, data_parallel_index=1) as h1,
+    ):
+        compute(h0, A_PROMPT)
+        settle(h1, 6)  # engine 1's mirror hears of engine 0's chunks
+        b = compute(h1, b_prompt(70))
+        assert h1.external_tokens(b) == 64
+        assert h1.assert_loaded_pages(b) == 4 * NUM_LAYERS
+        assert daemon.daemon is not None
+        namespaces = {engine.namespace for engine in daemon.daemon.stats().engines}
+        assert len(namespaces) == 1
+
+
+def test_arena_smaller_than_the_working_set(tmp_path: Path) -> None:
+    # One chunk: 2 layers x 16 tokens x (K+V) of the tiny model's page; room for 8 of them.
+    d = DaemonThread(capacity=8 * 4096).start()
+    try:
+        with VllmHarness(tmp_path, extra_for(d), num_blocks=64) as h:
+            page = h.page(0, 0, 0).numel()
+            assert 2 * page <= 4096, "the capacity above assumes one aligned extent per chunk"
+            prompts = [prompt_of(64, seed) for seed in range(6)]  # 24 chunks through 8 slots
+            for prompt in prompts:
+                compute(h, prompt)
+            assert d.daemon is not None
+            stats = d.daemon.stats()
+            assert stats.evictions > 0
+            assert stats.used_bytes <= stats.capacity_bytes
+            # Whatever still hits is loaded with the right bytes; misses just recompute.
+            h.reset_prefix_cache()
+            loaded = 0
+            for seed, prompt in enumerate(reversed(prompts)):
+                b = compute(h, prompt[:48] + prompt_of(5, seed=100 + seed))
+                loaded += h.assert_loaded_pages(b)
+                h.reset_prefix_cache()
+            assert loaded > 0
+    finally:
+        d.stop()
+
+
+def test_events_one_cpu_block_stored_per_chunk(tmp_path: Path, daemon: DaemonThread) -> None:
+    with VllmHarness(tmp_path, extra_for(daemon), kv_events=True) as h:
+        with h.subscribe_kv_events() as events:
+            compute(h, A_PROMPT)
+            settle(h, 6)
+            cpu: list[int | bytes] = []
+            gpu = 0
+            deadline = time.monotonic() + 10
+            while len(cpu) < 6:
+                assert time.monotonic() < deadline, f"CPU events stopped at {len(cpu)}"
+                h.step()  # take_events runs in update_from_output
+                got = events.receive(timeout=0.5)
+                for event in got[1].events if got else ():
+                    if isinstance(event, BlockStored) and event.medium == "CPU":
+                        cpu.extend(event.block_hashes)
+                    elif isinstance(event, BlockStored):
+                        gpu += len(event.block_hashes)
+            assert len(cpu) == len(set(cpu)) == 6  # one per chunk, none doubled
+            h.scheduler.reset_prefix_cache(reset_connector=True)
+            compute(h, prompt_of(20, seed=5))  # steps again: take_events runs
+            removed = [
+                e
+                for batch in events.drain(timeout=1.0)
+                for e in batch.events
+                if isinstance(e, BlockRemoved) and e.medium == "CPU"
+            ]
+            assert sorted(h for e in removed for h in e.block_hashes) == sorted(cpu)
+
+
+def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    extra = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
+    extra |= {"offloadd_endpoint": endpoint, "offloadd_timeout": 0.5}
+    with pytest.raises(DaemonUnavailable, match="nobody.sock"):
+        VllmHarness(tmp_path, extra)
+
+
+def test_optional_daemon_starts_offloading_when_it_appears(tmp_path: Path) -> None:
+    d = DaemonThread(capacity=64 << 20)
+    extra = {
+        "spec_name": "OffloaddSpec",
+        "spec_module_path": "offloadd.vllm",
+        "offloadd_endpoint": d.endpoint,
+        "offloadd_optional": True,
+        "offloadd_timeout": 0.5,
+    }
+    try:
+        with VllmHarness(tmp_path, extra) as h:
+            a = compute(h, A_PROMPT)  # no daemon: runs, every lookup misses, nothing stored
+            assert h.external_tokens(a) == 0
+            d.start()
+            manager = h.offloading_manager
+            deadline = time.monotonic() + 15
+            while manager._client is None or not all(
+                r.offloading_worker._connected() for r in h.ranks
+            ):
+                assert time.monotonic() < deadline, "plugin did not connect"
+                time.sleep(0.05)
+            assert d.daemon is not None
+            deadline = time.monotonic() + 10
+            while not any(e.ready for e in d.daemon.stats().engines):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            h.reset_prefix_cache()
+            compute(h, A_PROMPT)  # now stored
+            settle(h, 6)
+            h.reset_prefix_cache()
+            b = compute(h, b_prompt(85))
+            assert h.external_tokens(b) == 80
+            assert h.assert_loaded_pages(b) == 5 * NUM_LAYERS
+    finally:
+        d.stop()
