@@ -5,9 +5,9 @@ vLLM hands a worker its KV caches as canonical tensors (``tensors[i].tensor`` is
 one ``CanonicalKVCacheRef(tensor_idx, page_size_bytes)`` per layer in the group's layer order
 (a packed layout gives one ref per group). There are no layer names inside; they come from the
 offloading config's groups. A ref's canonical page mapping only matters to the canonical
-layout, which the spec refuses, so it is not read. One region is registered per (tensor, unpadded page size) with the
-names of every layer that uses it, so aliased layers are copied once and a tensor shared by
-groups with different page sizes becomes one region per size.
+layout, which the spec refuses, so it is not read. One region is registered per (tensor,
+unpadded page size) with the names of every layer that uses it, so aliased layers are copied
+once and a tensor shared by groups with different page sizes becomes one region per size.
 
 CUDA tensors are exported as CUDA IPC handles. A CPU tensor must live in a shared file mapping
 (a file in ``/dev/shm``, as vLLM's CPU backend tests and offloadd's own tests allocate them):

@@ -164,39 +164,41 @@ def test_arena_smaller_than_the_working_set(tmp_path: Path) -> None:
 
 
 def test_events_one_cpu_block_stored_per_chunk(tmp_path: Path, daemon: DaemonThread) -> None:
-    with VllmHarness(tmp_path, extra_for(daemon), kv_events=True) as h:
-        with h.subscribe_kv_events() as events:
-            compute(h, A_PROMPT)
-            settle(h, 6)
-            cpu: list[int | bytes] = []
-            gpu = 0
-            deadline = time.monotonic() + 10
-            while len(cpu) < 6:
-                assert time.monotonic() < deadline, f"CPU events stopped at {len(cpu)}"
-                h.step()  # take_events runs in update_from_output
-                got = events.receive(timeout=0.5)
-                for event in got[1].events if got else ():
-                    if isinstance(event, BlockStored) and event.medium == "CPU":
-                        cpu.extend(event.block_hashes)
-                    elif isinstance(event, BlockStored):
-                        gpu += len(event.block_hashes)
-            assert len(cpu) == len(set(cpu)) == 6  # one per chunk, none doubled
-            h.scheduler.reset_prefix_cache(reset_connector=True)
-            compute(h, prompt_of(20, seed=5))  # steps again: take_events runs
-            removed = [
-                e
-                for batch in events.drain(timeout=1.0)
-                for e in batch.events
-                if isinstance(e, BlockRemoved) and e.medium == "CPU"
-            ]
-            assert sorted(h for e in removed for h in e.block_hashes) == sorted(cpu)
+    with (
+        VllmHarness(tmp_path, extra_for(daemon), kv_events=True) as h,
+        h.subscribe_kv_events() as events,
+    ):
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        cpu: list[int | bytes] = []
+        gpu = 0
+        deadline = time.monotonic() + 10
+        while len(cpu) < 6:
+            assert time.monotonic() < deadline, f"CPU events stopped at {len(cpu)}"
+            h.step()  # take_events runs in update_from_output
+            got = events.receive(timeout=0.5)
+            for event in got[1].events if got else ():
+                if isinstance(event, BlockStored) and event.medium == "CPU":
+                    cpu.extend(event.block_hashes)
+                elif isinstance(event, BlockStored):
+                    gpu += len(event.block_hashes)
+        assert len(cpu) == len(set(cpu)) == 6  # one per chunk, none doubled
+        h.scheduler.reset_prefix_cache(reset_connector=True)
+        compute(h, prompt_of(20, seed=5))  # steps again: take_events runs
+        removed = [
+            e
+            for batch in events.drain(timeout=1.0)
+            for e in batch.events
+            if isinstance(e, BlockRemoved) and e.medium == "CPU"
+        ]
+        assert sorted(h for e in removed for h in e.block_hashes) == sorted(cpu)
 
 
 def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/nobody.sock"
     extra = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
     extra |= {"offloadd_endpoint": endpoint, "offloadd_timeout": 0.5}
-    with pytest.raises(DaemonUnavailable, match="nobody.sock"):
+    with pytest.raises(DaemonUnavailable, match=r"nobody\.sock"):
         VllmHarness(tmp_path, extra)
 
 
