@@ -21,7 +21,8 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from offloadd.errors import DaemonUnavailable
 from offloadd.vllm.manager import OffloaddManager
-from tests.integration.harness import DaemonThread
+from offloadd.vllm.worker import LoadFailed
+from tests.integration.harness import DaemonThread, GatedCopyEngine
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
 
 BLOCK = 16
@@ -236,4 +237,26 @@ def test_optional_daemon_starts_offloading_when_it_appears(tmp_path: Path) -> No
             assert h.external_tokens(b) == 80
             assert h.assert_loaded_pages(b) == 5 * NUM_LAYERS
     finally:
+        d.stop()
+
+
+def test_a_load_that_never_finishes_stops_the_engine(tmp_path: Path) -> None:
+    """vLLM cannot recompute a failed load: the worker raises instead of reporting success."""
+    copies = GatedCopyEngine()
+    d = DaemonThread(copy_engine=copies).start()
+    try:
+        with VllmHarness(tmp_path, extra_for(d, offloadd_load_timeout=1.0)) as h:
+            compute(h, A_PROMPT)
+            settle(h, 6)
+            h.reset_prefix_cache()
+            copies.gate.clear()  # the daemon accepts the load but its copy never ends
+            h.add_request(b_prompt(85), max_tokens=2)
+            deadline = time.monotonic() + 10
+            with pytest.raises(LoadFailed, match="did not finish"):
+                while time.monotonic() < deadline:
+                    h.step()
+                    time.sleep(0.01)
+            copies.gate.set()
+    finally:
+        copies.gate.set()
         d.stop()
