@@ -458,6 +458,15 @@ class OffloadClient:
         request = UpdateHolds(self._core.next_id(), list(hold), list(release), ack)
         return self._core.expect(self._request(request), HoldResult)
 
+    def keepalive(self, timeout: float) -> None:
+        """Prove the session within ``timeout``; say Hello again if the daemon forgot it
+        (it restarted). Raises DaemonUnavailable when nothing answers in time."""
+        reply = self._exchange(self._core.ping(), timeout)
+        if isinstance(reply, Ok) and reply.count == 0:
+            hello = self._core.lost_session()
+            if hello is not None:
+                self._core.expect(self._exchange(hello, timeout), Welcome)
+
     def ack(self, seq: int) -> None:
         """(Scheduler) Acknowledge key changes up to ``seq``, without waiting for the reply."""
         self._post(Ack(self._core.next_id(), seq))

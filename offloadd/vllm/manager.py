@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.02  # background: read notices and acknowledge them this often
 KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
+KEEPALIVE_TIMEOUT_SECONDS = 0.5  # the lock is held meanwhile: keep it short
 COMMIT_WAIT_SECONDS = 0.005  # complete_store: how long commit notices may lag the ranks
 
 
@@ -265,6 +266,16 @@ class OffloaddManager(OffloadingManager):
         logger.warning("offloadd: %s failed: %s", what, exc)
         for hold in holds:
             self._holds.setdefault(hold.token, []).extend(hold.keys)
+        if isinstance(exc, DaemonUnavailable):
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        """The daemon stopped answering: every key misses until a new session's snapshot."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close(goodbye=False)
+        self._mirror.clear()
+        self._last_request = time.monotonic()  # the background thread reconnects after a pause
 
     def _background(self) -> None:
         while not self._stop.wait(TICK_SECONDS):
@@ -299,12 +310,10 @@ class OffloaddManager(OffloadingManager):
         client = self._client
         assert client is not None
         try:
-            client.update_holds(ack=self._mirror.seq)
+            client.keepalive(KEEPALIVE_TIMEOUT_SECONDS)
         except OffloaddError as exc:
             self._failed("keepalive", exc)
-            self._last_request = time.monotonic()
             return
-        self._acked = self._mirror.seq
         self._after_request()
 
     def _try_reconnect(self) -> None:

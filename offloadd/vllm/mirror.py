@@ -23,7 +23,7 @@ class KeyMirror:
         self.seq = 0
         self._record = record_events
         self._events: list[tuple[bool, list[bytes]]] = []  # (removed, keys) runs in order
-        self._snapshot: set[bytes] | None = None  # a reset snapshot being received
+        self._snapshot: dict[bytes, None] | None = None  # a reset snapshot, in arrival order
 
     def apply(self, notices: Iterable[KeysChanged]) -> None:
         """Apply notices in arrival order."""
@@ -31,10 +31,11 @@ class KeyMirror:
             # A snapshot starts a session (perhaps of a restarted daemon): its seq restarts too.
             self.seq = notice.seq if notice.reset else max(self.seq, notice.seq)
             if notice.reset:
-                self._snapshot = set()
+                self._snapshot = {}
             if self._snapshot is not None:
-                self._snapshot.update(notice.stored)
-                self._snapshot.difference_update(notice.removed)
+                self._snapshot.update(dict.fromkeys(notice.stored))
+                for key in notice.removed:
+                    self._snapshot.pop(key, None)
                 if not notice.more:
                     self._replace(self._snapshot)
                     self._snapshot = None
@@ -50,7 +51,7 @@ class KeyMirror:
 
     def clear(self) -> None:
         """Forget every key (the daemon is gone): each one is reported removed."""
-        self._replace(set())
+        self._replace({})
         self._snapshot = None
 
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
@@ -59,12 +60,13 @@ class KeyMirror:
         events, self._events = self._events, []
         return events
 
-    def _replace(self, keys: set[bytes]) -> None:
-        for key in self.keys - keys:
+    def _replace(self, keys: dict[bytes, None]) -> None:
+        for key in self.keys.difference(keys):
             self._event(True, key)
-        for key in keys - self.keys:
-            self._event(False, key)
-        self.keys = keys
+        for key in keys:
+            if key not in self.keys:
+                self._event(False, key)
+        self.keys = set(keys)
 
     def _event(self, removed: bool, key: bytes) -> None:
         if not self._record:

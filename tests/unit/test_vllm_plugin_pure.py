@@ -5,12 +5,16 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from offloadd.transfer.plan import group_layouts
 from offloadd.vllm.mirror import KeyMirror
-from offloadd.vllm.regions import NotShareable, shared_file_of
+from offloadd.vllm.regions import NotShareable, kv_regions, shared_file_of
+from protocol.config import OffloadingGroupConfig
+from protocol.handles import ShmHandle
 from protocol.messages import KeysChanged
 
 K = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(6)]
@@ -94,3 +98,59 @@ def test_maps_parsing_checks_bounds_and_deleted_files() -> None:
         shared_file_of(0x7F0000003000, 16, maps)
     with pytest.raises(NotShareable, match="not mapped"):
         shared_file_of(0x1000, 16, maps)
+
+
+class _Buffer:
+    """An int8 (num_blocks, stride) tensor over a /dev/shm file, as vLLM's canonical views."""
+
+    def __init__(self, num_blocks: int, stride: int) -> None:
+        self.fd, self.path = tempfile.mkstemp(prefix="od-test-", dir="/dev/shm")
+        os.ftruncate(self.fd, num_blocks * stride)
+        self.mapping = mmap.mmap(self.fd, num_blocks * stride, mmap.MAP_SHARED)
+        self.tensor = torch.frombuffer(self.mapping, dtype=torch.int8).view(num_blocks, stride)
+
+    def close(self) -> None:
+        del self.tensor
+        self.mapping.close()
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def _group(layers: tuple[str, ...]) -> OffloadingGroupConfig:
+    return OffloadingGroupConfig(tokens_per_block=16, layer_names=layers)
+
+
+def test_regions_of_aliased_layers_and_a_packed_tensor() -> None:
+    per_layer, packed = _Buffer(8, 4096), _Buffer(8, 8192)
+    try:
+        tensors = [SimpleNamespace(tensor=per_layer.tensor), SimpleNamespace(tensor=packed.tensor)]
+        caches = SimpleNamespace(
+            tensors=tensors,
+            group_data_refs=[
+                # Two layers aliasing one tensor: one region holding both.
+                [SimpleNamespace(tensor_idx=0, page_size_bytes=4096)] * 2,
+                # A packed tensor that one group (two layers, one ref) uses with its page.
+                [SimpleNamespace(tensor_idx=1, page_size_bytes=6000)],
+                # ... and another group with a smaller page: a second region, same handle.
+                [SimpleNamespace(tensor_idx=1, page_size_bytes=2000)],
+            ],
+        )
+        groups = [_group(("a.0", "a.1")), _group(("b.0", "b.1")), _group(("c.0",))]
+        regions = kv_regions(caches, groups)
+        assert [(r.layer_names, r.page_size, r.block_stride) for r in regions] == [
+            (("a.0", "a.1"), 4096, 4096),
+            (("b.0", "b.1"), 6000, 8192),
+            (("c.0",), 2000, 8192),
+        ]
+        assert regions[1].handle == regions[2].handle == ShmHandle(packed.path, 0, 8 * 8192)
+        layouts = group_layouts(regions, groups)
+        assert [layout.regions for layout in layouts] == [(0,), (1,), (2,)]
+    finally:
+        per_layer.close()
+        packed.close()
+
+
+def test_regions_need_refs_for_every_group() -> None:
+    caches = SimpleNamespace(tensors=[], group_data_refs=[[]])
+    with pytest.raises(ValueError, match="refs for 1 groups"):
+        kv_regions(caches, [_group(("a",)), _group(("b",))])

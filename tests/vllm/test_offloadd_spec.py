@@ -260,3 +260,51 @@ def test_a_load_that_never_finishes_stops_the_engine(tmp_path: Path) -> None:
     finally:
         copies.gate.set()
         d.stop()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_other_kv_cache_layouts(tmp_path: Path, daemon: DaemonThread, layout: str) -> None:
+    """Token-major pages, and one packed tensor for every layer (BLHNC)."""
+    with VllmHarness(
+        tmp_path, extra_for(daemon), kv_cache_layout=layout, tensor_parallel_size=2
+    ) as h:
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        h.reset_prefix_cache()
+        b = compute(h, b_prompt(70))
+        assert h.external_tokens(b) == 64
+        assert h.assert_loaded_pages(b) == 4 * NUM_LAYERS * 2
+
+
+def test_our_config_carries_every_field_of_vllms() -> None:
+    import dataclasses
+
+    import msgspec
+    from vllm.v1.kv_offload import config as vllm_config
+
+    from protocol import config as ours
+
+    for name in (
+        "OffloadingGroupConfig",
+        "OffloadingModelConfig",
+        "OffloadingCacheConfig",
+        "OffloadingParallelConfig",
+        "OffloadingConfig",
+    ):
+        theirs = [f.name for f in dataclasses.fields(getattr(vllm_config, name))]
+        mine = [f.name for f in msgspec.structs.fields(getattr(ours, name))]
+        assert set(theirs) <= set(mine), (name, set(theirs) - set(mine))
+
+
+def test_the_daemon_sees_exactly_the_config_vllm_built(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    with VllmHarness(tmp_path, extra_for(daemon, block_size=32)) as h:
+        spec = h.ranks[0].offloading_spec
+        assert daemon.daemon is not None
+        (engine,) = daemon.daemon.registry.engines()
+        assert engine.workers[0].config == spec.offloadd_config
+        vllm_side = spec.config
+        assert engine.config.groups[0].group_id == vllm_side.groups[0].group_id
+        assert engine.config.cache.blocks_per_chunk == 2
+        assert engine.config.kv_cache_layout == vllm_side.kv_cache_layout
