@@ -30,7 +30,7 @@ import zmq.asyncio
 from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
-from offloadd.cache.journal import Journal
+from offloadd.cache.journal import Journal, discard
 from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
 from offloadd.metrics import Metrics
@@ -198,6 +198,9 @@ class Daemon:
             self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
             if settings.cache.persist:
                 self._restore()
+            else:
+                with contextlib.suppress(OSError):  # it names chunks of an arena not kept
+                    discard(settings.journal_path())
             opener = None
             if cuda:
                 from offloadd.cuda_ipc import CudaIpcOpener
@@ -287,15 +290,24 @@ class Daemon:
     def _restore(self) -> None:
         """Find the chunks a previous daemon committed in this arena (warm restart)."""
         arena, cache = self._require_arena(), self._require_cache()
-        journal, chunks = Journal.open(arena.path + ".journal", arena.identity)
+
+        def progress(fraction: float) -> None:
+            self._notify.status(f"verifying the chunks of the previous run: {fraction:.0%}")
+            self._notify.extend_timeout(30)
+
+        journal, chunks = Journal.open(
+            self.settings.journal_path(),
+            arena,
+            shm_dirs=self.settings.server.shm_dirs,
+            progress=progress,
+        )
         self._journal = journal
-        if not arena.reused:
-            chunks = []  # a new arena file: whatever the journal says is not in it
-        kept = cache.restore(chunks)
+        kept = cache.restore(chunks)  # checksums verified: only their bounds are left to check
         if kept != len(chunks):
             logger.warning("journal: %d damaged chunk records skipped", len(chunks) - kept)
+        # Always: the file must name exactly what the cache holds before extents get reused.
+        journal.compact(cache.committed_chunks())
         if kept:
-            journal.compact(arena.identity, cache.committed_chunks())
             logger.info("warm start: %d committed chunks from the previous run", kept)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
@@ -844,7 +856,16 @@ class Daemon:
             wait_event=wait_event or None,
         )
 
+        journal = self._journal if job.direction is Direction.STORE else None
+
         def on_done(done: Future[float]) -> None:
+            if journal is not None and not done.cancelled() and done.exception() is None:
+                # Checksummed (and on a disk, synced) off the loop before it can commit.
+                journal.submit_seal(
+                    job.writes,
+                    lambda: loop.call_soon_threadsafe(self._copy_finished, job, imports, done),
+                )
+                return
             loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
 
         future.add_done_callback(on_done)
@@ -864,6 +885,11 @@ class Daemon:
         copied = not error
         if job.direction is Direction.STORE:
             committed = cache.finish_store(job.writes, ok=copied and not job.abandoned)
+            lost = self._journal_commits(committed)
+            if lost:
+                committed = [entry for entry in committed if not entry.dead]
+                job.failed_keys = job.failed_keys + [entry.key for entry in lost]
+                error = error or f"not committed: {self._journal_failure()}"
             engine = self.registry.engine(job.state.session.engine_key)
             if engine is not None and engine.namespace is not None:
                 self._chunks_committed(engine.namespace, committed)
@@ -957,14 +983,27 @@ class Daemon:
                 self._publish_to(other, removed_events(keys, raw_hashes=self._raw_hashes(other)))
         return Ok(request.request_id, len(keys))
 
+    def _journal_commits(self, entries: list[Entry]) -> list[Entry]:
+        """Journal chunks that just became visible; those it cannot journal are taken back at
+        once (never announced, extents freed) and returned."""
+        if not entries or self._journal is None:
+            return []
+        cache = self._require_cache()
+        lost = self._journal.committed(entries, cache.committed_chunks)
+        for entry in lost:
+            cache.remove(entry.namespace, [entry.key])
+        self._maybe_compact()
+        return lost
+
+    def _journal_failure(self) -> str:
+        failure = self._journal.failed if self._journal is not None else ""
+        return failure or "its bytes could not be checksummed"
+
     def _chunks_committed(self, namespace: Namespace, entries: list[Entry]) -> None:
-        """Chunks that just became visible: journaled, and every engine of the namespace
+        """Chunks that just became visible (and journaled): every engine of the namespace
         hears of them."""
         if not entries:
             return
-        if self._journal is not None:
-            self._journal.committed(entries)
-            self._maybe_compact()
         if self._events is None:
             return
         keys = [entry.key for entry in entries]
@@ -992,9 +1031,7 @@ class Daemon:
 
     def _maybe_compact(self) -> None:
         if self._journal is not None and self._journal.should_compact():
-            self._journal.compact(
-                self._require_arena().identity, self._require_cache().committed_chunks()
-            )
+            self._journal.compact(self._require_cache().committed_chunks())
 
     def _event_engines(self, namespace: Namespace) -> list[Engine]:
         engines = (self.registry.engine(key) for key in sorted(namespace.engines))

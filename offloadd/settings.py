@@ -2,7 +2,9 @@
 
 Empty strings mean "derive a default": the control socket goes in the runtime directory
 (``$RUNTIME_DIRECTORY`` under systemd, else ``$XDG_RUNTIME_DIR/offloadd``, else
-``/tmp/offloadd-<uid>``) and the arena in ``/dev/shm``.
+``/tmp/offloadd-<uid>``), the arena in ``/dev/shm``, and the arena's commit journal (and its
+key) in the state directory (``$STATE_DIRECTORY`` under systemd, else
+``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``), where no rank can reach it.
 
 ``load_settings`` layers the sources, later ones winning: built-in defaults < a TOML file
 (``[section]`` tables) < environment variables ``OFFLOADD_<SECTION>__<KEY>`` < command-line
@@ -59,9 +61,12 @@ class CacheSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     capacity: int = 1 << 30
     policy: Literal["lru", "arc"] = "lru"
     pin_lease_seconds: float = 30.0
-    # Keep the arena and a commit journal (<arena>.journal) across restarts, so a restarted
-    # daemon serves what was committed before. False: both are removed at exit.
+    # Keep the arena and a commit journal across restarts, so a restarted daemon serves what
+    # was committed before. False: the arena is removed at exit and no journal is kept.
     persist: bool = True
+    # The commit journal; its MAC key is "<journal>.key". "" = <state dir>/<arena name>.journal.
+    # Never inside server.shm_dirs (ranks name files there).
+    journal: str = ""
 
 
 class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,6 +131,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """The arena file, defaulted."""
         return self.cache.arena or f"/dev/shm/offloadd-{os.getuid()}.arena"
 
+    def journal_path(self) -> str:
+        """The commit journal, defaulted beside nothing a rank can name."""
+        if self.cache.journal:
+            return self.cache.journal
+        return os.path.join(state_dir(), os.path.basename(self.arena_path()) + ".journal")
+
 
 def runtime_dir() -> str:
     """Where the control socket lives when no endpoint is given."""
@@ -136,6 +147,17 @@ def runtime_dir() -> str:
     if xdg:
         return os.path.join(xdg, "offloadd")
     return f"/tmp/offloadd-{os.getuid()}"
+
+
+def state_dir() -> str:
+    """Where the journal lives when none is given: kept across restarts, private."""
+    systemd_dir = os.environ.get("STATE_DIRECTORY")
+    if systemd_dir:
+        return systemd_dir.split(":")[0]
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return os.path.join(xdg, "offloadd")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "offloadd")
 
 
 def default_endpoint() -> str:
@@ -397,6 +419,7 @@ def settings_toml(settings: Settings) -> str:
     derived = {
         ("server", "endpoint"): settings.endpoint(),
         ("cache", "arena"): settings.arena_path(),
+        ("cache", "journal"): settings.journal_path(),
         ("events", "pod"): settings.events.pod_name(),
     }
     lines: list[str] = []

@@ -267,7 +267,11 @@ def shm_leftovers() -> list[str]:
 
 
 class ServeProcess:
-    """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests)."""
+    """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests).
+
+    The journal and its key go in ``<workdir>/state``. ``start(runner=[...])`` runs another
+    module in place of ``-m offloadd`` (e.g. one that injects journal faults).
+    """
 
     def __init__(
         self, workdir: str, arena: str, capacity: str = "64MiB", *, persist: bool = True
@@ -277,13 +281,15 @@ class ServeProcess:
         self.events_endpoint = f"ipc://{workdir}/ev.sock"
         self.replay_endpoint = f"ipc://{workdir}/replay.sock"
         self.arena = arena
+        self.journal = f"{workdir}/state/d.journal"
         self.capacity = capacity
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> ServeProcess:
+    def start(self, runner: Sequence[str] = ("-m", "offloadd")) -> ServeProcess:
         command = [
-            sys.executable, "-m", "offloadd", "serve",
+            sys.executable, *runner, "serve",
             "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", self.capacity,
+            "--journal", self.journal,
             "--events-endpoint", self.events_endpoint,
             "--events-replay-endpoint", self.replay_endpoint,
             "--metrics-address", "",
@@ -313,6 +319,5 @@ class ServeProcess:
         if self.process is not None:
             self.process.kill()
             self.process.wait(30)
-        for path in (self.arena, self.arena + ".journal"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.arena)
