@@ -270,7 +270,8 @@ class ServeProcess:
     """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests).
 
     The journal and its key go in ``<workdir>/state``. ``start(runner=[...])`` runs another
-    module in place of ``-m offloadd`` (e.g. one that injects journal faults).
+    module in place of ``-m offloadd`` (e.g. one that injects journal faults); with
+    ``log=True`` the daemon's stderr goes to ``log_path`` (appended across restarts).
     """
 
     def __init__(
@@ -283,9 +284,12 @@ class ServeProcess:
         self.arena = arena
         self.journal = f"{workdir}/state/d.journal"
         self.capacity = capacity
+        self.log_path = f"{workdir}/daemon.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, runner: Sequence[str] = ("-m", "offloadd")) -> ServeProcess:
+    def start(
+        self, runner: Sequence[str] = ("-m", "offloadd"), *, log: bool = False
+    ) -> ServeProcess:
         command = [
             sys.executable, *runner, "serve",
             "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", self.capacity,
@@ -297,7 +301,11 @@ class ServeProcess:
         ]  # fmt: skip
         if not self.persist:
             command.append("--no-persist")
-        self.process = subprocess.Popen(command)
+        if log:
+            with open(self.log_path, "ab") as stderr:
+                self.process = subprocess.Popen(command, stderr=stderr)
+        else:
+            self.process = subprocess.Popen(command)
         deadline = time.monotonic() + 30
         while True:
             assert self.process.poll() is None, "daemon exited at start"
@@ -307,6 +315,11 @@ class ServeProcess:
                 return self
             except DaemonUnavailable:
                 assert time.monotonic() < deadline, "daemon did not start"
+
+    def log(self) -> str:
+        """What the daemon wrote to ``log_path`` so far."""
+        with open(self.log_path, errors="replace") as handle:
+            return handle.read()
 
     def stop(self, signum: int = signal.SIGTERM) -> int:
         assert self.process is not None
