@@ -61,6 +61,7 @@ from offloadd.safety import private_dir_problem, secret_file_problem
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"offloadd-journal-2\n"
+_LEGACY_MAGIC = b"offloadd-journal-1\n"  # unauthenticated, kept beside the arena
 _HEADER = struct.Struct(">QQQ16s")  # arena st_dev, st_ino, size; boot id (zeros on a disk)
 _MAC_SIZE = 16
 _LENGTH = struct.Struct(">I")
@@ -278,6 +279,7 @@ class Journal:
         if problem:
             raise JournalError(f"journal directory: {problem}")
         key = load_key(key_path or path + ".key")
+        _discard_legacy(arena.path + ".journal", path)
         journal = cls(
             path, arena, key, io=io, retry_seconds=retry_seconds, clock=clock, threads=threads
         )
@@ -699,6 +701,20 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _discard_legacy(legacy: str, path: str) -> None:
+    """Remove the unauthenticated journal earlier versions kept beside the arena."""
+    if os.path.abspath(legacy) == os.path.abspath(path):
+        return
+    try:
+        with open(legacy, "rb") as handle:
+            old = handle.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
+        if old:
+            os.unlink(legacy)
+            logger.info("removed %s, a journal of an earlier version", legacy)
+    except OSError:
+        pass
 
 
 def _within(path: str, directory: str) -> bool:

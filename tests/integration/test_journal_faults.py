@@ -14,6 +14,8 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -226,3 +228,16 @@ def test_changed_arena_bytes_drop_only_that_chunk(serve: ServeProcess, ranks: li
     _reconnect(engine)
     assert _verify_every_hit(engine) == {1, 2, 3}
     assert MISMATCH in serve.log()
+
+
+def test_a_journal_where_ranks_name_files_is_refused(serve: ServeProcess) -> None:
+    command = [
+        sys.executable, "-m", "offloadd", "serve", "--endpoint", serve.endpoint,
+        "--arena", serve.arena, "--capacity", CAPACITY, "--journal", serve.arena + ".journal",
+        "--events-endpoint", serve.events_endpoint, "--events-replay-endpoint", "",
+        "--metrics-address", "",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert "inside server.shm_dirs" in result.stderr
+    assert not os.path.exists(serve.arena + ".journal")

@@ -488,3 +488,14 @@ def test_a_disk_backed_arena_is_synced_before_its_records(workdir: str) -> None:
         assert [c.key for c in node.replay()] == [key_of(0)]
     finally:
         node.crash()
+
+
+def test_the_old_journal_beside_the_arena_is_removed(node: Node) -> None:
+    legacy = node.arena_path + ".journal"
+    Path(legacy).write_bytes(b"offloadd-journal-1\n" + bytes(24))
+    try:
+        assert node.replay() == []
+        assert not os.path.exists(legacy)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(legacy)

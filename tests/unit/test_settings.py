@@ -332,3 +332,17 @@ def test_check_config_fails_with_the_reason(toml: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert "unknown setting cache.capasity (from OFFLOADD_CACHE__CAPASITY)" in result.stderr
+
+
+def test_the_journal_defaults_to_the_state_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(cache=CacheSettings(arena="/dev/shm/a.arena"))
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/offloadd:/var/lib/other")
+    assert settings.journal_path() == "/var/lib/offloadd/a.arena.journal"
+    monkeypatch.delenv("STATE_DIRECTORY")
+    monkeypatch.setenv("XDG_STATE_HOME", "/home/u/.state")
+    assert settings.journal_path() == "/home/u/.state/offloadd/a.arena.journal"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert settings.journal_path() == "/home/u/.local/state/offloadd/a.arena.journal"
+    given = Settings(cache=CacheSettings(journal="/srv/j"))
+    assert given.journal_path() == "/srv/j"
