@@ -15,6 +15,7 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   the key bytes.
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
+- ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -76,6 +77,12 @@ def _events(ctx: Context) -> list[Result]:
     return events.run(ctx)
 
 
+def _checksum(ctx: Context) -> list[Result]:
+    from benchmarks import integrity
+
+    return integrity.run(ctx)
+
+
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
@@ -86,6 +93,7 @@ GROUPS = (
         _index,
     ),
     Group("events", ("events_per_s",), _events),
+    Group("checksum", ("checksum_*",), _checksum),
 )
 
 
