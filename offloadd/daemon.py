@@ -42,6 +42,7 @@ from offloadd.registry import (
     Session,
     group_of_key,
 )
+from offloadd.safety import engine_id_problem, printable
 from offloadd.settings import Settings
 from offloadd.systemd import Notifier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
@@ -183,7 +184,9 @@ class Daemon:
     async def start(self) -> None:
         """Claim the endpoint, create the arena, bind the sockets. Ready when it returns."""
         settings = self.settings
-        check_tcp_security(self.endpoint, settings.server.curve_secret_key_file)
+        check_tcp_security(
+            self.endpoint, settings.server.curve_secret_key_file, settings.server.curve_clients_dir
+        )
         self._claim = EndpointClaim(self.endpoint)
         cuda = settings.server.copy_engine == "cuda"
         try:
@@ -219,10 +222,19 @@ class Daemon:
             self._ctx = zmq.asyncio.Context()
             self._sock = self._bind_control(self._ctx)
             if settings.events.enabled:
-                self._events = PublisherSet(settings.events, self._ctx)
+                self._events = PublisherSet(
+                    settings.events,
+                    self._ctx,
+                    socket_mode=settings.server.socket_mode,
+                    socket_group=settings.server.socket_group,
+                )
                 self._events.start()
             if settings.metrics.address:
-                self.metrics.start(settings.metrics.address)
+                self.metrics.start(
+                    settings.metrics.address,
+                    socket_mode=settings.server.socket_mode,
+                    socket_group=settings.server.socket_group,
+                )
         except BaseException:
             await self._close_events()
             self._release_resources()
@@ -470,7 +482,7 @@ class Daemon:
     ) -> None:
         self.counters.protocol_errors += 1
         self.metrics.protocol_error(code.name)
-        logger.debug("refused request %d: %s %s", request_id, code.name, message)
+        logger.debug("refused request %d: %s %s", request_id, code.name, printable(message))
         self._send(identity, Error(request_id, code, message))
 
     # ----------------------------------------------------------------- dispatch
@@ -520,6 +532,9 @@ class Daemon:
             )
         if self._draining:
             raise _Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        problem = engine_id_problem(hello.config.engine_id)  # it names logs, labels, topics
+        if problem:
+            raise _Refused(ErrorCode.BAD_REQUEST, problem)
         session_id = identity.hex()
         imports = self._open_regions(hello)
         try:
@@ -539,10 +554,12 @@ class Daemon:
         self._watch_process(state, hello)
         engine = outcome.engine
         logger.info(
-            "%s connected (pid %d, %d regions); engine %s",
+            "%s connected (pid %d, %d regions, client %r, events topic %r); engine %s",
             outcome.session.describe(),
             hello.pid,
             len(hello.regions),
+            hello.client_name,  # %r: a client's string never forges or splits a log line
+            hello.kv_events_topic,
             "ready" if engine.ready else f"waiting for ranks {engine.missing_ranks()}",
         )
         self._send(

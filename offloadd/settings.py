@@ -29,6 +29,8 @@ from typing import IO, Any, Literal, get_args, get_origin
 
 import msgspec
 
+from offloadd.safety import printable
+
 
 class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The control socket and request limits."""
@@ -109,9 +111,10 @@ class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Prometheus metrics over HTTP (``/metrics``).
 
     Loopback by default; another address is an explicit setting. ``""`` turns it off.
+    ``unix:/PATH`` serves HTTP on a unix socket with the control socket's mode and group.
     """
 
-    address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT; port 0 picks a free one
+    address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT, unix:/PATH; port 0: a free one
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -361,12 +364,20 @@ def _log_level_problem(level: str) -> str:
     return f"expected one of {', '.join(_LOG_LEVELS)}, got {level!r}"
 
 
+UNIX_PREFIX = "unix:"
+
+
 def _address_problem(address: str) -> str:
+    if address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX) :]
+        if not os.path.isabs(path) or len(path.encode()) > 107:
+            return f"expected unix:/ABSOLUTE/PATH (at most 107 bytes), got {address!r}"
+        return ""
     try:
         if address:
             parse_address(address)
     except ValueError:
-        return f'expected HOST:PORT, or "" to turn metrics off, got {address!r}'
+        return f'expected HOST:PORT, unix:/PATH, or "" to turn metrics off, got {address!r}'
     return ""
 
 
@@ -460,7 +471,17 @@ _PRIORITIES = {
 }
 
 
-class JournalFormatter(logging.Formatter):
+class EscapingFormatter(logging.Formatter):
+    """Control characters and line breaks in a message are escaped as ``repr`` would: a
+    string a client sent can never forge or split a log line (tracebacks keep their lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The message line, escaped."""
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
+class JournalFormatter(EscapingFormatter):
     """``<priority>logger: message``, every line of a traceback prefixed alike."""
 
     def __init__(self) -> None:
@@ -498,7 +519,7 @@ def configure_logging(
         kind = "journal" if env.get("JOURNAL_STREAM") else "plain"
     handler = _Handler(stream or sys.stderr)
     handler.setFormatter(
-        JournalFormatter() if kind == "journal" else logging.Formatter(PLAIN_FORMAT)
+        JournalFormatter() if kind == "journal" else EscapingFormatter(PLAIN_FORMAT)
     )
     root = logging.getLogger()
     for old in list(root.handlers):
