@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-address",
         metavar="HOST:PORT",
-        help="Prometheus /metrics address (default 127.0.0.1:9464; '' disables)",
+        help="Prometheus /metrics address (default 127.0.0.1:9464; unix:/PATH; '' disables)",
     )
     serve.set_defaults(handler=_serve)
 

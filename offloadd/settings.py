@@ -47,11 +47,12 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # the arena is registered as pinned memory (needs the `cuda` extra and a GPU).
     copy_engine: Literal["cpu", "cuda"] = "cpu"
     # The ipc socket's permission bits (octal) and group: ranks of that group may connect.
+    # Event ipc sockets and a unix: metrics socket get the same.
     socket_mode: str = "0660"
     socket_group: str = ""
-    # A tcp:// control endpoint must be encrypted and authenticated with CURVE: the
-    # daemon's secret key file (zmq.auth format, `*.key_secret`) and a directory of the
-    # client public keys allowed in (`*.key`).
+    # A tcp:// control endpoint off loopback must be encrypted and authenticated with
+    # CURVE: the daemon's secret key file (zmq.auth format, `*.key_secret`, mode 0600) and a
+    # directory of the client public keys allowed in (`*.key`).
     curve_secret_key_file: str = ""
     curve_clients_dir: str = ""
 
