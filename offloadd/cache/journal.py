@@ -46,6 +46,7 @@ import logging
 import os
 import stat
 import struct
+import threading
 import time
 import uuid
 import zlib
@@ -231,6 +232,7 @@ class Journal:
         self._sums: dict[tuple[str, bytes], tuple[int, ...]] = {}
         # Checksums of shards written but not committed yet, set by seal() on any thread.
         self._pending: dict[tuple[Entry, int], int] = {}
+        self._pending_lock = threading.Lock()
         self._pending_mark = 1024
         self._exact = False  # the file names no chunk outside _sums
         self._empty = False  # the file holds no record at all
@@ -450,7 +452,8 @@ class Journal:
             except OSError as exc:
                 logger.error("arena %s: %s; that chunk is not committed", arena.path, exc)
                 continue
-            self._pending[(write.entry, write.shard)] = value
+            with self._pending_lock:
+                self._pending[(write.entry, write.shard)] = value
 
     def submit_seal(self, writes: Sequence[ShardWrite], then: Callable[[], object]) -> None:
         """``seal(writes)`` on the journal's threads, then ``then()`` on that thread."""
@@ -506,7 +509,8 @@ class Journal:
         return unsealed
 
     def _take(self, entry: Entry) -> tuple[int, ...] | None:
-        found = [self._pending.pop((entry, shard), None) for shard in range(len(entry.sizes))]
+        with self._pending_lock:
+            found = [self._pending.pop((entry, s), None) for s in range(len(entry.sizes))]
         if any(value is None for value in found):
             return None
         return tuple(value for value in found if value is not None)
@@ -515,9 +519,10 @@ class Journal:
         """Forget the checksums of shards whose chunk was dropped before it committed."""
         if len(self._pending) < self._pending_mark:
             return
-        for token in [token for token in self._pending if token[0].dead]:
-            self._pending.pop(token, None)
-        self._pending_mark = max(1024, 2 * len(self._pending))
+        with self._pending_lock:
+            for token in [token for token in self._pending if token[0].dead]:
+                del self._pending[token]
+            self._pending_mark = max(1024, 2 * len(self._pending))
 
     def _recover(self, chunks: Callable[[], list[RestoredChunk]]) -> bool:
         if self._clock() < self._retry_at:
@@ -529,6 +534,7 @@ class Journal:
 
     def removed(self, entries: Iterable[Entry]) -> None:
         """Record that journaled chunks are gone, before their extents are reused."""
+        self._prune()
         records = [
             _ENCODER.encode(_Remove(entry.namespace, entry.key))
             for entry in entries

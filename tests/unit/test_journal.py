@@ -499,3 +499,14 @@ def test_the_old_journal_beside_the_arena_is_removed(node: Node) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(legacy)
+
+
+def test_checksums_of_chunks_that_never_commit_are_forgotten(node: Node) -> None:
+    mirror, _ = node.start()
+    for n in range(3000):  # shard 0 only: each pending chunk is evicted by a later one
+        reservation = mirror.cache.begin_store(NS, [key_of(n)], 0, lambda _k: (SHARD,) * SHARDS)
+        mirror.journal.removed(reservation.evicted)
+        mirror.journal.seal(reservation.writes)
+        mirror.cache.finish_store(reservation.writes, ok=True)
+    assert len(mirror.journal._pending) <= 1024 + 8
+    assert mirror.cache.stats().committed == 0
