@@ -17,6 +17,7 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   vs raw PUB/SUB of same-size payloads.
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
   vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed).
+- ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -84,6 +85,12 @@ def _events(ctx: Context) -> list[Result]:
     return events.run(ctx)
 
 
+def _checksum(ctx: Context) -> list[Result]:
+    from benchmarks import integrity
+
+    return integrity.run(ctx)
+
+
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
@@ -95,6 +102,7 @@ GROUPS = (
     ),
     Group("events", ("events_per_s",), _events),
     Group("vllm", ("vllm_*",), _vllm),
+    Group("checksum", ("checksum_*",), _checksum),
 )
 
 

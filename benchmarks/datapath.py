@@ -346,7 +346,11 @@ def daemon_settings(ctx: Context, capacity: int) -> dict[str, object]:
 
     settings = Settings(
         server=ServerSettings(endpoint=ctx.scratch.endpoint("daemon")),
-        cache=CacheSettings(arena=ctx.scratch.shm_path("daemon.arena"), capacity=capacity),
+        cache=CacheSettings(
+            arena=ctx.scratch.shm_path("daemon.arena"),
+            capacity=capacity,
+            journal=os.path.join(ctx.scratch.workdir, "state", "daemon.journal"),
+        ),
         events=EventSettings(
             endpoint=ctx.scratch.endpoint("events"),
             replay_endpoint=ctx.scratch.endpoint("replay"),

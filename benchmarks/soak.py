@@ -182,9 +182,8 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-        for path in (self.arena, self.arena + ".journal"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.arena)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

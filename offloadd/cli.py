@@ -29,6 +29,7 @@ BAD_SETTINGS = 2
 
 def _serve(args: argparse.Namespace) -> int:
     from offloadd.cache.arena import ArenaError
+    from offloadd.cache.journal import JournalError
     from offloadd.daemon import run
     from offloadd.endpoint import EndpointInUse, EndpointRefused
     from offloadd.metrics import MetricsError
@@ -38,6 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.setdefault("server", {})["endpoint"] = args.endpoint
     if args.arena:
         overrides.setdefault("cache", {})["arena"] = args.arena
+    if args.journal:
+        overrides.setdefault("cache", {})["journal"] = args.journal
     if args.capacity:
         overrides.setdefault("cache", {})["capacity"] = args.capacity  # a size: "8GiB"
     if args.policy:
@@ -60,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log)
     try:
         run(settings)
-    except (EndpointInUse, EndpointRefused, ArenaError, MetricsError) as exc:
+    except (EndpointInUse, EndpointRefused, ArenaError, JournalError, MetricsError) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -184,13 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint", help="control endpoint, e.g. ipc:///run/offloadd/offloadd.sock"
     )
     serve.add_argument("--arena", help="arena file (default /dev/shm/offloadd-<uid>.arena)")
+    serve.add_argument(
+        "--journal",
+        help="commit journal (default <state dir>/<arena name>.journal; its key beside it)",
+    )
     serve.add_argument("--capacity", help="arena size, e.g. 8GiB (default 1GiB)")
     serve.add_argument("--policy", choices=["lru", "arc"], help="eviction policy")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
     serve.add_argument(
         "--no-persist",
         action="store_true",
-        help="remove the arena and its journal at exit (default: keep them for a warm restart)",
+        help="remove the arena at exit, keep no journal (default: keep both, warm restart)",
     )
     serve.add_argument(
         "--events-endpoint", help="KV events PUB endpoint (default tcp://127.0.0.1:5557)"
@@ -202,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-address",
         metavar="HOST:PORT",
-        help="Prometheus /metrics address (default 127.0.0.1:9464; '' disables)",
+        help="Prometheus /metrics address (default 127.0.0.1:9464; unix:/PATH; '' disables)",
     )
     serve.set_defaults(handler=_serve)
 

@@ -30,7 +30,7 @@ import zmq.asyncio
 from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, LoadReservation, ShardWrite
-from offloadd.cache.journal import Journal
+from offloadd.cache.journal import Journal, discard
 from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
 from offloadd.metrics import Metrics
@@ -43,6 +43,7 @@ from offloadd.registry import (
     Session,
     group_of_key,
 )
+from offloadd.safety import engine_id_problem, printable
 from offloadd.settings import Settings
 from offloadd.systemd import Notifier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
@@ -198,7 +199,9 @@ class Daemon:
     async def start(self) -> None:
         """Claim the endpoint, create the arena, bind the sockets. Ready when it returns."""
         settings = self.settings
-        check_tcp_security(self.endpoint, settings.server.curve_secret_key_file)
+        check_tcp_security(
+            self.endpoint, settings.server.curve_secret_key_file, settings.server.curve_clients_dir
+        )
         self._claim = EndpointClaim(self.endpoint)
         cuda = settings.server.copy_engine == "cuda"
         try:
@@ -214,6 +217,9 @@ class Daemon:
             self._mirrors = Mirrors(self._cache, self.registry, self._send_to_session)
             if settings.cache.persist:
                 self._restore()
+            else:
+                with contextlib.suppress(OSError):  # it names chunks of an arena not kept
+                    discard(settings.journal_path())
             opener = None
             if cuda:
                 from offloadd.cuda_ipc import CudaIpcOpener
@@ -232,10 +238,19 @@ class Daemon:
             self._ctx = zmq.asyncio.Context()
             self._sock = self._bind_control(self._ctx)
             if settings.events.enabled:
-                self._events = PublisherSet(settings.events, self._ctx)
+                self._events = PublisherSet(
+                    settings.events,
+                    self._ctx,
+                    socket_mode=settings.server.socket_mode,
+                    socket_group=settings.server.socket_group,
+                )
                 self._events.start()
             if settings.metrics.address:
-                self.metrics.start(settings.metrics.address)
+                self.metrics.start(
+                    settings.metrics.address,
+                    socket_mode=settings.server.socket_mode,
+                    socket_group=settings.server.socket_group,
+                )
         except BaseException:
             await self._close_events()
             self._release_resources()
@@ -303,15 +318,24 @@ class Daemon:
     def _restore(self) -> None:
         """Find the chunks a previous daemon committed in this arena (warm restart)."""
         arena, cache = self._require_arena(), self._require_cache()
-        journal, chunks = Journal.open(arena.path + ".journal", arena.identity)
+
+        def progress(fraction: float) -> None:
+            self._notify.status(f"verifying the chunks of the previous run: {fraction:.0%}")
+            self._notify.extend_timeout(30)
+
+        journal, chunks = Journal.open(
+            self.settings.journal_path(),
+            arena,
+            shm_dirs=self.settings.server.shm_dirs,
+            progress=progress,
+        )
         self._journal = journal
-        if not arena.reused:
-            chunks = []  # a new arena file: whatever the journal says is not in it
-        kept = cache.restore(chunks)
+        kept = cache.restore(chunks)  # checksums verified: only their bounds are left to check
         if kept != len(chunks):
             logger.warning("journal: %d damaged chunk records skipped", len(chunks) - kept)
+        # Always: the file must name exactly what the cache holds before extents get reused.
+        journal.compact(cache.committed_chunks())
         if kept:
-            journal.compact(arena.identity, cache.committed_chunks())
             logger.info("warm start: %d committed chunks from the previous run", kept)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
@@ -474,7 +498,7 @@ class Daemon:
     ) -> None:
         self.counters.protocol_errors += 1
         self.metrics.protocol_error(code.name)
-        logger.debug("refused request %d: %s %s", request_id, code.name, message)
+        logger.debug("refused request %d: %s %s", request_id, code.name, printable(message))
         self._send(identity, Error(request_id, code, message))
 
     # ----------------------------------------------------------------- dispatch
@@ -531,6 +555,9 @@ class Daemon:
             )
         if self._draining:
             raise _Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        problem = engine_id_problem(hello.config.engine_id)  # it names logs, labels, topics
+        if problem:
+            raise _Refused(ErrorCode.BAD_REQUEST, problem)
         session_id = identity.hex()
         imports = self._open_regions(hello)
         try:
@@ -550,10 +577,12 @@ class Daemon:
         self._watch_process(state, hello)
         engine = outcome.engine
         logger.info(
-            "%s connected (pid %d, %d regions); engine %s",
+            "%s connected (pid %d, %d regions, client %r, events topic %r); engine %s",
             outcome.session.describe(),
             hello.pid,
             len(hello.regions),
+            hello.client_name,  # %r: a client's string never forges or splits a log line
+            hello.kv_events_topic,
             "ready" if engine.ready else f"waiting for ranks {engine.missing_ranks()}",
         )
         self._send(
@@ -927,7 +956,16 @@ class Daemon:
             wait_event=wait_event or None,
         )
 
+        journal = self._journal if job.direction is Direction.STORE else None
+
         def on_done(done: Future[float]) -> None:
+            if journal is not None and not done.cancelled() and done.exception() is None:
+                # Checksummed (and on a disk, synced) off the loop before it can commit.
+                journal.submit_seal(
+                    job.writes,
+                    lambda: loop.call_soon_threadsafe(self._copy_finished, job, imports, done),
+                )
+                return
             loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
 
         future.add_done_callback(on_done)
@@ -947,6 +985,11 @@ class Daemon:
         copied = not error
         if job.direction is Direction.STORE:
             committed = cache.finish_store(job.writes, ok=copied and not job.abandoned)
+            lost = self._journal_commits(committed)
+            if lost:
+                committed = [entry for entry in committed if not entry.dead]
+                job.failed_keys = job.failed_keys + [entry.key for entry in lost]
+                error = error or f"not committed: {self._journal_failure()}"
             engine = self.registry.engine(job.state.session.engine_key)
             if engine is not None and engine.namespace is not None:
                 self._chunks_committed(engine.namespace, committed)
@@ -1111,14 +1154,27 @@ class Daemon:
                 self._publish_to(other, removed_events(keys, raw_hashes=self._raw_hashes(other)))
         return Ok(request.request_id, len(keys))
 
+    def _journal_commits(self, entries: list[Entry]) -> list[Entry]:
+        """Journal chunks that just became visible; those it cannot journal are taken back at
+        once (never announced, extents freed) and returned."""
+        if not entries or self._journal is None:
+            return []
+        cache = self._require_cache()
+        lost = self._journal.committed(entries, cache.committed_chunks)
+        for entry in lost:
+            cache.remove(entry.namespace, [entry.key])
+        self._maybe_compact()
+        return lost
+
+    def _journal_failure(self) -> str:
+        failure = self._journal.failed if self._journal is not None else ""
+        return failure or "its bytes could not be checksummed"
+
     def _chunks_committed(self, namespace: Namespace, entries: list[Entry]) -> None:
-        """Chunks that just became visible: journaled, and every engine of the namespace
+        """Chunks that just became visible (and journaled): every engine of the namespace
         hears of them."""
         if not entries:
             return
-        if self._journal is not None:
-            self._journal.committed(entries)
-            self._maybe_compact()
         keys = [entry.key for entry in entries]
         self._require_mirrors().changed(namespace.name, keys, [])
         if self._events is None:
@@ -1149,9 +1205,7 @@ class Daemon:
 
     def _maybe_compact(self) -> None:
         if self._journal is not None and self._journal.should_compact():
-            self._journal.compact(
-                self._require_arena().identity, self._require_cache().committed_chunks()
-            )
+            self._journal.compact(self._require_cache().committed_chunks())
 
     def _event_engines(self, namespace: Namespace) -> list[Engine]:
         engines = (self.registry.engine(key) for key in sorted(namespace.engines))

@@ -1,9 +1,15 @@
-"""Claiming an ``ipc://`` control path so that a second daemon cannot silently take it over.
+"""Who may reach the daemon's endpoints, and claiming an ``ipc://`` path for one daemon.
 
 libzmq lets a second process bind an ipc path that a live process serves (the first one
 silently loses it). A lock file beside the socket, held with ``flock`` for the daemon's
 lifetime, decides: if it is locked a live daemon owns the path; if not, any socket file
 there is stale (left by a crash) and is removed before binding.
+
+Every ipc socket the daemon binds (control, KV events, replay, metrics) lives in a directory
+only the daemon's user can change (``prepare_ipc_dir``), is created with no access for
+anyone else and then given ``server.socket_mode`` and ``server.socket_group``
+(``restrict_socket``). A tcp control endpoint off loopback needs CURVE with a client
+allow-list, and a secret key file nobody else can read (``check_tcp_security``).
 """
 
 from __future__ import annotations
@@ -11,9 +17,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import os
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from offloadd.safety import private_dir_problem, secret_file_problem
 
 _SUN_PATH_MAX = 107
+_T = TypeVar("_T")
 
 
 class EndpointInUse(Exception):
@@ -24,19 +36,72 @@ class EndpointRefused(Exception):
     """The endpoint cannot be served safely as configured (the message says what to set)."""
 
 
-_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
-
-
-def check_tcp_security(endpoint: str, curve_secret_key_file: str) -> None:
-    """A tcp control endpoint off loopback must use CURVE (anyone could store and load)."""
-    if not endpoint.startswith("tcp://") or curve_secret_key_file:
-        return
+def is_loopback(endpoint: str) -> bool:
+    """Whether a ``tcp://HOST:PORT`` endpoint listens on loopback only."""
     host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    if not host.startswith(_LOOPBACK):
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name, or a host name that may resolve anywhere
+
+
+def check_tcp_security(
+    endpoint: str, curve_secret_key_file: str, curve_clients_dir: str = ""
+) -> None:
+    """A tcp control endpoint off loopback must use CURVE and admit listed clients only
+    (anyone who reaches it could store and load); a CURVE secret key must be private."""
+    if not endpoint.startswith("tcp://"):
+        return
+    if curve_secret_key_file:
+        problem = secret_file_problem(curve_secret_key_file)
+        if problem:
+            raise EndpointRefused(f"server.curve_secret_key_file: {problem}")
+    if curve_clients_dir:
+        problem = private_dir_problem(curve_clients_dir)
+        if problem:
+            raise EndpointRefused(f"server.curve_clients_dir: {problem}")
+    if is_loopback(endpoint):
+        return
+    if not curve_secret_key_file or not curve_clients_dir:
         raise EndpointRefused(
-            f"{endpoint} is reachable from other hosts: set server.curve_secret_key_file "
-            "(and server.curve_clients_dir) or use an ipc:// endpoint"
+            f"{endpoint} is reachable from other hosts: set server.curve_secret_key_file and "
+            "server.curve_clients_dir (the public keys of the clients allowed in), or use an "
+            "ipc:// endpoint"
         )
+
+
+def prepare_ipc_dir(path: str) -> None:
+    """Create the directory of the ipc socket ``path`` if needed, and refuse one that anyone
+    but the daemon's user could change (they could replace the socket with their own)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    problem = private_dir_problem(directory)
+    if problem:
+        raise EndpointRefused(f"socket directory of {path}: {problem}")
+
+
+@contextlib.contextmanager
+def private_umask() -> Iterator[None]:
+    """Files created inside get no access for group and others (then set as configured)."""
+    previous = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def bind_ipc(bind: Callable[[], _T], path: str, mode: str, group: str) -> _T:
+    """``bind()`` a socket at ``path`` in a checked directory, private from its first
+    instant, then give it ``mode`` and ``group``."""
+    prepare_ipc_dir(path)
+    with private_umask():
+        bound = bind()
+    restrict_socket(path, mode, group)
+    return bound
 
 
 def restrict_socket(path: str, mode: str, group: str) -> None:
@@ -69,9 +134,9 @@ class EndpointClaim:
             return
         if len(path.encode()) > _SUN_PATH_MAX:
             raise ValueError(f"ipc path {path!r} is longer than {_SUN_PATH_MAX} bytes")
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, mode=0o750, exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        prepare_ipc_dir(path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path + ".lock", flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

@@ -21,6 +21,9 @@
 
 ``PublisherSet`` maps dp indexes to publishers: one per dp index on ``port + k`` when
 ``EventSettings.port_per_dp`` (vLLM's convention), else one shared by all.
+
+An ``ipc://`` endpoint is bound like the control socket: in a directory only the daemon's
+user can change, with ``socket_mode`` and ``socket_group`` (who may subscribe and replay).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from offloadd.endpoint import bind_ipc, ipc_path
 from offloadd.settings import EventSettings
 from protocol.events import END_SEQ, KVEventBatch, encode_batch
 
@@ -137,8 +141,12 @@ class EventPublisher:
         hwm: int = 100_000,
         max_queue: int = 100_000,
         ctx: zmq.asyncio.Context,
+        socket_mode: str = "0660",
+        socket_group: str = "",
     ) -> None:
         self.endpoint = endpoint
+        self._socket_mode = socket_mode
+        self._socket_group = socket_group
         self.replay_endpoint = replay_endpoint
         self.published = 0
         self.dropped = 0
@@ -171,7 +179,7 @@ class EventPublisher:
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             # vLLM binds or connects the PUB socket depending on the endpoint's shape (it
             # may push to a remote proxy); the daemon owns its endpoints, so it always binds.
-            pub.bind(self.endpoint)
+            self._bind(pub, self.endpoint)
             if self.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
@@ -179,7 +187,7 @@ class EventPublisher:
                 # and zmq only learns what the reader consumed every hwm/2 messages: leave
                 # room for one whole replay (buffer + end marker) per client, twice over.
                 replay.setsockopt(zmq.SNDHWM, max(self._hwm, 2 * (self._buffer_steps + 1)))
-                replay.bind(self.replay_endpoint)
+                self._bind(replay, self.replay_endpoint)
         except BaseException:
             pub.close(linger=0)
             if replay is not None:
@@ -190,6 +198,15 @@ class EventPublisher:
         logger.info(
             "KV events on %s (replay %s)", self.endpoint, self.replay_endpoint or "disabled"
         )
+
+    def _bind(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+        """Bind; an ipc socket gets the control socket's mode and group (who may read the
+        events, and ask for replays)."""
+        path = ipc_path(endpoint)
+        if path is None:
+            sock.bind(endpoint)
+        else:
+            bind_ipc(lambda: sock.bind(endpoint), path, self._socket_mode, self._socket_group)
 
     def publish(self, topic: str, batch: KVEventBatch) -> bool:
         """Queue ``batch`` for ``topic``; False (and counted in ``dropped``) if it was dropped.
@@ -375,9 +392,18 @@ class PublisherSet:
     disabled nothing is bound and ``publish`` returns False.
     """
 
-    def __init__(self, settings: EventSettings, ctx: zmq.asyncio.Context) -> None:
+    def __init__(
+        self,
+        settings: EventSettings,
+        ctx: zmq.asyncio.Context,
+        *,
+        socket_mode: str = "0660",
+        socket_group: str = "",
+    ) -> None:
         self.settings = settings
         self._ctx = ctx
+        self._socket_mode = socket_mode
+        self._socket_group = socket_group
         self._publishers: dict[int, EventPublisher] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._failed: set[int] = set()
@@ -405,6 +431,8 @@ class PublisherSet:
             hwm=settings.hwm,
             max_queue=settings.max_queue,
             ctx=self._ctx,
+            socket_mode=self._socket_mode,
+            socket_group=self._socket_group,
         )
         publisher.start()
         self._publishers[key] = publisher

@@ -21,23 +21,32 @@ per node (one per model replica); a departed engine's counters stay until restar
 Prometheus counters should. Each metric family lives in this instance's own
 ``CollectorRegistry``, so several daemons (or tests) in one process don't clash.
 
-``start(address)`` serves ``/metrics`` on ``HOST:PORT`` from a background thread;
-``close()`` stops it (idempotent).
+``start(address)`` serves ``/metrics`` on ``HOST:PORT`` from a background thread, or on a
+unix socket for ``unix:/PATH`` (created like the control socket: in a directory only the
+daemon's user can change, with ``socket_mode`` and ``socket_group``, so that only the
+clients' group may read it; a loopback port is open to every local user). ``close()`` stops
+it (idempotent).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import errno
 import logging
+import os
+import socket
+import socketserver
 import threading
 from collections.abc import Callable, Iterable
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from offloadd.settings import parse_address
+from offloadd.endpoint import EndpointRefused, bind_ipc
+from offloadd.settings import UNIX_PREFIX, parse_address
 from protocol.messages import DaemonStats
 
 logger = logging.getLogger(__name__)
@@ -115,8 +124,9 @@ class Metrics:
         self._collector = _SnapshotCollector(snapshot, pending_jobs, snapshot_timeout)
         if snapshot is not None or pending_jobs is not None:
             self.registry.register(self._collector)
-        self._server: WSGIServer | None = None
+        self._server: socketserver.BaseServer | None = None
         self._thread: threading.Thread | None = None
+        self._unix_path = ""
 
     # ----------------------------------------------------------------- events
 
@@ -151,8 +161,16 @@ class Metrics:
 
     # ----------------------------------------------------------------- endpoint
 
-    def start(self, address: str, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port, see ``address``).
+    def start(
+        self,
+        address: str,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        socket_mode: str = "0660",
+        socket_group: str = "",
+    ) -> None:
+        """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port, see ``address``), or
+        on the unix socket ``unix:/PATH`` with ``socket_mode`` and ``socket_group``.
 
         ``snapshot`` and ``pending_jobs`` will run on ``loop``, by default the loop running
         the caller (the daemon's, when the daemon calls this from its loop).
@@ -160,6 +178,10 @@ class Metrics:
         if self._server is not None:
             raise MetricsError("metrics endpoint already started")
         self._collector.loop = loop or _running_loop()
+        if address.startswith(UNIX_PREFIX):
+            self._start_unix(address[len(UNIX_PREFIX) :], socket_mode, socket_group)
+            logger.info("metrics on %s (HTTP)", self.address)
+            return
         try:
             host, port = parse_address(address)
         except ValueError as exc:
@@ -173,13 +195,32 @@ class Metrics:
             ) from None
         logger.info("metrics on http://%s/metrics", self.address)
 
+    def _start_unix(self, path: str, mode: str, group: str) -> None:
+        handler = MetricsHandler.factory(self.registry)
+        if _live_socket(path):
+            raise MetricsError(f"metrics socket {path} is in use by another process")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # stale: nobody answers on it
+        try:
+            server = bind_ipc(lambda: _UnixHTTPServer(path, handler), path, mode, group)
+        except (OSError, EndpointRefused) as exc:
+            raise MetricsError(f"cannot serve metrics on unix:{path}: {exc}") from None
+        self._server, self._unix_path = server, path
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="offloadd-metrics", daemon=True
+        )
+        self._thread.start()
+
     @property
     def address(self) -> str:
-        """``HOST:PORT`` the endpoint listens on, "" when not started."""
+        """``HOST:PORT`` (or ``unix:/PATH``) the endpoint listens on, "" when not started."""
         if self._server is None:
             return ""
-        host, port = self._server.server_address[:2]
-        host = str(host)
+        if self._unix_path:
+            return UNIX_PREFIX + self._unix_path
+        bound = self._server.server_address
+        assert isinstance(bound, tuple)
+        host, port = str(bound[0]), bound[1]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def close(self) -> None:
@@ -191,12 +232,32 @@ class Metrics:
             server.server_close()
         if thread is not None:
             thread.join(5)
+        if self._unix_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._unix_path)
+            self._unix_path = ""
 
     def __enter__(self) -> Metrics:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+def _live_socket(path: str) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        return exc.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK)
+    finally:
+        probe.close()
+    return True
 
 
 class _SnapshotCollector:

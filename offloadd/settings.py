@@ -2,7 +2,9 @@
 
 Empty strings mean "derive a default": the control socket goes in the runtime directory
 (``$RUNTIME_DIRECTORY`` under systemd, else ``$XDG_RUNTIME_DIR/offloadd``, else
-``/tmp/offloadd-<uid>``) and the arena in ``/dev/shm``.
+``/tmp/offloadd-<uid>``), the arena in ``/dev/shm``, and the arena's commit journal (and its
+key) in the state directory (``$STATE_DIRECTORY`` under systemd, else
+``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``), where no rank can reach it.
 
 ``load_settings`` layers the sources, later ones winning: built-in defaults < a TOML file
 (``[section]`` tables) < environment variables ``OFFLOADD_<SECTION>__<KEY>`` < command-line
@@ -27,6 +29,8 @@ from typing import IO, Any, Literal, get_args, get_origin
 
 import msgspec
 
+from offloadd.safety import printable
+
 
 class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The control socket and request limits."""
@@ -43,11 +47,12 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # the arena is registered as pinned memory (needs the `cuda` extra and a GPU).
     copy_engine: Literal["cpu", "cuda"] = "cpu"
     # The ipc socket's permission bits (octal) and group: ranks of that group may connect.
+    # Event ipc sockets and a unix: metrics socket get the same.
     socket_mode: str = "0660"
     socket_group: str = ""
-    # A tcp:// control endpoint must be encrypted and authenticated with CURVE: the
-    # daemon's secret key file (zmq.auth format, `*.key_secret`) and a directory of the
-    # client public keys allowed in (`*.key`).
+    # A tcp:// control endpoint off loopback must be encrypted and authenticated with
+    # CURVE: the daemon's secret key file (zmq.auth format, `*.key_secret`, mode 0600) and a
+    # directory of the client public keys allowed in (`*.key`).
     curve_secret_key_file: str = ""
     curve_clients_dir: str = ""
 
@@ -59,9 +64,12 @@ class CacheSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     capacity: int = 1 << 30
     policy: Literal["lru", "arc"] = "lru"
     pin_lease_seconds: float = 30.0
-    # Keep the arena and a commit journal (<arena>.journal) across restarts, so a restarted
-    # daemon serves what was committed before. False: both are removed at exit.
+    # Keep the arena and a commit journal across restarts, so a restarted daemon serves what
+    # was committed before. False: the arena is removed at exit and no journal is kept.
     persist: bool = True
+    # The commit journal; its MAC key is "<journal>.key". "" = <state dir>/<arena name>.journal.
+    # Never inside server.shm_dirs (ranks name files there).
+    journal: str = ""
 
 
 class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -104,9 +112,10 @@ class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Prometheus metrics over HTTP (``/metrics``).
 
     Loopback by default; another address is an explicit setting. ``""`` turns it off.
+    ``unix:/PATH`` serves HTTP on a unix socket with the control socket's mode and group.
     """
 
-    address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT; port 0 picks a free one
+    address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT, unix:/PATH; port 0: a free one
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,6 +135,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """The arena file, defaulted."""
         return self.cache.arena or f"/dev/shm/offloadd-{os.getuid()}.arena"
 
+    def journal_path(self) -> str:
+        """The commit journal, defaulted beside nothing a rank can name."""
+        if self.cache.journal:
+            return self.cache.journal
+        return os.path.join(state_dir(), os.path.basename(self.arena_path()) + ".journal")
+
 
 def runtime_dir() -> str:
     """Where the control socket lives when no endpoint is given."""
@@ -136,6 +151,17 @@ def runtime_dir() -> str:
     if xdg:
         return os.path.join(xdg, "offloadd")
     return f"/tmp/offloadd-{os.getuid()}"
+
+
+def state_dir() -> str:
+    """Where the journal lives when none is given: kept across restarts, private."""
+    systemd_dir = os.environ.get("STATE_DIRECTORY")
+    if systemd_dir:
+        return systemd_dir.split(":")[0]
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return os.path.join(xdg, "offloadd")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "offloadd")
 
 
 def default_endpoint() -> str:
@@ -339,12 +365,20 @@ def _log_level_problem(level: str) -> str:
     return f"expected one of {', '.join(_LOG_LEVELS)}, got {level!r}"
 
 
+UNIX_PREFIX = "unix:"
+
+
 def _address_problem(address: str) -> str:
+    if address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX) :]
+        if not os.path.isabs(path) or len(path.encode()) > 107:
+            return f"expected unix:/ABSOLUTE/PATH (at most 107 bytes), got {address!r}"
+        return ""
     try:
         if address:
             parse_address(address)
     except ValueError:
-        return f'expected HOST:PORT, or "" to turn metrics off, got {address!r}'
+        return f'expected HOST:PORT, unix:/PATH, or "" to turn metrics off, got {address!r}'
     return ""
 
 
@@ -397,6 +431,7 @@ def settings_toml(settings: Settings) -> str:
     derived = {
         ("server", "endpoint"): settings.endpoint(),
         ("cache", "arena"): settings.arena_path(),
+        ("cache", "journal"): settings.journal_path(),
         ("events", "pod"): settings.events.pod_name(),
     }
     lines: list[str] = []
@@ -437,7 +472,17 @@ _PRIORITIES = {
 }
 
 
-class JournalFormatter(logging.Formatter):
+class EscapingFormatter(logging.Formatter):
+    """Control characters and line breaks in a message are escaped as ``repr`` would: a
+    string a client sent can never forge or split a log line (tracebacks keep their lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The message line, escaped."""
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
+class JournalFormatter(EscapingFormatter):
     """``<priority>logger: message``, every line of a traceback prefixed alike."""
 
     def __init__(self) -> None:
@@ -475,7 +520,7 @@ def configure_logging(
         kind = "journal" if env.get("JOURNAL_STREAM") else "plain"
     handler = _Handler(stream or sys.stderr)
     handler.setFormatter(
-        JournalFormatter() if kind == "journal" else logging.Formatter(PLAIN_FORMAT)
+        JournalFormatter() if kind == "journal" else EscapingFormatter(PLAIN_FORMAT)
     )
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -7,6 +7,10 @@ speed inside the first copies. A large arena is pre-faulted by a few threads on 
 ranges (``madvise`` through ctypes, which releases the GIL; Python's ``mmap.madvise`` does
 not), with progress reported from the constructing thread.
 
+``memory_backed`` says whether the file lives in memory (tmpfs, hugetlbfs, ramfs: gone at a
+reboot) or on a disk; on a disk, ``sync(offset, size)`` (``msync``) makes a range durable
+before the journal names it.
+
 An optional ``pin(address, size)`` hook runs after pre-faulting (on GPU hosts:
 ``offloadd.transfer.pinning.register_host_memory``); whatever it returns is kept and, if it
 has a ``close()``, closed before the arena is unmapped.
@@ -35,6 +39,26 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _madvise = _libc.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _madvise.restype = ctypes.c_int
+_msync = _libc.msync
+_msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_msync.restype = ctypes.c_int
+_MS_SYNC = 4
+_statfs = _libc.statfs
+_statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+_statfs.restype = ctypes.c_int
+# statfs(2) f_type of file systems that keep their files in memory only.
+_MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x958458F6, 0x858458F6})  # tmpfs, hugetlbfs, ramfs
+
+
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` lives on a file system that keeps files in memory (lost at reboot)."""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _statfs(os.fsencode(path), buffer) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error), path)
+    # f_type is the first field, a signed long; the magic numbers are compared unsigned.
+    f_type = ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+    return f_type in _MEMORY_FILESYSTEMS
 
 
 def _populate(address: int, length: int) -> bool:
@@ -90,6 +114,7 @@ class Arena:
                     )
                 os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            self.memory_backed = memory_backed(path)
         except BaseException:
             os.close(fd)
             if created:
@@ -167,6 +192,18 @@ class Arena:
     def pinned(self) -> object:
         """What the ``pin`` hook returned (None without a hook, or when pinning failed)."""
         return self._pinned
+
+    def sync(self, offset: int, size: int) -> None:
+        """Write ``[offset, offset + size)`` through to the file (msync); raises OSError.
+
+        Only meaningful on a disk (``memory_backed`` is False). Any thread may call it.
+        """
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise ValueError("range outside the arena")
+        start = offset - offset % mmap.PAGESIZE
+        if _msync(self.address + start, offset + size - start, _MS_SYNC) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"msync of the arena: {os.strerror(error)}", self.path)
 
     def view(self, offset: int, size: int) -> memoryview:
         """A memoryview of ``size`` bytes at ``offset`` (for tests and verification)."""

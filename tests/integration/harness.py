@@ -267,7 +267,12 @@ def shm_leftovers() -> list[str]:
 
 
 class ServeProcess:
-    """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests)."""
+    """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests).
+
+    The journal and its key go in ``<workdir>/state``. ``start(runner=[...])`` runs another
+    module in place of ``-m offloadd`` (e.g. one that injects journal faults); with
+    ``log=True`` the daemon's stderr goes to ``log_path`` (appended across restarts).
+    """
 
     def __init__(
         self, workdir: str, arena: str, capacity: str = "64MiB", *, persist: bool = True
@@ -277,13 +282,18 @@ class ServeProcess:
         self.events_endpoint = f"ipc://{workdir}/ev.sock"
         self.replay_endpoint = f"ipc://{workdir}/replay.sock"
         self.arena = arena
+        self.journal = f"{workdir}/state/d.journal"
         self.capacity = capacity
+        self.log_path = f"{workdir}/daemon.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> ServeProcess:
+    def start(
+        self, runner: Sequence[str] = ("-m", "offloadd"), *, log: bool = False
+    ) -> ServeProcess:
         command = [
-            sys.executable, "-m", "offloadd", "serve",
+            sys.executable, *runner, "serve",
             "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", self.capacity,
+            "--journal", self.journal,
             "--events-endpoint", self.events_endpoint,
             "--events-replay-endpoint", self.replay_endpoint,
             "--metrics-address", "",
@@ -291,7 +301,11 @@ class ServeProcess:
         ]  # fmt: skip
         if not self.persist:
             command.append("--no-persist")
-        self.process = subprocess.Popen(command)
+        if log:
+            with open(self.log_path, "ab") as stderr:
+                self.process = subprocess.Popen(command, stderr=stderr)
+        else:
+            self.process = subprocess.Popen(command)
         deadline = time.monotonic() + 30
         while True:
             assert self.process.poll() is None, "daemon exited at start"
@@ -301,6 +315,11 @@ class ServeProcess:
                 return self
             except DaemonUnavailable:
                 assert time.monotonic() < deadline, "daemon did not start"
+
+    def log(self) -> str:
+        """What the daemon wrote to ``log_path`` so far."""
+        with open(self.log_path, errors="replace") as handle:
+            return handle.read()
 
     def stop(self, signum: int = signal.SIGTERM) -> int:
         assert self.process is not None
@@ -313,6 +332,5 @@ class ServeProcess:
         if self.process is not None:
             self.process.kill()
             self.process.wait(30)
-        for path in (self.arena, self.arena + ".journal"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.arena)

@@ -95,9 +95,8 @@ class Served:
             self.process.kill()
             self.process.wait(30)
             self.process = None
-        for path in (self.arena, self.arena + ".journal"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.arena)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -268,9 +268,19 @@ def test_logging_formats() -> None:
         handler = configure_logging(
             LogSettings(level="INFO"), stream=journal, environ={"JOURNAL_STREAM": "8:1234"}
         )
-        record_logger.warning("two\nlines")
+        record_logger.warning("one\nline")  # a message never splits a line
         record_logger.debug("hidden")
-        assert journal.getvalue() == "<4>offloadd.test_settings: two\n<4>lines\n"
+        assert journal.getvalue() == "<4>offloadd.test_settings: one\\nline\n"
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            record_logger.exception("failed")
+        lines = journal.getvalue().splitlines()[1:]
+        assert lines[0] == "<3>offloadd.test_settings: failed"
+        assert lines[-1] == "<3>ValueError: boom"  # a traceback keeps its lines, prefixed
+        assert all(line.startswith("<3>") for line in lines)
+        journal.seek(0)
+        journal.truncate()
 
         plain = io.StringIO()
         second = configure_logging(LogSettings(level="DEBUG"), stream=plain, environ={})
@@ -279,7 +289,7 @@ def test_logging_formats() -> None:
         line = plain.getvalue()
         assert line.endswith(" DEBUG offloadd.test_settings: shown\n")
         assert line[:4].isdigit()  # timestamped
-        assert journal.getvalue().count("\n") == 2
+        assert journal.getvalue() == ""
 
         forced = io.StringIO()
         configure_logging(
@@ -332,3 +342,36 @@ def test_check_config_fails_with_the_reason(toml: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert "unknown setting cache.capasity (from OFFLOADD_CACHE__CAPASITY)" in result.stderr
+
+
+def test_the_journal_defaults_to_the_state_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(cache=CacheSettings(arena="/dev/shm/a.arena"))
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/offloadd:/var/lib/other")
+    assert settings.journal_path() == "/var/lib/offloadd/a.arena.journal"
+    monkeypatch.delenv("STATE_DIRECTORY")
+    monkeypatch.setenv("XDG_STATE_HOME", "/home/u/.state")
+    assert settings.journal_path() == "/home/u/.state/offloadd/a.arena.journal"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert settings.journal_path() == "/home/u/.local/state/offloadd/a.arena.journal"
+    given = Settings(cache=CacheSettings(journal="/srv/j"))
+    assert given.journal_path() == "/srv/j"
+
+
+def test_client_strings_cannot_forge_log_lines() -> None:
+    record_logger = logging.getLogger("offloadd.test_settings")
+    root = logging.getLogger()
+    old_level = root.level
+    try:
+        plain = io.StringIO()
+        configure_logging(LogSettings(level="INFO"), stream=plain, environ={})
+        evil = "engine-x\n2026-01-01 00:00:00,000 INFO offloadd.daemon: fake\x1b[2J\u2028"
+        record_logger.info("hello from %s", evil)
+        text = plain.getvalue()
+        assert text.count("\n") == 1
+        assert "engine-x\\n2026" in text and "\\x1b[2J\\u2028" in text
+    finally:
+        for handler in list(root.handlers):
+            if type(handler).__name__ == "_Handler":
+                root.removeHandler(handler)
+        root.setLevel(old_level)

@@ -64,6 +64,8 @@ def one(unit: dict[str, dict[str, list[str]]], section: str, key: str) -> str:
         ("RuntimeDirectory", "offloadd"),
         ("RuntimeDirectoryMode", "0750"),
         ("RuntimeDirectoryPreserve", "restart"),
+        ("StateDirectory", "offloadd"),
+        ("StateDirectoryMode", "0700"),
         ("UMask", "0007"),
         ("User", "offloadd"),
         ("Group", "offloadd-clients"),

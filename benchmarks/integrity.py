@@ -1,0 +1,58 @@
+"""What the journal's checksums cost: ``offloadd.cache.journal.checksum`` over shard-sized
+extents, against ``memmove`` of the same extents (what the copy that precedes it costs).
+
+- ``checksum_<size>``: GB/s of checksumming 256 MiB of arena in ``<size>`` extents, one
+  thread; baseline: GB/s of copying the same extents into a second buffer. The ratio says
+  how much the seal after a store's copy adds (1.0: as much again as the copy; the daemon
+  runs it on up to 4 threads, off the event loop). Reps alternate and each pair is compared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+from benchmarks._util import Context, Result, paired_ratio
+from offloadd.cache.journal import checksum
+
+SIZES = {64 << 10: "64KiB", 1 << 20: "1MiB", 8 << 20: "8MiB"}
+TOTAL = 256 << 20  # more than the CPU caches: every extent comes from memory
+
+
+def run(ctx: Context) -> list[Result]:
+    """``checksum_<size>`` for each size."""
+    reps = 5 if ctx.quick else 15
+    source = (ctypes.c_char * TOTAL)()
+    target = (ctypes.c_char * TOTAL)()
+    ctypes.memset(source, 0x5A, TOTAL)  # touch every page of both before timing
+    ctypes.memset(target, 0, TOTAL)
+    src, dst = ctypes.addressof(source), ctypes.addressof(target)
+    results = []
+    for size, label in SIZES.items():
+        name = f"checksum_{label}"
+        if not ctx.wanted(name):
+            continue
+        ctx.progress(f"checksum: {TOTAL >> 20} MiB in {label} extents, {reps} reps")
+        sums: list[float] = []
+        copies: list[float] = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            for offset in range(0, TOTAL, size):
+                checksum(src + offset, size)
+            sums.append(TOTAL / (time.perf_counter() - started) / 1e9)
+            started = time.perf_counter()
+            for offset in range(0, TOTAL, size):
+                ctypes.memmove(dst + offset, src + offset, size)
+            copies.append(TOTAL / (time.perf_counter() - started) / 1e9)
+        value, baseline = sorted(sums)[reps // 2], sorted(copies)[reps // 2]
+        results.append(
+            Result(
+                name,
+                value,
+                "GB/s",
+                baseline,
+                paired_ratio(sums, copies),
+                {"extent_bytes": size, "bytes": TOTAL, "reps": reps, "checksum": "zlib.crc32"},
+            )
+        )
+    return results
