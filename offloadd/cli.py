@@ -162,7 +162,7 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks import main as bench_main
+    from offloadd.bench import main as bench_main
 
     argv = ["--quick"] if args.quick else []
     if args.json:

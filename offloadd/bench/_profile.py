@@ -1,6 +1,6 @@
 """Summaries of py-spy's collapsed stacks (``--format raw``): where the daemon spends time.
 
-``python -m benchmarks._profile FILE...`` prints, per file, the busiest threads and the
+``python -m offloadd.bench._profile FILE...`` prints, per file, the busiest threads and the
 functions with the most samples, by self time (the leaf frame) and inclusive (anywhere on
 the stack). ``--profile DIR`` of the benchmarks writes one ``.summary`` per profile.
 """

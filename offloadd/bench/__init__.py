@@ -1,7 +1,7 @@
 """Side-by-side benchmarks of offloadd: every figure is a ratio against a baseline measured
 in the same run (``DESIGN.md`` §9). Not part of ``pytest``.
 
-``python -m benchmarks [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
+``python -m offloadd.bench [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
 
 Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1MiB``):
 
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from benchmarks._util import Context, Progress, Result, Scratch
+from offloadd.bench._util import Context, Progress, Result, Scratch
 
 __all__ = ["GROUPS", "main"]
 
@@ -47,31 +47,31 @@ class Group:
 
 
 def _shm(ctx: Context) -> list[Result]:
-    from benchmarks import datapath
+    from offloadd.bench import datapath
 
     return datapath.run(ctx)
 
 
 def _lookup(ctx: Context) -> list[Result]:
-    from benchmarks import control
+    from offloadd.bench import control
 
     return control.run_lookup(ctx)
 
 
 def _handshake(ctx: Context) -> list[Result]:
-    from benchmarks import control
+    from offloadd.bench import control
 
     return control.run_handshake(ctx)
 
 
 def _index(ctx: Context) -> list[Result]:
-    from benchmarks import growth
+    from offloadd.bench import growth
 
     return growth.run(ctx)
 
 
 def _events(ctx: Context) -> list[Result]:
-    from benchmarks import events
+    from offloadd.bench import events
 
     return events.run(ctx)
 
@@ -91,7 +91,7 @@ GROUPS = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog="python -m offloadd.bench",
         description="offloadd benchmarks: ratios against baselines measured side by side.",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     progress(f"done in {time.perf_counter() - started:.0f}s ({mode})")
     if args.profile:
-        from benchmarks._profile import summarize_dir
+        from offloadd.bench._profile import summarize_dir
 
         summarize_dir(args.profile)
         progress(f"profiles and summaries in {args.profile}")
