@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from offloadd.bench._util import Context, Progress, Result, Scratch
 
-__all__ = ["GROUPS", "main"]
+__all__ = ["GROUPS", "main", "name_problem"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
     parser.add_argument(
         "--only",
+        type=_only,
         nargs="+",
         metavar="NAME",
         default=[],
@@ -127,6 +128,23 @@ def _selected(only: Sequence[str]) -> tuple[list[Group], list[str]]:
         if any(_overlaps(p, gp) for p in patterns for gp in group.patterns):
             groups.append(group)
     return groups, patterns
+
+
+def name_problem(word: str) -> str:
+    """Why ``--only word`` would select nothing, or ``""``."""
+    if not word.strip():
+        return f"expected a group or result name, got {word!r}"
+    if not _selected([word])[0]:
+        groups = ", ".join(g.name for g in GROUPS)
+        return f"no benchmark group or result matches {word!r} (groups: {groups})"
+    return ""
+
+
+def _only(word: str) -> str:
+    problem = name_problem(word)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return word
 
 
 def _overlaps(pattern: str, group_pattern: str) -> bool:
