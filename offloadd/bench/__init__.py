@@ -1,5 +1,5 @@
 """Side-by-side benchmarks of offloadd: every figure is a ratio against a baseline measured
-in the same run (``DESIGN.md`` §9). Not part of ``pytest``.
+in the same run (``docs/design.md``, section 11). Not part of ``pytest``.
 
 ``python -m offloadd.bench [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
 

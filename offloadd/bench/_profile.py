@@ -14,6 +14,8 @@ from collections import Counter
 
 _LINE = re.compile(r"^(.*) (\d+)$")
 _FRAME = re.compile(r"^(.*) \(([^()]*?)(?::\d+)?\)$")
+# The directory holding the offloadd package (a checkout or site-packages), with a slash.
+_IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + "/"
 
 
 def _function(frame: str) -> str:
@@ -22,7 +24,7 @@ def _function(frame: str) -> str:
     if not match:
         return frame
     name, path = match.groups()
-    for marker in ("/site-packages/", "/work/main/", "/lib/python3"):
+    for marker in ("/site-packages/", _IMPORT_ROOT, "/lib/python3"):
         if marker in path:
             path = path.split(marker, 1)[1]
             break
