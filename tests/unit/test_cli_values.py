@@ -287,3 +287,26 @@ def test_serve_reports_a_bad_setting_before_importing_the_daemon(
     status, _out, err = run_cli(["serve", "--events-endpoint", "tcp://127.0.0.1"], capsys)
     assert_refused(status, err, "events.endpoint", "--events-endpoint", "tcp://HOST:PORT")
     assert err.startswith("offloadd: ")
+
+
+def test_bench_passes_every_only_and_the_results_file(
+    isolated: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = str(isolated / "results.json")
+    argv = ["bench", "--quick", "--only", "shm", "--only", "lookup_rtt_*", "--json", results]
+    status, _out, err = run_cli(argv, capsys)
+    assert status == 0, err
+    args, _kwargs = recorder.last("bench")
+    assert args == (["--quick", "--json", results, "--only", "shm", "lookup_rtt_*"],)
+
+
+def test_check_config_takes_serves_flags_and_names_them_as_sources(
+    isolated: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run_cli(["check-config", "--capacity", "2GiB", "--no-persist"], capsys)
+    assert status == 0, err
+    assert out.splitlines()[0] == (
+        "# offloadd settings from: built-in defaults, --capacity, --no-persist"
+    )
+    assert "capacity = 2147483648  # 2.0GiB" in out.splitlines()
+    assert "persist = false" in out.splitlines()
