@@ -2,9 +2,10 @@
 
 vLLM's CPU offloading announces one placeholder ``BlockStored`` per stored chunk key (the
 chunk's last block hash, no tokens, ``block_size=0``, medium ``"CPU"``, the key's group) and
-``BlockRemoved`` grouped by group (reference/vllm.md §5.6). Routers treat these as location
-updates for hashes they learned from GPU events. Hashes go out as vLLM sends them by
-default, the low 64 bits as an unsigned int, or as raw bytes when the engine asks.
+``BlockRemoved`` grouped by group (its ``OffloadingEventsTracker`` in the default mode).
+Routers treat these as location updates for hashes they learned from GPU events. Hashes go
+out as vLLM sends them by default, the low 64 bits as an unsigned int, or as raw bytes when
+the engine asks.
 """
 
 from __future__ import annotations

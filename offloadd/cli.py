@@ -1,79 +1,256 @@
-"""The ``offloadd`` command line: ``serve``, ``status``, ``check-config``, ``demo``, ``events``."""
+"""The ``offloadd`` command line: ``serve``, ``status``, ``check-config``, ``demo``, ``events``,
+``bench``.
+
+A value a command cannot use is a usage error, reported before anything starts: one line on
+stderr that names the flag (or the setting and where its value came from) and exit status 2.
+The flags that set a setting (``serve`` and ``check-config`` share them, ``SETTINGS_FLAGS``)
+take exactly what the setting takes, ``""`` included (its meaning is the setting's, see
+``offloadd.settings``); elsewhere an empty value is an error unless its help says otherwise.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import msgspec
 
 from offloadd import __version__
 from offloadd.settings import (
+    ENDPOINT_EXAMPLES,
     ENV_PREFIX,
-    EventSettings,
+    Settings,
     SettingsError,
     configure_logging,
+    endpoint_problem,
     load_settings,
+    log_level_problem,
     settings_toml,
 )
 
-# Exit status for settings that do not load (a usage error, as argparse uses).
+logger = logging.getLogger(__name__)
+
+# Exit status for values that cannot be used (a usage error, as argparse uses).
 BAD_SETTINGS = 2
+
+# The flags that set a setting, shared by serve and check-config: flag -> (section, key, help).
+SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
+    "--endpoint": (
+        "server",
+        "endpoint",
+        "control endpoint, e.g. ipc:///run/offloadd/offloadd.sock ('' = the default socket "
+        "in the runtime directory)",
+    ),
+    "--arena": ("cache", "arena", "arena file ('' = /dev/shm/offloadd-<uid>.arena)"),
+    "--journal": (
+        "cache",
+        "journal",
+        "commit journal ('' = <state dir>/<arena name>.journal; its key beside it)",
+    ),
+    "--capacity": ("cache", "capacity", "arena size, e.g. 8GiB (default 1GiB)"),
+    "--policy": ("cache", "policy", "eviction policy: lru (default) or arc"),
+    "--log-level": ("log", "level", "DEBUG, INFO (default), WARNING, ..."),
+    "--events-endpoint": (
+        "events",
+        "endpoint",
+        "KV events PUB endpoint (default tcp://127.0.0.1:5557; '' turns events off)",
+    ),
+    "--events-replay-endpoint": (
+        "events",
+        "replay_endpoint",
+        "KV events replay ROUTER endpoint (default tcp://127.0.0.1:5558; '' disables replay)",
+    ),
+    "--metrics-address": (
+        "metrics",
+        "address",
+        "Prometheus /metrics address HOST:PORT or unix:/PATH (default 127.0.0.1:9464; "
+        "'' turns it off)",
+    ),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line: the command, the flag and the problem."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line and exit with status 2."""
+        self.exit(BAD_SETTINGS, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------------------- value types
+# Each raises ArgumentTypeError, which argparse reports as "argument --flag: <message>".
+
+
+def _endpoint(text: str) -> str:
+    problem = endpoint_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _endpoint_or_none(text: str) -> str:
+    if text == "none":
+        return text
+    if endpoint_problem(text):
+        raise argparse.ArgumentTypeError(
+            f"expected an endpoint such as {ENDPOINT_EXAMPLES}, or 'none', got {text!r}"
+        )
+    return text
+
+
+def _endpoint_or_empty(text: str) -> str:
+    if text and endpoint_problem(text):
+        raise argparse.ArgumentTypeError(
+            f"expected an endpoint such as {ENDPOINT_EXAMPLES}, or '' for none, got {text!r}"
+        )
+    return text
+
+
+def _settings_file(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a settings file, got ''")
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror}") from None
+    return text
+
+
+def _output_file(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file to write, got ''")
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {directory!r}")
+    return text
+
+
+def _integer(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def _log_level(text: str) -> str:
+    problem = log_level_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text.upper()
+
+
+def _bench_name(text: str) -> str:
+    from offloadd.bench import name_problem
+
+    problem = name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=_settings_file, help="TOML settings file")
+    for flag, (_section, _key, text) in SETTINGS_FLAGS.items():
+        parser.add_argument(flag, help=text)
+    parser.add_argument(
+        "--no-persist",
+        action="store_true",
+        help="remove the arena and its journal at exit (default: keep them for a warm restart)",
+    )
+
+
+def _flag_settings(args: argparse.Namespace) -> dict[str, dict[str, tuple[Any, str]]]:
+    """The settings the flags of ``args`` give, each with its flag (the error's source)."""
+    flags: dict[str, dict[str, tuple[Any, str]]] = {}
+    for flag, (section, key, _text) in SETTINGS_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            flags.setdefault(section, {})[key] = (value, flag)
+    if getattr(args, "no_persist", False):
+        flags.setdefault("cache", {})["persist"] = (False, "--no-persist")
+    return flags
+
+
+def _settings(args: argparse.Namespace, prog: str, *, flags: bool = False) -> Settings | None:
+    """The settings that ``--config``, the environment and (with ``flags``) the settings
+    flags of ``args`` give; None after printing why they don't load."""
+    try:
+        return load_settings(args.config, flags=_flag_settings(args) if flags else None)
+    except SettingsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+
+
+# --------------------------------------------------------------------------- commands
 
 
 def _serve(args: argparse.Namespace) -> int:
+    settings = _settings(args, "offloadd", flags=True)
+    if settings is None:
+        return BAD_SETTINGS
+    import zmq
+
     from offloadd.cache.arena import ArenaError
     from offloadd.cache.journal import JournalError
     from offloadd.daemon import run
     from offloadd.endpoint import EndpointInUse, EndpointRefused
+    from offloadd.events import EventBindError
     from offloadd.metrics import MetricsError
 
-    overrides: dict[str, dict[str, Any]] = {}
-    if args.endpoint:
-        overrides.setdefault("server", {})["endpoint"] = args.endpoint
-    if args.arena:
-        overrides.setdefault("cache", {})["arena"] = args.arena
-    if args.journal:
-        overrides.setdefault("cache", {})["journal"] = args.journal
-    if args.capacity:
-        overrides.setdefault("cache", {})["capacity"] = args.capacity  # a size: "8GiB"
-    if args.policy:
-        overrides.setdefault("cache", {})["policy"] = args.policy
-    if args.log_level:
-        overrides.setdefault("log", {})["level"] = args.log_level
-    if args.no_persist:
-        overrides.setdefault("cache", {})["persist"] = False
-    if args.events_endpoint is not None:
-        overrides.setdefault("events", {})["endpoint"] = args.events_endpoint
-    if args.events_replay_endpoint is not None:
-        overrides.setdefault("events", {})["replay_endpoint"] = args.events_replay_endpoint
-    if args.metrics_address is not None:
-        overrides.setdefault("metrics", {})["address"] = args.metrics_address
-    try:
-        settings = load_settings(args.config, overrides=overrides)
-    except SettingsError as exc:
-        print(f"offloadd: {exc}", file=sys.stderr)
-        return BAD_SETTINGS
     configure_logging(settings.log)
     try:
         run(settings)
-    except (EndpointInUse, EndpointRefused, ArenaError, JournalError, MetricsError) as exc:
+    except (
+        EndpointInUse,
+        EndpointRefused,
+        ArenaError,
+        JournalError,
+        MetricsError,
+        EventBindError,
+    ) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
+        return 1
+    except (zmq.ZMQError, OSError, ValueError) as exc:
+        # What the environment refuses at start (a port in use, a directory that may not be
+        # created, a key file that holds no key): one line; the traceback at DEBUG.
+        logger.debug("offloadd serve failed", exc_info=True)
+        print(f"offloadd: {exc} (serving {settings.endpoint()})", file=sys.stderr)
         return 1
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except SettingsError as exc:
-        print(f"offloadd check-config: {exc}", file=sys.stderr)
+    settings = _settings(args, "offloadd check-config", flags=True)
+    if settings is None:
         return BAD_SETTINGS
     if args.json:
         encoded = msgspec.json.encode(settings)
@@ -83,6 +260,7 @@ def _check_config(args: argparse.Namespace) -> int:
     if args.config:
         sources.append(args.config)
     sources += sorted(name for name in os.environ if name.startswith(ENV_PREFIX))
+    sources += [flag for section in _flag_settings(args).values() for _, flag in section.values()]
     sys.stdout.write(f"# offloadd settings from: {', '.join(sources)}\n")
     sys.stdout.write(settings_toml(settings))
     return 0
@@ -92,12 +270,11 @@ def _status(args: argparse.Namespace) -> int:
     from offloadd.status import main as status_main
 
     endpoint = args.endpoint
-    if not endpoint:
-        try:
-            endpoint = load_settings(args.config).endpoint()
-        except SettingsError as exc:
-            print(f"offloadd status: {exc}", file=sys.stderr)
+    if endpoint is None:
+        settings = _settings(args, "offloadd status")
+        if settings is None:
             return BAD_SETTINGS
+        endpoint = settings.endpoint()
     return status_main(endpoint, as_json=args.json, timeout=args.timeout)
 
 
@@ -119,15 +296,63 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _events(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=(args.log_level or "WARNING").upper(),
+        level=args.log_level or "WARNING",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from offloadd.events import replay_beside
+
+    endpoint, replay = args.endpoint, args.replay
+    if endpoint is None:
+        found = _daemon_events(args)
+        if isinstance(found, int):
+            return found
+        endpoint, advertised = found
+        replay = advertised if replay is None else replay
+    elif replay is None:
+        replay = replay_beside(endpoint)
     try:
         return asyncio.run(
-            _watch_events(args.endpoint, args.replay or None, topic=args.topic, as_json=args.json)
+            _watch_events(endpoint, replay or None, topic=args.topic, as_json=args.json)
         )
     except KeyboardInterrupt:  # arrived before the signal handlers were installed
         return 0
+
+
+def _daemon_events(args: argparse.Namespace) -> tuple[str, str] | int:
+    """Ask the daemon (``--daemon``, else the endpoint the settings give) where its events
+    are: ``(endpoint, replay)``, or an exit status after saying why not."""
+    from offloadd.errors import DaemonUnavailable
+    from offloadd.status import fetch_stats
+
+    control = args.daemon
+    if control is None:
+        settings = _settings(args, "offloadd events")
+        if settings is None:
+            return BAD_SETTINGS
+        control = settings.endpoint()
+    try:
+        stats = fetch_stats(control)
+    except DaemonUnavailable:
+        print(
+            f"offloadd events: no daemon answers at {control}; give --daemon ENDPOINT, or "
+            "--endpoint to subscribe to a publisher directly",
+            file=sys.stderr,
+        )
+        return 1
+    if not stats.events_endpoint:
+        print(
+            f"offloadd events: the daemon at {control} publishes no KV events "
+            '(events.enabled = false or events.endpoint = "")',
+            file=sys.stderr,
+        )
+        return 1
+    replay = stats.events_replay_endpoint
+    print(
+        f"offloadd events: {stats.events_endpoint} (replay {replay or 'none'}), "
+        f"from the daemon at {control}",
+        file=sys.stderr,
+    )
+    return stats.events_endpoint, replay
 
 
 async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_json: bool) -> int:
@@ -165,121 +390,120 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks import main as bench_main
+    from offloadd.bench import main as bench_main
 
     argv = ["--quick"] if args.quick else []
     if args.json:
         argv += ["--json", args.json]
-    for name in args.only or []:
-        argv += ["--only", name]
+    if args.only:
+        argv += ["--only", *args.only]
     return bench_main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
-    parser = argparse.ArgumentParser(prog="offloadd", description=__doc__)
+    parser = _Parser(prog="offloadd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"offloadd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the daemon (built-in defaults need no file)")
-    serve.add_argument("--config", help="TOML settings file")
-    serve.add_argument(
-        "--endpoint", help="control endpoint, e.g. ipc:///run/offloadd/offloadd.sock"
-    )
-    serve.add_argument("--arena", help="arena file (default /dev/shm/offloadd-<uid>.arena)")
-    serve.add_argument(
-        "--journal",
-        help="commit journal (default <state dir>/<arena name>.journal; its key beside it)",
-    )
-    serve.add_argument("--capacity", help="arena size, e.g. 8GiB (default 1GiB)")
-    serve.add_argument("--policy", choices=["lru", "arc"], help="eviction policy")
-    serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ...")
-    serve.add_argument(
-        "--no-persist",
-        action="store_true",
-        help="remove the arena at exit, keep no journal (default: keep both, warm restart)",
-    )
-    serve.add_argument(
-        "--events-endpoint", help="KV events PUB endpoint (default tcp://127.0.0.1:5557)"
-    )
-    serve.add_argument(
-        "--events-replay-endpoint",
-        help="KV events replay ROUTER endpoint (default tcp://127.0.0.1:5558; '' disables)",
-    )
-    serve.add_argument(
-        "--metrics-address",
-        metavar="HOST:PORT",
-        help="Prometheus /metrics address (default 127.0.0.1:9464; unix:/PATH; '' disables)",
-    )
+    _add_settings_flags(serve)
     serve.set_defaults(handler=_serve)
 
     status = commands.add_parser(
         "status",
-        help="show a running daemon: engines, sessions, cache fill, hits, bytes moved",
+        help="show a running daemon: engines, sessions, cache fill, hits, bytes moved, events",
         description="Ask a running daemon for its counters. Exits 1 when no daemon answers.",
     )
-    status.add_argument("--endpoint", help="control endpoint (default: the one the settings give)")
-    status.add_argument("--config", help="settings file to take the endpoint from")
+    status.add_argument(
+        "--endpoint", type=_endpoint, help="control endpoint (default: the one the settings give)"
+    )
+    status.add_argument(
+        "--config", type=_settings_file, help="settings file to take the endpoint from"
+    )
     status.add_argument("--json", action="store_true", help="print the stats as JSON")
     status.add_argument(
-        "--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)"
+        "--timeout", type=_seconds, default=3.0, help="seconds to wait for an answer (default 3)"
     )
     status.set_defaults(handler=_status)
 
     check = commands.add_parser(
         "check-config",
-        help="validate the settings (file and OFFLOADD_* environment) and print them",
-        description="Load the settings as `offloadd serve` would (built-in defaults < --config "
-        "file < OFFLOADD_<SECTION>__<KEY> environment) and print the result. Exits 2 "
-        "naming the setting and its source when something is wrong.",
+        help="validate the settings (file, OFFLOADD_* environment, flags) and print them",
+        description="Load the settings as `offloadd serve` would with the same flags "
+        "(built-in defaults < --config file < OFFLOADD_<SECTION>__<KEY> environment < "
+        "flags) and print the result. Exits 2 naming the setting and its source when "
+        "something is wrong.",
     )
-    check.add_argument("--config", help="TOML settings file")
+    _add_settings_flags(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     check.set_defaults(handler=_check_config)
 
     demo = commands.add_parser("demo", help="simulate engines against a daemon, verify bytes")
-    demo.add_argument("--endpoint", help="use this running daemon instead of starting one")
-    demo.add_argument("--engines", type=int, default=2)
-    demo.add_argument("--tp", type=int, default=2)
-    demo.add_argument("--chunks", type=int, default=64)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--endpoint", type=_endpoint, help="use this running daemon instead of starting one"
+    )
+    demo.add_argument("--engines", type=_integer(1), default=2, help="engines (default 2)")
+    demo.add_argument("--tp", type=_integer(1), default=2, help="ranks per engine (default 2)")
+    demo.add_argument("--chunks", type=_integer(1), default=64, help="chunks (default 64)")
+    demo.add_argument("--seed", type=_integer(0), default=0, help="seed of keys and bytes")
     demo.add_argument("--phase", choices=["store", "load", "both"], default="both")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument(
         "--events",
-        help="KV events endpoint to watch (default: the demo's own daemon; with --endpoint: "
-        "tcp://127.0.0.1:5557, replay on port + 1; 'none' to skip)",
+        type=_endpoint_or_none,
+        help="KV events endpoint to watch (default: where the daemon says it publishes; "
+        "a tcp:// endpoint given here is replayed from port + 1); 'none' to skip",
     )
     demo.set_defaults(handler=_demo)
 
-    event_defaults = EventSettings()
     events = commands.add_parser(
         "events",
         help="print KV-cache events from a daemon or a vLLM engine, one line per event",
         description="Subscribe to KV-cache events (vLLM's ZMQ protocol): replays what the "
         "publisher still buffers, then follows live, filling gaps from replay. Stops "
-        "cleanly on Ctrl-C or SIGTERM.",
+        "cleanly on Ctrl-C or SIGTERM. Without --endpoint it asks the daemon (--daemon, "
+        "else the control endpoint the settings give) where its events are.",
     )
     events.add_argument(
         "--endpoint",
-        default=event_defaults.endpoint,
-        help=f"PUB endpoint to subscribe to (default {event_defaults.endpoint})",
+        type=_endpoint,
+        help="PUB endpoint to subscribe to (default: the daemon's)",
     )
     events.add_argument(
         "--replay",
-        default=event_defaults.replay_endpoint,
-        help=f"replay endpoint (default {event_defaults.replay_endpoint}; '' for none)",
+        type=_endpoint_or_empty,
+        help="replay endpoint (default: the daemon's; with a tcp:// --endpoint, its port + 1; "
+        "'' for none)",
     )
-    events.add_argument("--topic", default="", help="topic prefix (default: every topic)")
+    events.add_argument(
+        "--daemon",
+        type=_endpoint,
+        metavar="ENDPOINT",
+        help="control endpoint of the daemon to ask (default: the one the settings give)",
+    )
+    events.add_argument(
+        "--config", type=_settings_file, help="settings file to take the daemon's endpoint from"
+    )
+    events.add_argument("--topic", default="", help="topic prefix (default '': every topic)")
     events.add_argument("--json", action="store_true", help="one JSON object per event")
-    events.add_argument("--log-level", help="DEBUG, INFO, WARNING (default), ...")
+    events.add_argument("--log-level", type=_log_level, help="DEBUG, INFO, WARNING (default), ...")
     events.set_defaults(handler=_events)
+
     bench = commands.add_parser(
         "bench", help="benchmarks: daemon vs same-run baselines, printed as ratios"
     )
     bench.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
-    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    bench.add_argument("--only", action="append", metavar="NAME", help="run only this group")
+    bench.add_argument(
+        "--json", type=_output_file, metavar="FILE", help="also write the results as JSON"
+    )
+    bench.add_argument(
+        "--only",
+        type=_bench_name,
+        action="append",
+        metavar="NAME",
+        help="run only this group or these results (a name pattern such as shm_*_1MiB)",
+    )
     bench.set_defaults(handler=_bench)
     return parser
 

@@ -377,6 +377,11 @@ class OffloadClient:
         return self._core.engine
 
     @property
+    def welcome(self) -> Welcome | None:
+        """The daemon's answer to this session's latest Hello (where its events are, too)."""
+        return self._core.welcome
+
+    @property
     def finished(self) -> OrderedDict[int, JobDone]:
         """Job results received so far (most recent jobs)."""
         return self._core.finished
@@ -680,6 +685,11 @@ class AsyncOffloadClient:
     def engine(self) -> EngineState | None:
         """The engine as last reported by the daemon."""
         return self._core.engine
+
+    @property
+    def welcome(self) -> Welcome | None:
+        """The daemon's answer to this session's latest Hello (where its events are, too)."""
+        return self._core.welcome
 
     @property
     def finished(self) -> OrderedDict[int, JobDone]:

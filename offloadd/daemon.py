@@ -585,9 +585,11 @@ class Daemon:
             hello.kv_events_topic,
             "ready" if engine.ready else f"waiting for ranks {engine.missing_ranks()}",
         )
+        dp = hello.config.parallel.data_parallel_index
+        events = self._events.endpoints_for(dp) if self._events is not None else ("", "")
         self._send(
             identity,
-            Welcome(hello.request_id, PROTOCOL_VERSION, session_id, engine.state()),
+            Welcome(hello.request_id, PROTOCOL_VERSION, session_id, engine.state(), *events),
         )
         if outcome.became_ready:
             self._engine_became_ready(engine)
@@ -1250,6 +1252,7 @@ class Daemon:
     def stats(self) -> DaemonStats:
         """Counters for GetStats."""
         cache = self._require_cache().stats()
+        events = self._events.endpoints_for(0) if self._events is not None else ("", "")
         return DaemonStats(
             uptime_seconds=time.monotonic() - self._started,
             capacity_bytes=cache.capacity,
@@ -1268,6 +1271,8 @@ class Daemon:
             engines=[engine.state() for engine in self.registry.engines()],
             imports=len(self._handles) if self._handles is not None else 0,
             jobs_in_flight=self._jobs_in_flight,
+            events_endpoint=events[0],
+            events_replay_endpoint=events[1],
         )
 
     def _require_cache(self) -> ChunkCache:

@@ -29,9 +29,9 @@ import torch
 
 from offloadd.client import AsyncOffloadClient
 from offloadd.errors import DaemonUnavailable
-from offloadd.events import offset_endpoint_port
-from offloadd.settings import EventSettings
+from offloadd.events import replay_beside
 from offloadd.shm import SharedKVTensor
+from offloadd.status import fetch_stats
 from offloadd.subscriber import Subscriber
 from protocol.config import (
     OffloadingCacheConfig,
@@ -50,7 +50,6 @@ BLOCKS_PER_CHUNK = 2
 PAGE_SIZE = 32 << 10
 BLOCK_STRIDE = PAGE_SIZE + (4 << 10)  # padded pages: only PAGE_SIZE bytes per block move
 CHUNKS_PER_JOB = 16
-DEFAULT_EVENTS = EventSettings().endpoint
 
 
 @dataclass
@@ -368,6 +367,15 @@ def _wait_until_serving(endpoint: str, process: subprocess.Popen[bytes]) -> None
     raise RuntimeError("daemon did not start within 30s")
 
 
+def daemon_events(endpoint: str) -> tuple[str, str | None] | None:
+    """Where the daemon at ``endpoint`` publishes KV events, and its replay socket (None for
+    none); None when it publishes no events. Raises DaemonUnavailable."""
+    stats = fetch_stats(endpoint)
+    if not stats.events_endpoint:
+        return None
+    return stats.events_endpoint, stats.events_replay_endpoint or None
+
+
 def main(
     endpoint: str | None,
     *,
@@ -385,16 +393,16 @@ def main(
         return 2
     with contextlib.ExitStack() as stack:
         watch: tuple[str, str | None] | None = None
-        if endpoint is None:
-            capacity = demo_capacity(engines, tp, chunks)
-            endpoint, watch = stack.enter_context(spawned_daemon(capacity))
-        else:
-            watch = (DEFAULT_EVENTS, offset_endpoint_port(DEFAULT_EVENTS, 1))
-        if events == "none":
-            watch = None
-        elif events:
-            watch = (events, offset_endpoint_port(events, 1) if events.startswith("tcp") else None)
         try:
+            if endpoint is None:
+                capacity = demo_capacity(engines, tp, chunks)
+                endpoint, watch = stack.enter_context(spawned_daemon(capacity))
+            elif events is None:
+                watch = daemon_events(endpoint)
+            if events == "none":
+                watch = None
+            elif events:
+                watch = (events, replay_beside(events) or None)
             result = asyncio.run(
                 run_demo(
                     endpoint,

@@ -20,7 +20,9 @@
   nothing else on the wire says so (as in vLLM).
 
 ``PublisherSet`` maps dp indexes to publishers: one per dp index on ``port + k`` when
-``EventSettings.port_per_dp`` (vLLM's convention), else one shared by all.
+``EventSettings.port_per_dp`` (vLLM's convention), else one shared by all. An empty
+``EventSettings.endpoint`` turns events off, as ``enabled = false`` does. ``endpoints_for(dp)``
+says where a subscriber connects for a dp index (the daemon tells its clients).
 
 An ``ipc://`` endpoint is bound like the control socket: in a directory only the daemon's
 user can change, with ``socket_mode`` and ``socket_group`` (who may subscribe and replay).
@@ -48,6 +50,10 @@ from protocol.events import END_SEQ, KVEventBatch, encode_batch
 logger = logging.getLogger(__name__)
 
 _YIELD_EVERY = 64  # batches sent (or replayed) between yields to the event loop
+
+
+class EventBindError(Exception):
+    """A publisher socket cannot bind its endpoint; the message names the setting."""
 
 
 class LogLimiter:
@@ -100,6 +106,35 @@ def offset_endpoint_port(endpoint: str, k: int) -> str:
     )
 
 
+def replay_beside(endpoint: str) -> str:
+    """The replay endpoint beside a ``tcp://`` PUB endpoint in the daemon's default layout
+    (port + 1, as 5557 and 5558); ``""`` for other endpoints, which have no such neighbour."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    try:
+        guess = offset_endpoint_port(endpoint, 1)
+    except ValueError:
+        return ""
+    return guess if int(guess.rpartition(":")[2]) <= 65535 else ""
+
+
+_WILDCARD_HOSTS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "[*]": "[::1]"}
+
+
+def connectable(endpoint: str) -> str:
+    """An endpoint a process on this node can connect to: a wildcard host becomes loopback.
+
+    ``tcp://*:5557`` and ``tcp://0.0.0.0:5557`` -> ``tcp://127.0.0.1:5557``; anything else is
+    returned unchanged.
+    """
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if sep and host in _WILDCARD_HOSTS:
+        return f"tcp://{_WILDCARD_HOSTS[host]}:{port}"
+    return endpoint
+
+
 def topic_for(template: str, *, pod: str, model: str, engine_id: str, dp: int) -> str:
     """Fill a topic template such as ``kv@{pod}@{model}``.
 
@@ -148,6 +183,8 @@ class EventPublisher:
         self._socket_mode = socket_mode
         self._socket_group = socket_group
         self.replay_endpoint = replay_endpoint
+        self.bound_endpoint = ""  # set by start()
+        self.bound_replay_endpoint = ""  # set by start() when there is a replay socket
         self.published = 0
         self.dropped = 0
         self.invalid_replay_requests = 0
@@ -179,7 +216,7 @@ class EventPublisher:
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             # vLLM binds or connects the PUB socket depending on the endpoint's shape (it
             # may push to a remote proxy); the daemon owns its endpoints, so it always binds.
-            self._bind(pub, self.endpoint)
+            self._bind(pub, self.endpoint, "events.endpoint")
             if self.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
@@ -187,7 +224,7 @@ class EventPublisher:
                 # and zmq only learns what the reader consumed every hwm/2 messages: leave
                 # room for one whole replay (buffer + end marker) per client, twice over.
                 replay.setsockopt(zmq.SNDHWM, max(self._hwm, 2 * (self._buffer_steps + 1)))
-                self._bind(replay, self.replay_endpoint)
+                self._bind(replay, self.replay_endpoint, "events.replay_endpoint")
         except BaseException:
             pub.close(linger=0)
             if replay is not None:
@@ -195,18 +232,26 @@ class EventPublisher:
             raise
         self._pub = pub
         self._replay = replay
+        # What subscribers connect to: the address actually bound (a port the system chose
+        # included), with a wildcard host made loopback.
+        self.bound_endpoint = connectable(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        if replay is not None:
+            self.bound_replay_endpoint = connectable(replay.getsockopt_string(zmq.LAST_ENDPOINT))
         logger.info(
             "KV events on %s (replay %s)", self.endpoint, self.replay_endpoint or "disabled"
         )
 
-    def _bind(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    def _bind(self, sock: zmq.asyncio.Socket, endpoint: str, setting: str) -> None:
         """Bind; an ipc socket gets the control socket's mode and group (who may read the
-        events, and ask for replays)."""
+        events, and ask for replays). A bind that fails names the setting."""
         path = ipc_path(endpoint)
-        if path is None:
-            sock.bind(endpoint)
-        else:
-            bind_ipc(lambda: sock.bind(endpoint), path, self._socket_mode, self._socket_group)
+        try:
+            if path is None:
+                sock.bind(endpoint)
+            else:
+                bind_ipc(lambda: sock.bind(endpoint), path, self._socket_mode, self._socket_group)
+        except zmq.ZMQError as exc:
+            raise EventBindError(f"{setting}: cannot bind {endpoint!r}: {exc}") from None
 
     def publish(self, topic: str, batch: KVEventBatch) -> bool:
         """Queue ``batch`` for ``topic``; False (and counted in ``dropped``) if it was dropped.
@@ -389,7 +434,8 @@ class PublisherSet:
 
     ``publish(topic, dp, batch)`` fills the batch's ``data_parallel_rank`` with ``dp`` when
     unset and, like ``EventPublisher.publish``, never blocks and never raises. With events
-    disabled nothing is bound and ``publish`` returns False.
+    off (``enabled = false`` or an empty ``endpoint``) nothing is bound and ``publish``
+    returns False.
     """
 
     def __init__(
@@ -410,10 +456,37 @@ class PublisherSet:
         self._unroutable = 0
         self._closed = False
 
+    @property
+    def active(self) -> bool:
+        """Whether events are published at all."""
+        return self.settings.enabled and bool(self.settings.endpoint)
+
     def start(self) -> None:
         """Bind dp 0's publisher (the shared one without ``port_per_dp``) and start it."""
-        if self.settings.enabled:
+        if self.active:
             self.publisher_for(0)
+
+    def endpoints_for(self, dp: int) -> tuple[str, str]:
+        """``(events, replay)`` endpoints a subscriber on this node uses for dp index ``dp``.
+
+        The addresses bound when that publisher runs, else the configured ones for ``dp``
+        (its publisher is bound on first use); ``""`` for what is off or cannot exist.
+        """
+        if not self.active:
+            return "", ""
+        key = dp if self.settings.port_per_dp else 0
+        if key in self._failed:
+            return "", ""
+        publisher = self._publishers.get(key)
+        if publisher is not None:
+            return publisher.bound_endpoint, publisher.bound_replay_endpoint
+        try:
+            return (
+                connectable(offset_endpoint_port(self.settings.endpoint, key)),
+                connectable(offset_endpoint_port(self.settings.replay_endpoint, key)),
+            )
+        except ValueError:  # an endpoint that cannot be offset: that publisher never binds
+            return "", ""
 
     def publisher_for(self, dp: int) -> EventPublisher:
         """The publisher of dp index ``dp``, bound and running (created on first use)."""
@@ -441,7 +514,7 @@ class PublisherSet:
 
     def publish(self, topic: str, dp: int, batch: KVEventBatch) -> bool:
         """Queue ``batch`` on dp index ``dp``'s publisher; False if it was dropped."""
-        if not self.settings.enabled or self._closed:
+        if not self.active or self._closed:
             return False
         key = dp if self.settings.port_per_dp else 0
         if key in self._failed:
@@ -449,7 +522,7 @@ class PublisherSet:
             return False
         try:
             publisher = self.publisher_for(dp)
-        except (zmq.ZMQError, ValueError) as exc:
+        except (EventBindError, ValueError) as exc:
             self._failed.add(key)
             self._unroutable += 1
             logger.error("no KV event publisher for dp %d: %s; its events are dropped", dp, exc)

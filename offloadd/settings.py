@@ -1,15 +1,27 @@
 """Daemon settings: typed structs with defaults that work with no file at all.
 
-Empty strings mean "derive a default": the control socket goes in the runtime directory
-(``$RUNTIME_DIRECTORY`` under systemd, else ``$XDG_RUNTIME_DIR/offloadd``, else
-``/tmp/offloadd-<uid>``), the arena in ``/dev/shm``, and the arena's commit journal (and its
-key) in the state directory (``$STATE_DIRECTORY`` under systemd, else
-``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``), where no rank can reach it.
+An empty string has one documented meaning per setting, the same from every source:
+
+* "derive a default": ``server.endpoint`` (the control socket goes in the runtime directory:
+  ``$RUNTIME_DIRECTORY`` under systemd, else ``$XDG_RUNTIME_DIR/offloadd``, else
+  ``/tmp/offloadd-<uid>``), ``cache.arena`` (in ``/dev/shm``), ``cache.journal`` (the arena's
+  commit journal, and its key, in the state directory: ``$STATE_DIRECTORY`` under systemd,
+  else ``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``, where no rank can reach
+  it), ``events.pod`` (the host name);
+* "off": ``events.endpoint`` (no KV events, as ``enabled = false``),
+  ``events.replay_endpoint`` (no replay socket), ``metrics.address`` (no HTTP server),
+  ``server.socket_group`` (the group is left as created), ``server.curve_secret_key_file``
+  (no CURVE), ``server.curve_clients_dir`` (with CURVE on loopback: any client key; off
+  loopback an allow-list is required);
+* itself: ``events.topic_template`` (the topic ``""``, which every subscriber receives).
+
+Every other setting rejects ``""``.
 
 ``load_settings`` layers the sources, later ones winning: built-in defaults < a TOML file
 (``[section]`` tables) < environment variables ``OFFLOADD_<SECTION>__<KEY>`` < command-line
-flags. Every value is checked against its field where it comes from, so an unknown section
-or key, or a value of the wrong type, is a ``SettingsError`` that names the setting and its
+flags. Every value is checked against its field where it comes from (type, then range or
+shape: endpoints, paths, octal modes, ...), so an unknown section or key, or a value the
+setting cannot take, is a ``SettingsError`` whose one-line message names the setting and its
 source. Environment values are strings, converted to the field's type: integers, numbers,
 booleans (true/false/1/0/yes/no/on/off), strings, comma-separated lists; sizes such as
 ``8GiB`` are accepted for ``cache.capacity`` and ``server.max_frame_bytes`` everywhere.
@@ -18,7 +30,9 @@ booleans (true/false/1/0/yes/no/on/off), strings, comma-separated lists; sizes s
 from __future__ import annotations
 
 import difflib
+import grp
 import logging
+import math
 import os
 import re
 import socket
@@ -92,7 +106,7 @@ class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """
 
     enabled: bool = True
-    endpoint: str = "tcp://127.0.0.1:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"  # "" turns events off (as enabled = false does)
     replay_endpoint: str = "tcp://127.0.0.1:5558"  # "" disables replay
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # PUB high-water mark, in batches
@@ -194,6 +208,32 @@ def format_size(nbytes: int) -> str:
     return f"{value:.1f}TiB"
 
 
+ENDPOINT_EXAMPLES = "ipc:///run/offloadd/offloadd.sock or tcp://127.0.0.1:5557"
+_SCHEMES = ("tcp", "ipc", "inproc")
+_TCP_HOST = re.compile(r"[A-Za-z0-9._*-]+|\[[0-9A-Fa-f:.*]+\]")
+_SUN_PATH_MAX = 107  # bytes in an ipc path (sockaddr_un.sun_path, less the NUL)
+
+
+def endpoint_problem(text: str, *, bind: bool = False) -> str:
+    """Why ``text`` is not a ZeroMQ endpoint offloadd can use, or ``""`` when it is.
+
+    ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``. With ``bind`` the port may be
+    ``*`` (the system picks one); a process that connects needs a number.
+    """
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in _SCHEMES or not rest or rest != rest.strip():
+        return f"expected an endpoint such as {ENDPOINT_EXAMPLES}, got {text!r}"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        low = 0 if bind else 1  # binding to port 0 or * lets the system pick one
+        port_ok = (port.isdigit() and low <= int(port) <= 65535) or (bind and port == "*")
+        if not colon or not _TCP_HOST.fullmatch(host) or not port_ok:
+            return f"expected tcp://HOST:PORT (a port up to 65535), got {text!r}"
+    if scheme == "ipc" and len(rest.encode()) > _SUN_PATH_MAX:
+        return f"the path of {text!r} is longer than {_SUN_PATH_MAX} bytes (a socket limit)"
+    return ""
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``"host:0"`` -> (host, port)."""
     host, sep, port_text = text.rpartition(":")
@@ -230,10 +270,12 @@ def load_settings(
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    flags: Mapping[str, Mapping[str, tuple[Any, str]]] | None = None,
 ) -> Settings:
     """Defaults < TOML file at ``path`` < ``OFFLOADD_<SECTION>__<KEY>`` in ``environ``
-    (default ``os.environ``) < ``overrides`` (command-line flags, already typed; sizes may
-    be strings). Raises ``SettingsError``."""
+    (default ``os.environ``) < ``overrides`` (already typed; sizes may be strings) <
+    ``flags`` (the same as ``{section: {key: (value, flag)}}``: errors name the flag as the
+    source). Raises ``SettingsError``."""
     data: dict[str, dict[str, Any]] = {}
     if path:
         _merge(data, _read_toml(path), path, from_env=False)
@@ -241,6 +283,8 @@ def load_settings(
     _merge(data, _env_layer(env), "the environment", from_env=True)
     if overrides:
         _merge(data, overrides, "the command line", from_env=False)
+    if flags:
+        _merge(data, flags, "the command line", from_env=False, named=True)
     try:
         settings = msgspec.convert(data, Settings, strict=True)
     except msgspec.ValidationError as exc:  # every value was checked: a bug if this happens
@@ -287,11 +331,14 @@ def _merge(
     source: str,
     *,
     from_env: bool,
+    named: bool = False,
 ) -> None:
     """Check each value of ``layer`` against its field and put it into ``data``.
 
-    An environment layer holds ``(value, variable name)`` pairs: the variable is the source.
+    An environment layer holds ``(value, variable name)`` pairs: the variable is the source;
+    so does a ``named`` layer (flags), whose values are typed already.
     """
+    named = named or from_env
     for section, values in layer.items():
         if section not in _SECTIONS:
             if not from_env and not isinstance(values, Mapping):
@@ -300,7 +347,7 @@ def _merge(
                 raise SettingsError(
                     f"setting {section} outside any [section] (from {source}){where}"
                 )
-            origin = _env_names(values) if from_env else source
+            origin = _env_names(values) if named else source
             close = difflib.get_close_matches(section, list(_SECTIONS), n=1)
             hint = f"did you mean [{close[0]}]?" if close else "sections: " + ", ".join(_SECTIONS)
             raise SettingsError(f"unknown settings section [{section}] (from {origin}); {hint}")
@@ -310,7 +357,7 @@ def _merge(
             )
         fields = _FIELDS[section]
         for key, raw in values.items():
-            value, origin = raw if from_env else (raw, source)
+            value, origin = raw if named else (raw, source)
             name = f"{section}.{key}"
             if key not in fields:
                 raise SettingsError(
@@ -359,7 +406,8 @@ def _coerce(
     return converted
 
 
-def _log_level_problem(level: str) -> str:
+def log_level_problem(level: str) -> str:
+    """Why ``level`` is not a logging level name, or ``""``."""
     if level.upper() in _LOG_LEVELS:
         return ""
     return f"expected one of {', '.join(_LOG_LEVELS)}, got {level!r}"
@@ -382,9 +430,128 @@ def _address_problem(address: str) -> str:
     return ""
 
 
+def _endpoint_check(empty: str) -> Callable[[str], str]:
+    """An endpoint setting's check; ``empty`` says what ``""`` means there."""
+
+    def check(text: str) -> str:
+        if not text:
+            return ""
+        problem = endpoint_problem(text, bind=True)
+        return f'{problem}; or "" for {empty}' if problem else ""
+
+    return check
+
+
+def _absolute_path_problem(path: str) -> str:
+    if path and not os.path.isabs(path):
+        return f"expected an absolute path, got {path!r}"
+    return ""
+
+
+def _arena_problem(path: str) -> str:
+    problem = _absolute_path_problem(path)
+    if problem or not path:
+        return f'{problem}; or "" for /dev/shm/offloadd-<uid>.arena' if problem else ""
+    if not os.path.isdir(os.path.dirname(path)):
+        return f"directory {os.path.dirname(path)!r} of {path!r} does not exist"
+    return ""
+
+
+def _journal_problem(path: str) -> str:
+    problem = _absolute_path_problem(path)
+    return f'{problem}; or "" for <state dir>/<arena name>.journal' if problem else ""
+
+
+def _shm_dirs_problem(dirs: tuple[str, ...]) -> str:
+    if not dirs:
+        return "expected at least one directory"
+    bad = [d for d in dirs if not d or not os.path.isabs(d)]
+    return f"expected absolute paths, got {bad[0]!r}" if bad else ""
+
+
+def _socket_mode_problem(mode: str) -> str:
+    if re.fullmatch(r"0?[0-7]{3}", mode):
+        return ""
+    return f'expected octal permission bits such as "0660", got {mode!r}'
+
+
+def _socket_group_problem(group: str) -> str:
+    if not group:
+        return ""
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        return f'no group {group!r} on this host; or "" to leave the socket\'s group'
+    return ""
+
+
+def _existing(kind: str, test: Callable[[str], bool]) -> Callable[[str], str]:
+    def check(path: str) -> str:
+        if path and not test(path):
+            return f'no {kind} {path!r}; or "" for none'
+        return ""
+
+    return check
+
+
+def _curve_key_problem(path: str) -> str:
+    if not path:
+        return ""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except OSError as exc:
+        return f'cannot read {path!r} ({exc.strerror or exc}); or "" for no CURVE'
+    except ValueError:
+        public, secret = b"", None
+    if len(public) != 40 or secret is None or len(secret) != 40:
+        return f"{path!r} holds no CURVE key pair (public-key and secret-key, zmq.auth format)"
+    return ""
+
+
+def _topic_template_problem(template: str) -> str:
+    try:
+        template.format(pod="", model="", engine_id="", dp=0)
+    except (KeyError, IndexError, ValueError, AttributeError):
+        names = "{pod} {model} {engine_id} {dp}"
+        return f"bad topic template {template!r}; placeholders are {names}"
+    return ""
+
+
+def _at_least(low: float, *, above: bool = False) -> Callable[[float], str]:
+    """A number's check: finite and ``>= low`` (``> low`` with ``above``)."""
+
+    def check(value: float) -> str:
+        if math.isfinite(value) and (value > low if above else value >= low):
+            return ""
+        bound = f"above {low:g}" if above else f"at least {low:g}"
+        return f"expected a number {bound}, got {value!r}"
+
+    return check
+
+
 # What a field's type cannot say: a message, or "" when the value is fine.
 _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
-    ("log", "level"): _log_level_problem,
+    ("server", "endpoint"): _endpoint_check("the default ipc socket in the runtime directory"),
+    ("server", "shm_dirs"): _shm_dirs_problem,
+    ("server", "drain_seconds"): _at_least(0),
+    ("server", "recent_jobs"): _at_least(1),
+    ("server", "session_timeout"): _at_least(0, above=True),
+    ("server", "socket_mode"): _socket_mode_problem,
+    ("server", "socket_group"): _socket_group_problem,
+    ("server", "curve_secret_key_file"): _curve_key_problem,
+    ("server", "curve_clients_dir"): _existing("directory", os.path.isdir),
+    ("cache", "arena"): _arena_problem,
+    ("cache", "journal"): _journal_problem,
+    ("cache", "pin_lease_seconds"): _at_least(0, above=True),
+    ("log", "level"): log_level_problem,
+    ("events", "endpoint"): _endpoint_check("no events"),
+    ("events", "replay_endpoint"): _endpoint_check("no replay"),
+    ("events", "buffer_steps"): _at_least(0),
+    ("events", "hwm"): _at_least(0),
+    ("events", "max_queue"): _at_least(1),
+    ("events", "topic_template"): _topic_template_problem,
     ("metrics", "address"): _address_problem,
 }
 
@@ -433,6 +600,9 @@ def settings_toml(settings: Settings) -> str:
         ("cache", "arena"): settings.arena_path(),
         ("cache", "journal"): settings.journal_path(),
         ("events", "pod"): settings.events.pod_name(),
+        ("events", "endpoint"): "off: no KV events",
+        ("events", "replay_endpoint"): "no replay",
+        ("metrics", "address"): "off",
     }
     lines: list[str] = []
     for section in _SECTIONS:

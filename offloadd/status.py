@@ -66,6 +66,7 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"  refused    {stats.stores_refused} keys (no room); {stats.evictions} evictions; "
         f"{stats.protocol_errors} protocol errors",
         f"  sessions   {stats.sessions}",
+        f"  events     {_events_line(stats)}",
         f"  engines    {len(stats.engines)}" + ("" if stats.engines else " (none connected)"),
     ]
     lines += [f"    {_engine_line(engine)}" for engine in stats.engines]
@@ -79,6 +80,13 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"    {namespace}: {', '.join(names)}" for namespace, names in sorted(namespaces.items())
     ]
     return lines
+
+
+def _events_line(stats: DaemonStats) -> str:
+    if not stats.events_endpoint:
+        return "off"
+    replay = stats.events_replay_endpoint or "none"
+    return f"{stats.events_endpoint} (replay {replay})"
 
 
 def _engine_line(engine: EngineState) -> str:

@@ -5,8 +5,8 @@ order included (checked against the installed vLLM 0.33.0; ``num_cpu_blocks`` is
 earlier revision, 006f89ac). They travel inside msgpack messages as maps, so a field is only ever
 appended, with a default.
 
-- ``build_offloading_config(vllm_config, kv_cache_config)`` is the translation exactly as the
-  seed document defines it (vLLM's
+- ``build_offloading_config(vllm_config, kv_cache_config)`` is vLLM's translation exactly
+  (``build_offloading_config`` in
   ``vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py``), duck-typed so that vLLM
   is not a dependency. Spec classes are recognised by class name, so vLLM's own classes and
   test stand-ins with the same names both work.
@@ -217,11 +217,11 @@ def resolve_kv_cache_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tupl
 
 
 def build_offloading_config(vllm_config: Any, kv_cache_config: Any) -> OffloadingConfig:
-    """Translate vLLM configuration into an ``OffloadingConfig``, exactly as the seed does.
+    """Translate vLLM configuration into an ``OffloadingConfig``, exactly as vLLM's does.
 
-    The seed's assertions raise ``ValueError`` with the seed's messages (asserts vanish under
-    ``python -O``). ``replicated_layout`` and ``num_cpu_blocks`` keep their defaults: the seed
-    does not set them.
+    vLLM's assertions raise ``ValueError`` with vLLM's messages (asserts vanish under
+    ``python -O``). ``replicated_layout`` and ``num_cpu_blocks`` keep their defaults: vLLM's
+    function does not set them.
     """
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer_config is None:

@@ -241,6 +241,10 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     protocol_version: int
     session_id: str
     engine: EngineState
+    # Where this engine's KV events are published (its dp index's publisher) and its replay
+    # socket; "" when the daemon publishes no events (or no replay).
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
@@ -339,6 +343,9 @@ class DaemonStats(msgspec.Struct, frozen=True):
     engines: list[EngineState]
     imports: int = 0  # memory handles currently mapped (closed when their sessions end)
     jobs_in_flight: int = 0
+    # Where KV events are published (dp index 0's publisher) and replayed; "" when off.
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

@@ -1,8 +1,8 @@
 """Host chunk cache index: entries, two-phase stores, loads, pins and eviction.
 
-The pure core of the cache (``DESIGN.md`` §3): no I/O, no threads, no torch. The daemon calls it
-from its one asyncio thread and copies the bytes itself between a ``begin_*`` and its
-``finish_*``. Time is injected (``clock``) so that pin leases are testable.
+The pure core of the cache (``docs/design.md``, section 4): no I/O, no threads, no torch.
+The daemon calls it from its one asyncio thread and copies the bytes itself between a
+``begin_*`` and its ``finish_*``. Time is injected (``clock``) so that pin leases are testable.
 
 Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 

@@ -17,9 +17,9 @@ being written, part of the store that needs the room) is the cache's decision. C
   history is kept. Unknown keys are ignored.
 - ``len(policy)`` / ``key in policy``: live keys.
 
-``LruPolicy`` is vLLM's LRU. ``ArcPolicy`` is vLLM's ARC (``reference/vllm.md`` §3.1) adapted to a
-cache whose capacity is in bytes, not slots: the adaptive target and the ghost lists are bounded
-by the number of live keys instead of a slot count.
+``LruPolicy`` is vLLM's LRU. ``ArcPolicy`` is vLLM's ARC (its offloading ``cpu/policies``)
+adapted to a cache whose capacity is in bytes, not slots: the adaptive target and the ghost
+lists are bounded by the number of live keys instead of a slot count.
 """
 
 from __future__ import annotations

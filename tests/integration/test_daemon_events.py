@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import pytest_asyncio
 
+from offloadd.settings import EventSettings
 from offloadd.subscriber import Received, Subscriber
 from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_for_wire
 from tests.integration.harness import DaemonThread, Rank, chain_keys, chunk_block_ids, make_rank
+from tests.integration.test_events_pubsub import free_port_pair
 
 BPC = 2
 
@@ -203,3 +206,78 @@ async def test_engines_without_events_publish_nothing(
     await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-e", 2)
     await stream.until(lambda: len(stream.batches) >= 1)
     assert all(r.batch.data_parallel_rank == 2 for r in stream.batches)
+
+
+# --- where the events are: Welcome and GetStats ------------------------------------------------
+
+
+def test_welcome_and_stats_say_where_the_events_are(
+    daemon: DaemonThread, ranks: list[Rank]
+) -> None:
+    rank = make_rank(daemon.endpoint, rank=0, tp=1)
+    ranks.append(rank)
+    assert rank.client is not None and rank.client.welcome is not None
+    welcome = rank.client.welcome
+    assert (welcome.events_endpoint, welcome.events_replay_endpoint) == (
+        daemon.events_endpoint,
+        daemon.replay_endpoint,
+    )
+    stats = rank.client.stats()
+    assert (stats.events_endpoint, stats.events_replay_endpoint) == (
+        daemon.events_endpoint,
+        daemon.replay_endpoint,
+    )
+
+
+def test_each_dp_index_is_told_its_own_publisher(ranks: list[Rank]) -> None:
+    pub_port, replay_port = free_port_pair(), free_port_pair()
+    daemon = DaemonThread()
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        events=EventSettings(
+            endpoint=f"tcp://127.0.0.1:{pub_port}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+            port_per_dp=True,
+        ),
+    )
+    daemon.start()
+    try:
+        rank = make_rank(daemon.endpoint, rank=0, tp=1, dp=2)
+        ranks.append(rank)
+        assert rank.client is not None and rank.client.welcome is not None
+        welcome = rank.client.welcome
+        assert welcome.events_endpoint == f"tcp://127.0.0.1:{pub_port + 2}"
+        assert welcome.events_replay_endpoint == f"tcp://127.0.0.1:{replay_port + 2}"
+        stats = rank.client.stats()  # dp 0's publisher
+        assert stats.events_endpoint == f"tcp://127.0.0.1:{pub_port}"
+    finally:
+        for created in ranks:
+            created.close()
+        ranks.clear()
+        daemon.stop()
+
+
+def test_without_events_the_endpoints_are_empty(ranks: list[Rank]) -> None:
+    daemon = DaemonThread()
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings, events=EventSettings(endpoint="", replay_endpoint="")
+    )
+    daemon.start()
+    try:
+        rank = make_rank(daemon.endpoint, rank=0, tp=1, events=True)
+        ranks.append(rank)
+        assert rank.client is not None and rank.client.welcome is not None
+        assert rank.client.welcome.events_endpoint == ""
+        assert rank.client.welcome.events_replay_endpoint == ""
+        assert rank.client.stats().events_endpoint == ""
+        # An engine that asks for events is still served; nothing is published.
+        rank.fill(1)
+        keys = chain_keys(2)
+        rank.client.store(1, keys, chunk_block_ids(range(2), BPC))
+        assert all(done.ok for done in rank.client.wait([1], 10))
+        assert rank.client.lookup(keys).hits == 2
+    finally:
+        for created in ranks:
+            created.close()
+        ranks.clear()
+        daemon.stop()

@@ -25,9 +25,12 @@ import zmq
 import zmq.asyncio
 
 from offloadd.events import (
+    EventBindError,
     EventPublisher,
     PublisherSet,
+    connectable,
     offset_endpoint_port,
+    replay_beside,
     topic_for,
 )
 from offloadd.settings import EventSettings
@@ -656,6 +659,99 @@ def test_offset_endpoint_port(endpoint: str, k: int, expected: str) -> None:
 def test_offset_endpoint_port_rejects(endpoint: str, k: int) -> None:
     with pytest.raises(ValueError, match="dp index"):
         offset_endpoint_port(endpoint, k)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://*:5557", "tcp://127.0.0.1:5557"),
+        ("tcp://0.0.0.0:5557", "tcp://127.0.0.1:5557"),
+        ("tcp://[::]:5557", "tcp://[::1]:5557"),
+        ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5557"),
+        ("ipc:///run/offloadd/ev.sock", "ipc:///run/offloadd/ev.sock"),
+    ],
+)
+def test_connectable_makes_wildcards_loopback(endpoint: str, expected: str) -> None:
+    assert connectable(endpoint) == expected
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        ("tcp://127.0.0.1:65535", ""),
+        ("tcp://host:*", ""),
+        ("ipc:///tmp/ev.sock", ""),
+    ],
+)
+def test_replay_beside(endpoint: str, expected: str) -> None:
+    assert replay_beside(endpoint) == expected
+
+
+@pytest.mark.asyncio
+async def test_publisher_set_says_where_each_dp_subscribes(ctx: zmq.asyncio.Context) -> None:
+    pub_port, replay_port = free_port_pair(), free_port_pair()
+    settings = EventSettings(
+        endpoint=f"tcp://*:{pub_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        port_per_dp=True,
+    )
+    async with PublisherSet(settings, ctx) as publishers:
+        assert publishers.endpoints_for(0) == (
+            f"tcp://127.0.0.1:{pub_port}",
+            f"tcp://127.0.0.1:{replay_port}",
+        )
+        # dp 3's publisher binds on first use; where it will be is known before.
+        assert publishers.stats().publishers == 1
+        assert publishers.endpoints_for(3) == (
+            f"tcp://127.0.0.1:{pub_port + 3}",
+            f"tcp://127.0.0.1:{replay_port + 3}",
+        )
+
+
+@pytest.mark.asyncio
+async def test_a_port_the_system_picks_is_the_one_advertised(ctx: zmq.asyncio.Context) -> None:
+    settings = EventSettings(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:0")
+    async with PublisherSet(settings, ctx) as publishers:
+        events, replay = publishers.endpoints_for(0)
+        for endpoint in (events, replay):
+            host, _, port = endpoint.rpartition(":")
+            assert host == "tcp://127.0.0.1" and int(port) > 0
+        publishers.publish("kv@p@m", 0, make_batch(1))
+        async with Subscriber(events, replay, ctx=ctx) as subscriber:
+            received = await asyncio.wait_for(anext(subscriber), TIMEOUT)
+        assert received.seq == 0 and received.replayed
+
+
+@pytest.mark.asyncio
+async def test_empty_endpoint_turns_events_off(ctx: zmq.asyncio.Context) -> None:
+    off = PublisherSet(EventSettings(endpoint=""), ctx)
+    off.start()
+    assert not off.active
+    assert off.endpoints_for(0) == ("", "")
+    assert not off.publish("t", 0, make_batch(1))
+    assert off.stats().publishers == 0
+    await off.close()
+    assert PublisherSet(EventSettings(enabled=False), ctx).endpoints_for(0) == ("", "")
+
+
+@pytest.mark.asyncio
+async def test_a_taken_endpoint_is_one_clear_error(
+    ctx: zmq.asyncio.Context, endpoints: tuple[str, str]
+) -> None:
+    pub_ep, replay_ep = endpoints
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+        first = EventPublisher(taken, replay_ep, ctx=ctx)
+        with pytest.raises(EventBindError, match=rf"^events.endpoint: cannot bind '{taken}'"):
+            first.start()
+        second = EventPublisher(pub_ep, taken, ctx=ctx)
+        with pytest.raises(EventBindError, match=r"^events.replay_endpoint: cannot bind"):
+            second.start()
+        await first.close()
+        await second.close()
 
 
 def test_topic_for() -> None:

@@ -242,6 +242,107 @@ def test_status_without_a_daemon_fails_clearly() -> None:
     )
 
 
+def test_status_says_where_the_events_are(served: Served) -> None:
+    served.start()
+    served.wait_serving()
+    events, replay = f"ipc://{served.workdir}/ev.sock", f"ipc://{served.workdir}/replay.sock"
+    text = _offloadd("status", "--endpoint", served.endpoint)
+    assert text.returncode == 0, text.stderr
+    assert f"  events     {events} (replay {replay})" in text.stdout.splitlines()
+    stats = json.loads(_offloadd("status", "--endpoint", served.endpoint, "--json").stdout)
+    assert (stats["events_endpoint"], stats["events_replay_endpoint"]) == (events, replay)
+
+
+# --- empty values with a meaning, and events found through the daemon ------------------------
+
+
+def test_serve_with_events_replay_and_metrics_off(served: Served) -> None:
+    # "" is "off" for these three (an empty events endpoint used to die in zmq's bind).
+    served.start("--events-endpoint", "", "--events-replay-endpoint", "", "--metrics-address", "")
+    served.wait_serving()
+    text = _offloadd("status", "--endpoint", served.endpoint)
+    assert text.returncode == 0, text.stderr
+    assert "  events     off" in text.stdout.splitlines()
+
+    watched = _offloadd("events", "--daemon", served.endpoint)
+    assert watched.returncode == 1
+    assert watched.stderr.strip().splitlines() == [
+        f"offloadd events: the daemon at {served.endpoint} publishes no KV events "
+        '(events.enabled = false or events.endpoint = "")'
+    ]
+    assert served.stop() == 0
+    assert "Traceback" not in served.log()
+
+
+def test_a_malformed_value_stops_serve_with_one_line() -> None:
+    result = _offloadd("serve", "--events-endpoint", "tcp://127.0.0.1")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "offloadd: events.endpoint: expected tcp://HOST:PORT (a port up to 65535), got "
+        "'tcp://127.0.0.1'; or \"\" for no events (from --events-endpoint)"
+    ]
+
+
+def _first_event(*args: str) -> tuple[dict[str, object], str]:
+    """Run ``offloadd events --json ARGS`` until its first event; (the event, its stderr)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "offloadd", "events", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_clean_env(),
+    ) as process:
+        try:
+            assert process.stdout is not None and process.stderr is not None
+            line = process.stdout.readline()  # bounded by the test's timeout
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+            stderr = process.stderr.read()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+    assert line, stderr
+    assert "Traceback" not in stderr
+    record = json.loads(line)
+    assert isinstance(record, dict)
+    return record, stderr
+
+
+def test_events_and_demo_ask_the_daemon_where_its_events_are(served: Served) -> None:
+    served.start()
+    served.wait_serving()
+    events, replay = f"ipc://{served.workdir}/ev.sock", f"ipc://{served.workdir}/replay.sock"
+    # Nothing listens on tcp 5557 here: the demo only sees events where the daemon says.
+    demo = _offloadd("demo", "--endpoint", served.endpoint, "--phase", "store", "--json")
+    assert demo.returncode == 0, demo.stderr
+    summary = json.loads(demo.stdout)
+    assert summary["chunks_stored"] == 64
+    assert summary["events_stored"] > 0
+
+    found = f"offloadd events: {events} (replay {replay}), from the daemon at {served.endpoint}"
+    record, stderr = _first_event("--daemon", served.endpoint)
+    assert record["type"] == "BlockStored" and record["replayed"] is True
+    assert stderr.splitlines()[0] == found
+
+    config = os.path.join(served.workdir, "offloadd.toml")
+    with open(config, "w") as handle:
+        handle.write(f'[server]\nendpoint = "{served.endpoint}"\n')
+    record, stderr = _first_event("--config", config)
+    assert record["type"] == "BlockStored" and record["seq"] == 0
+    assert stderr.splitlines()[0] == found
+
+
+def test_events_without_a_daemon_fails_clearly() -> None:
+    endpoint = f"ipc:///tmp/od-nothing-{uuid.uuid4().hex[:12]}.sock"
+    result = _offloadd("events", "--daemon", endpoint)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"offloadd events: no daemon answers at {endpoint}; give --daemon ENDPOINT, or "
+        "--endpoint to subscribe to a publisher directly"
+    ]
+
+
 # --- metrics ---------------------------------------------------------------------------------
 
 

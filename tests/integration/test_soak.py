@@ -1,10 +1,10 @@
-"""Soak, short variant (issue 7, item 6): ``benchmarks.soak`` for 20 seconds.
+"""Soak, short variant (issue 7, item 6): ``offloadd.bench.soak`` for 20 seconds.
 
 Two engines (tp=4 each, the same model and geometry, so one namespace shared by eight ranks)
 run lookups, stores, loads with every byte checked, pins and releases, and rank restarts
 (some with a store in flight) against ``offloadd serve`` in a subprocess. After the warm-up
 and at the end the daemon's RSS, open fds and mapped imports must be flat, and not a single
-page may differ. ``python -m benchmarks.soak --seconds 300`` is the long run.
+page may differ. ``python -m offloadd.bench.soak --seconds 300`` is the long run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from benchmarks.soak import ENGINES, SHM_PREFIX, TP, results, run_soak
+from offloadd.bench.soak import ENGINES, SHM_PREFIX, TP, results, run_soak
 
 MiB = 1 << 20
 

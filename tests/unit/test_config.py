@@ -1,4 +1,4 @@
-"""protocol.config: the seed translation, the block-size resolver, the converter, diffs, codec.
+"""protocol.config: vLLM's translation, the block-size resolver, the converter, diffs, codec.
 
 vLLM is not installed: its configs are stood in for by SimpleNamespace objects and by tiny
 spec classes that carry vLLM's class names, which is all the duck typing looks at.
@@ -347,7 +347,8 @@ def test_dcp_and_pcp_single_group() -> None:
     vllm_config = make_vllm_config(block_size=16, dcp=2, pcp=2, tp=4)
     kv_cache_config = make_kv_cache_config(full_group(16))
 
-    # vLLM's resolver scales the hash size by DCP only; the seed scales blocks by DCP*PCP.
+    # vLLM's resolver scales the hash size by DCP only; build_offloading_config scales blocks by
+    # DCP*PCP.
     assert resolve_kv_cache_block_sizes(kv_cache_config, vllm_config) == (32, 32)
     config = build_offloading_config(vllm_config, kv_cache_config)
     assert config.groups[0].tokens_per_block == 64
@@ -365,7 +366,7 @@ def test_dcp_scales_attention_groups_but_not_mamba_in_resolver() -> None:
 
     assert resolve_kv_cache_block_sizes(kv_cache_config, vllm_config) == (32, 16)
     config = build_offloading_config(vllm_config, kv_cache_config)
-    # The seed scales every group, Mamba included, by the context-parallel factor.
+    # build_offloading_config scales every group, Mamba included, by the context-parallel factor.
     assert [g.tokens_per_block for g in config.groups] == [32, 32]
     assert config.cache.tokens_per_hash == 16
 

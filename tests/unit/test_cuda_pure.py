@@ -1046,7 +1046,7 @@ def test_many_jobs_on_both_directions_and_devices(
 
 def run_script(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), *args],
+        [sys.executable, "-m", "offloadd.bench.gpu_check", *args],
         capture_output=True,
         text=True,
         timeout=60,

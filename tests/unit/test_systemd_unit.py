@@ -1,4 +1,5 @@
-"""systemd/offloadd.service has what DESIGN §8 asks for; the example TOML is the defaults."""
+"""systemd/offloadd.service is what docs/design.md (section 9) and the README describe; the
+example TOML is the defaults."""
 
 from __future__ import annotations
 

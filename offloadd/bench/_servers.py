@@ -1,4 +1,4 @@
-"""Subprocesses of the benchmarks: ``python -m benchmarks._servers MODE ARGS_JSON``.
+"""Subprocesses of the benchmarks: ``python -m offloadd.bench._servers MODE ARGS_JSON``.
 
 Every mode runs on uvloop with zmq.asyncio, as ``offloadd serve`` does, prints ``ready`` on
 stdout once it serves, answers line commands from stdin with one line each, and stops on

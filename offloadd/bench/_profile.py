@@ -1,6 +1,6 @@
 """Summaries of py-spy's collapsed stacks (``--format raw``): where the daemon spends time.
 
-``python -m benchmarks._profile FILE...`` prints, per file, the busiest threads and the
+``python -m offloadd.bench._profile FILE...`` prints, per file, the busiest threads and the
 functions with the most samples, by self time (the leaf frame) and inclusive (anywhere on
 the stack). ``--profile DIR`` of the benchmarks writes one ``.summary`` per profile.
 """
@@ -14,6 +14,8 @@ from collections import Counter
 
 _LINE = re.compile(r"^(.*) (\d+)$")
 _FRAME = re.compile(r"^(.*) \(([^()]*?)(?::\d+)?\)$")
+# The directory holding the offloadd package (a checkout or site-packages), with a slash.
+_IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + "/"
 
 
 def _function(frame: str) -> str:
@@ -22,7 +24,7 @@ def _function(frame: str) -> str:
     if not match:
         return frame
     name, path = match.groups()
-    for marker in ("/site-packages/", "/work/main/", "/lib/python3"):
+    for marker in ("/site-packages/", _IMPORT_ROOT, "/lib/python3"):
         if marker in path:
             path = path.split(marker, 1)[1]
             break

@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory that holds the offloadd package (a checkout, or site-packages): first on the
+# PYTHONPATH of every subprocess, so that it runs this very copy of offloadd.
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHM_DIR = "/dev/shm"
 
 KiB = 1 << 10
@@ -148,7 +150,7 @@ class Context:
 
 
 class ServerProcess:
-    """A ``benchmarks._servers`` subprocess: started, waited for, and always stopped.
+    """A ``offloadd.bench._servers`` subprocess: started, waited for, and always stopped.
 
     It prints ``ready`` on stdout once it serves; line commands go to its stdin and each gets
     one reply line. With ``profile`` (a file path), py-spy samples it until it exits.
@@ -163,13 +165,12 @@ class ServerProcess:
         ready_timeout: float = 60.0,
     ) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        command = [sys.executable, "-m", "benchmarks._servers", mode, json.dumps(args)]
+        env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        command = [sys.executable, "-m", "offloadd.bench._servers", mode, json.dumps(args)]
         self.mode = mode
         self._profiler: subprocess.Popen[bytes] | None = None
         self.process = subprocess.Popen(
             command,
-            cwd=REPO_ROOT,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

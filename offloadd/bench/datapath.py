@@ -1,6 +1,6 @@
 """Data path over shared memory: store and load throughput through a real daemon.
 
-The daemon runs in a subprocess (``benchmarks._servers daemon``), as in production: its event
+The daemon runs in a subprocess (``offloadd.bench._servers daemon``), as in production: its event
 loop and copy threads do not share a GIL with the ranks. The ranks are real ``OffloadClient``s
 on real ``SharedKVTensor``-style files in /dev/shm, one thread each, speaking over ipc://.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks._util import (
+from offloadd.bench._util import (
     Context,
     MiB,
     Result,

@@ -1,6 +1,6 @@
 """gpu_check: the CUDA path end to end on a GPU host, checked byte for byte, with a baseline.
 
-    python benchmarks/gpu_check.py [--total 4GiB] [--layers 32] [--json FILE]
+    python -m offloadd.bench.gpu_check [--total 4GiB] [--layers 32] [--json FILE]
 
 What it does (within about a minute on an H200; the budget is 5 minutes):
 1. Measures the baseline in this process: ``torch`` ``copy_`` of ``--total`` bytes between
@@ -36,7 +36,6 @@ import asyncio
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
@@ -45,10 +44,6 @@ import time
 import traceback
 import uuid
 from typing import Any
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 PAGE_SHAPE = (2, 16, 8, 128)  # K and V, 16 tokens, 8 KV heads, head dim 128
 PAGE_BYTES = 2 * 16 * 8 * 128 * 2  # bf16: 64 KiB per layer per block

@@ -1,7 +1,7 @@
 """Side-by-side benchmarks of offloadd: every figure is a ratio against a baseline measured
-in the same run (``DESIGN.md`` §9). Not part of ``pytest``.
+in the same run (``docs/design.md``, section 11). Not part of ``pytest``.
 
-``python -m benchmarks [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
+``python -m offloadd.bench [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
 
 Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1MiB``):
 
@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from benchmarks._util import Context, Progress, Result, Scratch
+from offloadd.bench._util import Context, Progress, Result, Scratch
 
-__all__ = ["GROUPS", "main"]
+__all__ = ["GROUPS", "main", "name_problem"]
 
 
 @dataclass(frozen=True)
@@ -50,43 +50,43 @@ class Group:
 
 
 def _shm(ctx: Context) -> list[Result]:
-    from benchmarks import datapath
+    from offloadd.bench import datapath
 
     return datapath.run(ctx)
 
 
 def _lookup(ctx: Context) -> list[Result]:
-    from benchmarks import control
+    from offloadd.bench import control
 
     return control.run_lookup(ctx)
 
 
 def _handshake(ctx: Context) -> list[Result]:
-    from benchmarks import control
+    from offloadd.bench import control
 
     return control.run_handshake(ctx)
 
 
 def _index(ctx: Context) -> list[Result]:
-    from benchmarks import growth
+    from offloadd.bench import growth
 
     return growth.run(ctx)
 
 
 def _vllm(ctx: Context) -> list[Result]:
-    from benchmarks import vllm_manager
+    from offloadd.bench import vllm_manager
 
     return vllm_manager.run(ctx)
 
 
 def _events(ctx: Context) -> list[Result]:
-    from benchmarks import events
+    from offloadd.bench import events
 
     return events.run(ctx)
 
 
 def _checksum(ctx: Context) -> list[Result]:
-    from benchmarks import integrity
+    from offloadd.bench import integrity
 
     return integrity.run(ctx)
 
@@ -108,13 +108,14 @@ GROUPS = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog="python -m offloadd.bench",
         description="offloadd benchmarks: ratios against baselines measured side by side.",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
     parser.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
     parser.add_argument(
         "--only",
+        type=_only,
         nargs="+",
         metavar="NAME",
         default=[],
@@ -144,6 +145,23 @@ def _selected(only: Sequence[str]) -> tuple[list[Group], list[str]]:
         if any(_overlaps(p, gp) for p in patterns for gp in group.patterns):
             groups.append(group)
     return groups, patterns
+
+
+def name_problem(word: str) -> str:
+    """Why ``--only word`` would select nothing, or ``""``."""
+    if not word.strip():
+        return f"expected a group or result name, got {word!r}"
+    if not _selected([word])[0]:
+        groups = ", ".join(g.name for g in GROUPS)
+        return f"no benchmark group or result matches {word!r} (groups: {groups})"
+    return ""
+
+
+def _only(word: str) -> str:
+    problem = name_problem(word)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return word
 
 
 def _overlaps(pattern: str, group_pattern: str) -> bool:
@@ -229,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     progress(f"done in {time.perf_counter() - started:.0f}s ({mode})")
     if args.profile:
-        from benchmarks._profile import summarize_dir
+        from offloadd.bench._profile import summarize_dir
 
         summarize_dir(args.profile)
         progress(f"profiles and summaries in {args.profile}")

@@ -1,6 +1,6 @@
 """Soak: two engines of four ranks each against a daemon subprocess, mixed traffic, bounded time.
 
-``python -m benchmarks.soak [--seconds 300] [--json FILE] [--seed S]``
+``python -m offloadd.bench.soak [--seconds 300] [--json FILE] [--seed S]``
 
 The daemon is ``offloadd serve`` in a subprocess (its RSS and ``/proc/<pid>/fd`` are its
 own), with a small arena so that eviction runs all the time. Two engines (``soak-a`` and
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._util import REPO_ROOT, Result, ratio
+from offloadd.bench._util import IMPORT_ROOT, Result, ratio
 from offloadd.client import OffloadClient
 from offloadd.errors import DaemonUnavailable
 from offloadd.shm import SharedKVTensor
@@ -135,8 +135,8 @@ class DaemonProcess:
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("OFFLOADD_")}
         env.update(BOUNDED_CACHES)
-        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
+        env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.process = subprocess.Popen(command, env=env)
         self.monitor = OffloadClient(self.endpoint, timeout=0.5, heartbeat=0)
         try:
             deadline = time.monotonic() + 60
@@ -649,7 +649,7 @@ def results(report: SoakReport) -> list[Result]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m offloadd.bench.soak", description=__doc__)
     parser.add_argument("--seconds", type=float, default=300.0, help="run time (warm-up included)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--capacity", type=int, default=32, help="arena MiB (small: evictions)")
@@ -662,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report = run_soak(args.seconds, seed=args.seed, capacity=args.capacity * MiB, progress=progress)
     figures = results(report)
-    from benchmarks import format_table
+    from offloadd.bench import format_table
 
     print(format_table(figures))
     document = [figure.as_json() for figure in figures]

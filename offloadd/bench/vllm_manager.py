@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._util import Context, Result, median, ratio
-from benchmarks.control import NUM_BLOCKS, PAGE, small_config
-from benchmarks.datapath import chunk_keys, daemon
+from offloadd.bench._util import Context, Result, median, ratio
+from offloadd.bench.control import NUM_BLOCKS, PAGE, small_config
+from offloadd.bench.datapath import chunk_keys, daemon
 from offloadd.client import OffloadClient
 from offloadd.shm import SharedKVTensor
 

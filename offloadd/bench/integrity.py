@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import time
 
-from benchmarks._util import Context, Result, paired_ratio
+from offloadd.bench._util import Context, Result, paired_ratio
 from offloadd.cache.journal import checksum
 
 SIZES = {64 << 10: "64KiB", 1 << 20: "1MiB", 8 << 20: "8MiB"}

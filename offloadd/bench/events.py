@@ -22,8 +22,8 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from benchmarks._servers import _event_batch
-from benchmarks._util import Context, Result, ServerProcess, median, paired_ratio
+from offloadd.bench._servers import _event_batch
+from offloadd.bench._util import Context, Result, ServerProcess, median, paired_ratio
 from offloadd.subscriber import Subscriber
 from protocol.events import encode_batch
 

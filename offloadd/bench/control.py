@@ -22,7 +22,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from benchmarks._util import (
+from offloadd.bench._util import (
     Context,
     Result,
     ServerProcess,
@@ -32,7 +32,7 @@ from benchmarks._util import (
     process_cpu_seconds,
     ratio,
 )
-from benchmarks.datapath import chunk_keys, daemon
+from offloadd.bench.datapath import chunk_keys, daemon
 from offloadd.client import AsyncOffloadClient, OffloadClient
 from offloadd.shm import SharedKVTensor
 from protocol import PROTOCOL_VERSION

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from benchmarks._util import REPO_ROOT, Context, Result, median, paired_ratio
+from offloadd.bench._util import IMPORT_ROOT, Context, Result, median, paired_ratio
 from offloadd.cache.index import ChunkCache
 
 SIZES = (10_000, 100_000, 1_000_000)
@@ -78,10 +78,9 @@ def measure_memory(count: int, shards: int) -> dict[str, float]:
 
 def _memory_in_subprocess(count: int, shards: int) -> dict[str, float]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     output = subprocess.run(
-        [sys.executable, "-m", "benchmarks.growth", str(count), str(shards)],
-        cwd=REPO_ROOT,
+        [sys.executable, "-m", "offloadd.bench.growth", str(count), str(shards)],
         env=env,
         check=True,
         capture_output=True,

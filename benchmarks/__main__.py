@@ -1,5 +1,0 @@
-import sys
-
-from benchmarks import main
-
-sys.exit(main())

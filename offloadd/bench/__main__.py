@@ -1,0 +1,5 @@
+import sys
+
+from offloadd.bench import main
+
+sys.exit(main())
