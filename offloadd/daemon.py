@@ -46,6 +46,7 @@ from offloadd.settings import Settings
 from offloadd.systemd import Notifier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable, Import
+from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
 from offloadd.transfer.plan import Span, block_id_problem, chunk_copies, group_spans
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
@@ -195,7 +196,12 @@ class Daemon:
                 unlink_on_close=not settings.cache.persist,
                 pin=self._pin_arena if cuda else None,
             )
-            self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
+            self._cache = ChunkCache(
+                settings.cache.capacity,
+                policy=settings.cache.policy,
+                # One DMA may not span two of the arena's cudaHostRegister pieces.
+                boundary=PIN_PIECE if cuda else 0,
+            )
             if settings.cache.persist:
                 self._restore()
             opener = None
@@ -282,7 +288,7 @@ class Daemon:
             self._notify.status(f"registering the arena as pinned memory: {fraction:.0%}")
             self._notify.extend_timeout(60)
 
-        return register_host_memory(address, size, progress=progress)
+        return register_host_memory(address, size, piece=PIN_PIECE, progress=progress)
 
     def _restore(self) -> None:
         """Find the chunks a previous daemon committed in this arena (warm restart)."""
