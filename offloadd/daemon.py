@@ -214,9 +214,11 @@ class Daemon:
             )
             if self._copy is None:
                 if cuda:
+                    from offloadd.transfer.batch import HostPieces
                     from offloadd.transfer.cuda import make_engine
 
-                    self._copy = make_engine()
+                    pieces = HostPieces(self._arena.address, PIN_PIECE)
+                    self._copy = make_engine(host_pieces=pieces)
                 else:
                     self._copy = CpuCopyEngine()
             self._ctx = zmq.asyncio.Context()
