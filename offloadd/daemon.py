@@ -51,6 +51,7 @@ from offloadd.transfer.plan import Span, block_id_problem, chunk_copies, group_s
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
+from protocol.handles import CudaIpcHandle
 from protocol.messages import (
     Bye,
     Clear,
@@ -584,6 +585,11 @@ class Daemon:
 
     def _open_regions(self, hello: Hello) -> list[Import]:
         handles = self._require_handles()
+        # Each engine moves one kind of memory: refuse the other kind here, not per job.
+        cuda = self.settings.server.copy_engine == "cuda"
+        for index, region in enumerate(hello.regions):
+            if isinstance(region.handle, CudaIpcHandle) != cuda:
+                raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, _wrong_memory(index, cuda=cuda))
         imports: list[Import] = []
         for index, region in enumerate(hello.regions):
             try:
@@ -845,18 +851,38 @@ class Daemon:
         state.jobs[job.job_id] = job
         self._jobs_in_flight += 1
         loop = asyncio.get_running_loop()
-        future = self._copy.submit(
-            job.direction,
-            moves,
-            device=state.imports[0].device if state.imports else -1,
-            wait_event=wait_event or None,
-        )
+        try:
+            future = self._copy.submit(
+                job.direction,
+                moves,
+                device=state.imports[0].device if state.imports else -1,
+                wait_event=wait_event or None,
+            )
+        except Exception as exc:
+            # Nothing was queued: undo the booking, or the job would stay in flight forever
+            # (Wait never answered, drain never finished).
+            self._unbook(job, imports)
+            logger.error("%s: job %d not started: %s", state.session.describe(), job.job_id, exc)
+            raise _Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
 
         def on_done(done: Future[float]) -> None:
             loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
 
         future.add_done_callback(on_done)
         return JobAccepted(request_id, job.job_id)
+
+    def _unbook(self, job: _Job, imports: list[Import]) -> None:
+        """Undo ``_submit``'s booking of a job the copy engine refused to start."""
+        job.state.jobs.pop(job.job_id, None)
+        self._jobs_in_flight -= 1
+        self._release_imports(imports)
+        cache = self._require_cache()
+        if job.direction is Direction.STORE:
+            cache.finish_store(job.writes, ok=False)
+        else:
+            cache.finish_load(job.entries)
+        if self._jobs_in_flight == 0:
+            self._idle.set()
 
     def _copy_finished(self, job: _Job, imports: list[Import], future: Future[float]) -> None:
         self._jobs_in_flight -= 1
@@ -1081,6 +1107,20 @@ async def serve(settings: Settings, *, shutdown: asyncio.Event | None = None) ->
     async with Daemon(settings) as daemon:
         await daemon.serve(stop)
     logger.info("offloadd stopped")
+
+
+def _wrong_memory(index: int, *, cuda: bool) -> str:
+    if cuda:
+        return (
+            f"region {index} is host shared memory, but this daemon runs the cuda copy "
+            'engine (server.copy_engine = "cuda"), which moves GPU memory: register CUDA '
+            "tensors (offloadd.cuda_ipc.kv_region_from_tensor), or use a daemon with "
+            'copy_engine = "cpu"'
+        )
+    return (
+        f"region {index} is CUDA memory, but this daemon runs the cpu copy engine: use a "
+        'daemon with server.copy_engine = "cuda" on a GPU node, or shared-memory regions'
+    )
 
 
 def _own_pid_namespace() -> int:
