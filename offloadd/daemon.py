@@ -233,6 +233,12 @@ class Daemon:
             await self._close_events()
             self._release_resources()
             raise
+        path = self._copy_path()
+        if not all(path.values()):
+            logger.error(
+                "copy path DEGRADED: %s; see the warnings above (offloadd status shows it too)",
+                ", ".join(f"not {feature}" for feature, ok in path.items() if not ok),
+            )
         self._notify.ready(f"serving on {self.endpoint}; no engines yet")
         logger.info(
             "offloadd serving on %s (arena %s, %d MiB, %s eviction, %s copies)",
@@ -1082,7 +1088,16 @@ class Daemon:
             engines=[engine.state() for engine in self.registry.engines()],
             imports=len(self._handles) if self._handles is not None else 0,
             jobs_in_flight=self._jobs_in_flight,
+            copy_path=self._copy_path(),
         )
+
+    def _copy_path(self) -> dict[str, bool]:
+        """Whether the cuda engine runs its fast path (empty for engines without one)."""
+        batched = getattr(self._copy, "batched", None)
+        if batched is None:
+            return {}
+        pinned = self._arena is not None and self._arena.pinned is not None
+        return {"batched": bool(batched), "pinned": pinned}
 
     def _require_cache(self) -> ChunkCache:
         assert self._cache is not None, "daemon not started"

@@ -228,6 +228,9 @@ class DaemonStats(msgspec.Struct, frozen=True):
     engines: list[EngineState]
     imports: int = 0  # memory handles currently mapped (closed when their sessions end)
     jobs_in_flight: int = 0
+    # The cuda engine's fast path, {"batched": ..., "pinned": ...}: a False is a degraded
+    # daemon (status and metrics say so). Empty on the cpu engine.
+    copy_path: dict[str, bool] = {}
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

@@ -9,6 +9,7 @@ daemon refuses CUDA regions.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 import msgspec
 import pytest
 
+from offloadd import status
 from offloadd.client import OffloadClient
 from offloadd.errors import InvalidRequest, RequestFailed
 from offloadd.transfer.engine import CpuCopyEngine, Direction, Triple
@@ -135,3 +137,33 @@ def test_a_cpu_daemon_refuses_cuda_regions_at_hello(daemon: DaemonThread) -> Non
         OffloadClient.connect(daemon.endpoint, config, [region])
     assert refused.value.code == ErrorCode.HANDLE_OPEN_FAILED
     assert "region 0 is CUDA memory" in str(refused.value)
+
+
+class UnbatchedEngine(RefusingEngine):
+    """Stands in for a cuda engine that fell back to one driver call per copy."""
+
+    name = "cuda"
+    batched = False
+
+
+def test_a_degraded_cuda_daemon_says_so_in_its_log_stats_and_status(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    daemon = DaemonThread(copy_engine=UnbatchedEngine())  # type: ignore[arg-type]
+    server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
+    daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
+    with caplog.at_level(logging.ERROR, logger="offloadd.daemon"):
+        daemon.start()
+    try:
+        assert "copy path DEGRADED: not batched, not pinned" in caplog.text
+        out, err = io.StringIO(), io.StringIO()
+        assert status.main(daemon.endpoint, as_json=True, out=out, err=err) == 0
+        assert msgspec.json.decode(out.getvalue())["copy_path"] == {
+            "batched": False,
+            "pinned": False,
+        }
+        out = io.StringIO()
+        assert status.main(daemon.endpoint, out=out, err=err) == 0
+        assert "copies     cuda DEGRADED" in out.getvalue()
+    finally:
+        daemon.stop()
