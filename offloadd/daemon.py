@@ -44,6 +44,7 @@ from offloadd.registry import (
 )
 from offloadd.settings import Settings
 from offloadd.systemd import Notifier
+from offloadd.transfer.copies import Copies
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable, Import
 from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
@@ -758,7 +759,7 @@ class Daemon:
         if job.failed_keys:
             logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
         arena_address = self._require_arena().address
-        moves: list[Triple] = []
+        moves = Copies()  # planned as arrays: the cuda engine takes them as they are
         keys, block_ids = request.keys, request.block_ids
         for write in reservation.writes:
             spans, shard_bytes = self._spans(state, group_of_key(keys[write.index]), bpc)
@@ -792,7 +793,7 @@ class Daemon:
         job.entries = reservation.entries
         shard = 0 if namespace.replicated else session.rank
         arena_address = self._require_arena().address
-        moves: list[Triple] = []
+        moves = Copies()  # planned as arrays: the cuda engine takes them as they are
         position = 0
         block_ids = request.block_ids
         for index, entry in enumerate(reservation.entries):
@@ -843,7 +844,7 @@ class Daemon:
         state: _SessionState,
         request_id: int,
         job: _Job,
-        moves: list[Triple],
+        moves: Sequence[Triple],
         wait_event: bytes = b"",
     ) -> Reply | None:
         if not moves:

@@ -2,7 +2,8 @@
 
 Contract:
 - ``move_arrays(moves, direction, pieces=None) -> MoveArrays`` turns a job's absolute
-  ``(src, dst, nbytes)`` triples into three contiguous 64-bit arrays in one numpy pass:
+  ``(src, dst, nbytes)`` triples (a ``Copies`` as planned by the daemon, taken as it is, or
+  any sequence of tuples) into three contiguous 64-bit arrays in one numpy pass:
   empty moves are dropped and neighbours contiguous on both sides are merged. A merge never
   joins two moves at a multiple of ``pieces.size`` from ``pieces.origin`` on the host side
   (the destination of a store, the source of a load): those are the cuts between the
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from offloadd.transfer.copies import Copies
 from offloadd.transfer.engine import Direction, Triple
 
 Addresses = npt.NDArray[np.uint64]
@@ -126,15 +128,19 @@ def move_arrays(
     count = len(moves)
     if not count:
         return _empty()
-    table = np.fromiter(chain.from_iterable(moves), np.int64, 3 * count).reshape(count, 3)
-    sizes = table[:, 2]
-    if sizes.min() <= 0:
-        if sizes.min() < 0:
-            raise ValueError(f"negative copy size {int(sizes.min())}")
-        table = table[sizes > 0]
-        if not len(table):
+    if isinstance(moves, Copies):
+        src, dst, size = moves.columns()
+    else:
+        table = np.fromiter(chain.from_iterable(moves), np.int64, 3 * count).reshape(count, 3)
+        src, dst, size = table[:, 0], table[:, 1], table[:, 2]
+    smallest = size.min()
+    if smallest <= 0:
+        if smallest < 0:
+            raise ValueError(f"negative copy size {int(smallest)}")
+        keep = size > 0
+        src, dst, size = src[keep], dst[keep], size[keep]
+        if not len(size):
             return _empty()
-    src, dst, size = table[:, 0], table[:, 1], table[:, 2]
     end = size[:-1]
     join = (src[:-1] + end == src[1:]) & (dst[:-1] + end == dst[1:])
     if pieces is not None and pieces.size:
