@@ -15,6 +15,8 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   the key bytes.
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
+- ``cuda_marshal``: CPU cost per copy of a 128k-copy cuda store job, planning and the batched
+  call's marshalling with the driver call stubbed (no GPU), vs the previous path.
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -76,6 +78,12 @@ def _events(ctx: Context) -> list[Result]:
     return events.run(ctx)
 
 
+def _cuda_marshal(ctx: Context) -> list[Result]:
+    from benchmarks import cuda_marshal
+
+    return cuda_marshal.run(ctx)
+
+
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
@@ -86,6 +94,7 @@ GROUPS = (
         _index,
     ),
     Group("events", ("events_per_s",), _events),
+    Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
 )
 
 
