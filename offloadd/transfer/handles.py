@@ -12,7 +12,9 @@ and later write, an arbitrary file) and may never name the daemon's own arena.
 CUDA IPC handles are opened through the ``cuda`` opener the table is built with (see
 ``CudaOpener``; ``offloadd.cuda_ipc.CudaIpcOpener`` in the daemon, a fake in tests). One
 mapping per exported storage: ``(device UUID, handle bytes, storage offset)``, the key torch
-itself uses for its IPC cache. It is closed when the last reference goes, so releasing a
+itself uses for its IPC cache; a handle that finds its storage mapped already is passed to
+the opener's ``duplicate`` (each export holds a reference of its own on the exporter, as
+torch's rebuild knows). A mapping is closed when the last reference goes, so releasing a
 reaped rank's imports unmaps its GPU memory at once. ``Import.device`` is the local device
 ordinal of a CUDA import (-1 for host memory), which the cuda copy engine needs per job.
 Without a cuda opener, CUDA handles are refused with a clear message.
@@ -49,6 +51,11 @@ class CudaOpener(Protocol):
         ``address`` and ``size`` describe the whole imported object (the table adds
         ``handle.offset`` and checks ``handle.size`` against it); ``close`` drops the import.
         """
+        ...
+
+    def duplicate(self, handle: CudaIpcHandle) -> None:
+        """``handle`` names an object the table maps already (another export of it): drop
+        whatever this export holds for the exporter (torch's per-export reference)."""
         ...
 
 
@@ -177,6 +184,12 @@ class HandleTable:
         key = ("cuda", normalize_uuid(handle.device_uuid), handle.handle, handle.storage_offset)
         existing = self._mappings.get(key)
         if existing is not None:
+            try:
+                self._cuda.duplicate(handle)
+            except Exception as exc:
+                raise HandleError(
+                    f"cannot release the extra reference of a CUDA IPC handle: {exc}"
+                ) from exc
             existing.refs += 1
             return existing
         try:

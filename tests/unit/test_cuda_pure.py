@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -366,11 +367,15 @@ def test_device_map_refuses_missing_and_duplicate_uuids() -> None:
 
 
 class FakeTorch:
-    """What ``_open_storage`` touches: cuda.init/device/current_stream, _new_shared_cuda."""
+    """What the import touches: cuda.init/device/Event.from_ipc_handle, _new_shared_cuda,
+    _release_ipc_counter_cuda."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.synced: list[int] = []
+        self.events: list[tuple[Any, bytes]] = []  # opened IPC events: (device, handle)
+        self.synced: list[bytes] = []  # IPC events waited for on the host
+        self.destroyed: list[bytes] = []  # IPC events destroyed
+        self.released: list[tuple[bytes, int]] = []  # IPC counters released
         fake = self
 
         class Storage:
@@ -388,19 +393,32 @@ class FakeTorch:
                 fake.calls.append(args)
                 return Storage(args)
 
-        class Stream:
-            def __init__(self, device: int) -> None:
-                self.device = device
+            @staticmethod
+            def _release_ipc_counter_cuda(handle: bytes, offset: int) -> None:
+                fake.released.append((handle, offset))
+
+        class Event:
+            def __init__(self, handle: bytes) -> None:
+                self.handle = handle
+
+            @classmethod
+            def from_ipc_handle(cls, device: Any, handle: bytes) -> Event:
+                fake.events.append((device, handle))
+                return cls(handle)
 
             def synchronize(self) -> None:
-                fake.synced.append(self.device)
+                fake.synced.append(self.handle)
+
+            def __del__(self) -> None:  # torch's CUDAEvent destructor: cudaEventDestroy
+                fake.destroyed.append(self.handle)
 
         self.UntypedStorage = Storage
         self.cuda = types.SimpleNamespace(
             init=lambda: None,
             device=lambda index: contextlib.nullcontext(),
-            current_stream=Stream,
+            Event=Event,
         )
+        self.device = lambda kind, index: (kind, index)
 
 
 @pytest.fixture
@@ -413,12 +431,16 @@ def fake_torch(monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
 def test_open_passes_the_local_device_and_the_eight_fields_in_order(fake_torch: FakeTorch) -> None:
     handle = cuda_handle(storage_offset=8192, storage_size=4 << 20, offset=1024, size=1 << 20)
     address, keepalive = open_ipc_handle(handle, 3)
+    # torch is not asked to sync on the event: it would wait on the device's current stream
+    # and, in some versions, never destroy the event it opened.
     assert fake_torch.calls == [
-        (3, IPC, 4 << 20, 8192, b"/torch_123_456", 3, EVENT, True),
+        (3, IPC, 4 << 20, 8192, b"/torch_123_456", 3, EVENT, False),
     ]
     assert address == 0x7F0000000000 + 8192 + 1024
     assert keepalive is not None
-    assert fake_torch.synced == [3]  # the producer's "ready" event is settled once
+    # The producer's "ready" event: opened on the local device, waited for, destroyed.
+    assert fake_torch.events == [(("cuda", 3), EVENT)]
+    assert fake_torch.synced == [EVENT] and fake_torch.destroyed == [EVENT]
 
 
 def test_open_refuses_expandable_handles_and_regions_outside_the_storage(
@@ -458,6 +480,11 @@ class FakeOpener:
     def device_index(self, handle: CudaIpcHandle) -> int:
         return self.devices.index(handle.device_uuid)
 
+    duplicates: list[CudaIpcHandle] = field(default_factory=list)
+
+    def duplicate(self, handle: CudaIpcHandle) -> None:
+        self.duplicates.append(handle)
+
     def open(self, handle: CudaIpcHandle) -> tuple[int, int, Callable[[], None]]:
         if self.fail is not None:
             raise self.fail
@@ -476,6 +503,7 @@ def test_one_mapping_per_handle_refcounted_and_closed_on_last_release(opener: Fa
     first = table.open(cuda_handle(offset=0, size=4096))
     second = table.open(cuda_handle(uuid="gpu-" + UUID0[4:].lower(), offset=4096, size=4096))
     assert len(opener.opened) == 1 and len(table) == 1
+    assert [h.offset for h in opener.duplicates] == [4096]  # its own export reference
     assert second.address == first.address + 4096
     assert (first.device, second.device) == (0, 0)
     table.retain(first)  # a copy in flight
@@ -1101,3 +1129,53 @@ def test_gpu_check_without_cuda_exits_2_with_a_message() -> None:
     result = run_script("--total", "1GiB")
     assert result.returncode == 2
     assert "CUDA" in result.stderr
+
+
+def test_a_second_export_of_a_mapped_storage_releases_its_ipc_counter(
+    fake_torch: FakeTorch,
+) -> None:
+    # Two layers in one allocation, exported twice: torch counted a reference per export.
+    opener = CudaIpcOpener(DeviceMap([UUID0]))
+    table = HandleTable(cuda=opener)
+    first = table.open(cuda_handle(offset=0, size=4096))
+    second_handle = msgspec.structs.replace(
+        cuda_handle(offset=4096, size=4096), ref_counter_offset=9
+    )
+    second = table.open(second_handle)
+    assert len(fake_torch.calls) == 1  # one import
+    assert fake_torch.released == [(b"/torch_123_456", 9)]  # the second export's reference
+    table.release(first)
+    table.release(second)
+
+
+def test_an_unwritable_counter_file_is_reported_once(
+    fake_torch: FakeTorch, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"/offloadd-test-counter-{uuid.uuid4().hex[:8]}"
+    path = cuda_ipc.counter_path(name.encode())
+    with open(path, "wb"):
+        pass
+    try:
+        monkeypatch.setattr(cuda_ipc.os, "access", lambda p, mode: p != path)
+        opener = CudaIpcOpener(DeviceMap([UUID0]))
+        handle = msgspec.structs.replace(cuda_handle(), ref_counter_handle=name.encode())
+        with caplog.at_level(logging.WARNING, logger="offloadd.cuda_ipc"):
+            for _ in range(3):
+                opener.open(handle)[2]()
+        assert caplog.text.count("cannot write torch's IPC reference counter") == 1
+        assert path in caplog.text
+    finally:
+        os.unlink(path)
+
+
+def test_export_opens_the_counter_file_to_the_ranks_group(fake_gpu: None) -> None:
+    name = f"/offloadd-test-counter-{uuid.uuid4().hex[:8]}"
+    path = cuda_ipc.counter_path(name.encode())
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        shared = (0, IPC, 1 << 22, 4096, name.encode(), 7, EVENT, True)
+        export_tensor(FakeCudaTensor((4, 64), (64, 1), itemsize=1, shared=shared))  # type: ignore[arg-type]
+        assert os.stat(path).st_mode & 0o777 == 0o660
+    finally:
+        os.unlink(path)
