@@ -3,7 +3,10 @@
 Everything runs on one asyncio loop (uvloop when available) except byte copies, which the
 copy engine runs on its own threads. Each request is handled to completion without awaiting,
 so handlers never interleave; a store or load replies ``JobAccepted`` at once and its
-``JobDone`` is sent when the copy engine's future resolves. Any request that fails
+``JobDone`` is sent when the copy engine's future resolves. One exception: a cuda daemon
+imports a Hello's CUDA IPC handles (and closes imports) on an import thread, since each
+import blocks; that peer's later requests are held (``offloadd.gate``) until its Hello is
+answered, so every peer still sees its requests handled in order. Any request that fails
 validation, and any bug inside a handler, is answered with an ``Error`` and the daemon goes
 on serving everyone else.
 """
@@ -18,8 +21,8 @@ import os
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -33,6 +36,7 @@ from offloadd.cache.index import ChunkCache, Entry, ShardWrite
 from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
+from offloadd.gate import RequestGate
 from offloadd.metrics import Metrics
 from offloadd.registry import (
     Engine,
@@ -161,6 +165,9 @@ class Daemon:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._handles: HandleTable | None = None
+        # cuda only: CUDA IPC imports and closes run here, off the loop (see _hello).
+        self._importer: ThreadPoolExecutor | None = None
+        self._gate = RequestGate()
         self._cache: ChunkCache | None = None
         self._journal: Journal | None = None
         self._events: PublisherSet | None = None
@@ -211,8 +218,12 @@ class Daemon:
                 from offloadd.cuda_ipc import CudaIpcOpener
 
                 opener = CudaIpcOpener()
+                self._importer = ThreadPoolExecutor(1, thread_name_prefix="offloadd-ipc")
             self._handles = HandleTable(
-                settings.server.shm_dirs, forbidden=[self._arena.path], cuda=opener
+                settings.server.shm_dirs,
+                forbidden=[self._arena.path],
+                cuda=opener,
+                closer=self._close_import if cuda else None,
             )
             if self._copy is None:
                 if cuda:
@@ -391,6 +402,8 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._importer is not None:
+            self._importer.shutdown(wait=True)  # imports in progress finish first
         if self._handles is not None:
             self._handles.close()
             self._handles = None
@@ -419,17 +432,21 @@ class Daemon:
                 # flood, let copy completions, events and timers run in between.
                 await asyncio.sleep(0)
             identity = frames[0]
-            try:
-                self._on_frames(identity, frames[1:])
-            except Exception:
-                # A bug must not take the daemon down; the peer still gets an answer.
-                logger.exception("internal error while handling a request")
-                request_id = peek_request_id(frames[-1]) if len(frames) > 1 else 0
-                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
-                self._send(
-                    identity,
-                    Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
-                )
+            if not self._gate.hold(identity, frames[1:]):
+                self._handle_frames(identity, frames[1:])
+
+    def _handle_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            self._on_frames(identity, frames)
+        except Exception:
+            # A bug must not take the daemon down; the peer still gets an answer.
+            logger.exception("internal error while handling a request")
+            request_id = peek_request_id(frames[-1]) if frames else 0
+            self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+            self._send(
+                identity,
+                Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+            )
 
     def _send(self, identity: bytes, message: Reply) -> None:
         """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
@@ -524,8 +541,63 @@ class Daemon:
             )
         if self._draining:
             raise _Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if self._importer is not None and hello.regions:
+            # CUDA imports block (open, wait for the producer's event): run them on the
+            # import thread and hold this peer's later requests until the Hello is done.
+            self._gate.close(identity)
+            loop = asyncio.get_running_loop()
+
+            def imported(future: Future[list[Import]]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing to answer
+                    loop.call_soon_threadsafe(self._hello_imported, identity, hello, future)
+
+            self._importer.submit(self._open_regions, hello).add_done_callback(imported)
+            return None
+        return self._register(identity, hello, self._open_regions(hello))
+
+    def _hello_imported(self, identity: bytes, hello: Hello, future: Future[list[Import]]) -> None:
+        """Finish a Hello whose regions were imported off the loop, then its held requests."""
+        try:
+            if self._handles is None:
+                return  # closed meanwhile; the table's close unmapped everything
+            try:
+                reply = self._register(identity, hello, future.result())
+            except _Refused as refused:
+                self._protocol_error(identity, hello.request_id, refused.code, str(refused))
+            except Exception:
+                logger.exception("internal error while handling a Hello")
+                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+                self._send(
+                    identity,
+                    Error(hello.request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+                )
+            else:
+                if reply is not None:
+                    self._send(identity, reply)
+        finally:
+            self._gate.open(identity)
+            while (frames := self._gate.next(identity)) is not None:
+                if self._sock is not None:  # else the daemon is closing: nobody to answer
+                    self._handle_frames(identity, frames)
+
+    def _close_import(self, close: Callable[[], None]) -> None:
+        """Run a CUDA import's close (it syncs a stream) on the import thread."""
+
+        def run() -> None:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing a CUDA IPC import failed")
+
+        try:
+            assert self._importer is not None
+            self._importer.submit(run)
+        except RuntimeError:  # shut down: the daemon is exiting, close here
+            run()
+
+    def _register(self, identity: bytes, hello: Hello, imports: list[Import]) -> Reply | None:
+        """The rest of a Hello once its regions are imported: register, answer Welcome."""
         session_id = identity.hex()
-        imports = self._open_regions(hello)
         try:
             outcome = self.registry.hello(session_id, hello)
         except RegistrationError as exc:
