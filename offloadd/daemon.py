@@ -544,7 +544,6 @@ class Daemon:
         if self._importer is not None and hello.regions:
             # CUDA imports block (open, wait for the producer's event): run them on the
             # import thread and hold this peer's later requests until the Hello is done.
-            self._gate.close(identity)
             loop = asyncio.get_running_loop()
 
             def imported(future: Future[list[Import]]) -> None:
@@ -552,6 +551,7 @@ class Daemon:
                     loop.call_soon_threadsafe(self._hello_imported, identity, hello, future)
 
             self._importer.submit(self._open_regions, hello).add_done_callback(imported)
+            self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
             return None
         return self._register(identity, hello, self._open_regions(hello))
 
