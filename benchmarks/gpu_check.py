@@ -340,6 +340,7 @@ class _Rank:
             for kv in self.tensors:
                 kv[index, : self.page] = torch.randint_like(kv[index, : self.page], 0, 256)
             self._jobs("store", keys, src, 10_000, per_job=warm)
+            self.barrier.wait(self.timeout)  # a chunk commits once every rank stored its shard
             self._jobs("load", keys, dst, 20_000, per_job=warm)
             result["warmup_mismatched_layers"] = self._mismatched(src, dst)
             # Throughput.
@@ -365,6 +366,7 @@ class _Rank:
                 src, dst = ids[:latency], ids[latency : 2 * latency]
                 keys = chain_keys(params["latency_jobs"], salt + b"-latency")
                 for phase, block_ids, base in (("store", src, 3_000_000), ("load", dst, 4_000_000)):
+                    self.barrier.wait(self.timeout)
                     walls, dma = [], []
                     for job in range(params["latency_jobs"]):
                         started = time.perf_counter()
@@ -477,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     base = baseline(total)
     _log(f"baseline copy_: store {base['store']:.1f} GB/s, load {base['load']:.1f} GB/s")
     shard = args.blocks_per_chunk * block_bytes
-    extra = (WARMUP_CHUNKS + args.latency_jobs) * shard
+    extra = (WARMUP_CHUNKS + args.latency_jobs) * shard * RANKS
     capacity = max(parse_size(args.arena) if args.arena else 0, total + total // 8 + extra)
     capacity += 64 << 20
     daemon = DaemonThread(capacity)
