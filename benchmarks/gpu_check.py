@@ -365,6 +365,8 @@ class _Rank:
             if latency:
                 src, dst = ids[:latency], ids[latency : 2 * latency]
                 keys = chain_keys(params["latency_jobs"], salt + b"-latency")
+                self._zero(dst)
+                torch.cuda.synchronize()  # nothing left for the jobs to wait for
                 for phase, block_ids, base in (("store", src, 3_000_000), ("load", dst, 4_000_000)):
                     self.barrier.wait(self.timeout)
                     walls, dma = [], []
@@ -372,7 +374,7 @@ class _Rank:
                         started = time.perf_counter()
                         (done,) = self._jobs(
                             phase, keys[job : job + 1], block_ids[job * bpc : (job + 1) * bpc],
-                            base + job, per_job=bpc, record=False,
+                            base + job, per_job=bpc, prepare=False,
                         )  # fmt: skip
                         walls.append(time.perf_counter() - started)
                         dma.append(done.seconds)
@@ -389,21 +391,25 @@ class _Rank:
         first_job: int,
         *,
         per_job: int,
-        record: bool = True,
+        prepare: bool = True,
     ) -> list[Any]:
-        """Submit ``phase`` jobs of ``per_job`` blocks over ``keys``; wait; the JobDones."""
+        """Submit ``phase`` jobs of ``per_job`` blocks over ``keys``; wait; the JobDones.
+
+        ``prepare``: zero a load's blocks first, and make the daemon wait for this rank's
+        stream (the IPC event; a synchronize for a Load that cannot carry it). Without it
+        the caller has done both.
+        """
         torch, client, bpc = self.torch, self.client, self.bpc
-        if phase == "load":
-            index = torch.tensor(block_ids, device="cuda")
-            for kv in self.tensors:
-                kv[index, : self.page] = 0
         event = b""
-        if record and (phase == "store" or self.load_waits):
-            # The daemon's copy waits for everything this stream did so far.
-            self.event.record()
-            event = bytes(self.event.ipc_handle())
-        else:
-            torch.cuda.synchronize()  # the rank-side alternative to an event
+        if prepare:
+            if phase == "load":
+                self._zero(block_ids)
+            if phase == "store" or self.load_waits:
+                # The daemon's copy waits for everything this stream did so far.
+                self.event.record()
+                event = bytes(self.event.ipc_handle())
+            else:
+                torch.cuda.synchronize()  # the rank-side alternative to an event
         jobs = []
         for job, first in enumerate(range(0, len(block_ids), per_job)):
             chunk_keys = keys[first // bpc : (first + per_job) // bpc]
@@ -421,6 +427,11 @@ class _Rank:
             jobs.append(job_id)
         done: list[Any] = client.wait(jobs, self.timeout)
         return done
+
+    def _zero(self, block_ids: list[int]) -> None:
+        index = self.torch.tensor(block_ids, device="cuda")
+        for kv in self.tensors:
+            kv[index, : self.page] = 0
 
     def _mismatched(self, src: list[int], dst: list[int]) -> list[int]:
         """Layers whose loaded pages differ from the stored ones."""
