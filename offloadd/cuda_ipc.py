@@ -23,8 +23,14 @@ Daemon side:
 - ``CudaIpcOpener`` is the ``HandleTable`` plug-in built on it.
 
 torch is imported inside the functions, so this module imports on machines without CUDA.
-Requires a shared ``/dev/shm`` between rank and daemon (torch keeps its IPC reference
-counters there).
+
+Reference counting: every export (``_share_cuda_``) takes a reference in a counter file torch
+keeps in ``/dev/shm``, which the importer must release. The daemon releases it when the
+import closes, and at once for an export whose storage it maps already
+(``CudaIpcOpener.duplicate``, as torch's own rebuild does). That needs a shared ``/dev/shm``
+and write access to the file: ``export_tensor`` makes it group-writable (torch creates it
+0600), so the rank's primary group must be one the daemon is in; the daemon warns once per
+file it cannot write.
 """
 
 from __future__ import annotations
@@ -209,6 +215,8 @@ def export_tensor(tensor: torch.Tensor) -> CudaIpcHandle:
     kind = handle_kind(bytes(handle))
     if kind != "cuda_malloc":
         raise CudaIpcError(f"the tensor lives in a {kind} allocation; {FIX_ALLOCATOR}")
+    if ref_counter_handle:
+        share_counter(bytes(ref_counter_handle))
     element_size = tensor.element_size()
     offset = int(tensor.storage_offset()) * element_size
     size = span_bytes(tensor.shape, tensor.stride(), element_size)
@@ -266,6 +274,15 @@ def _open_storage(handle: CudaIpcHandle, device_index: int) -> Any:
     torch = _torch()
     torch.cuda.init()
     with torch.cuda.device(device_index):
+        if handle.event_sync_required and handle.event_handle:
+            # The producer's "allocation ready" event, waited for here on the host and
+            # destroyed at once: torch would make this device's current stream wait on it
+            # (the engine copies on its own streams) and, in some versions, never destroy it.
+            ready = torch.cuda.Event.from_ipc_handle(
+                torch.device("cuda", device_index), handle.event_handle
+            )
+            ready.synchronize()
+            del ready
         storage = torch.UntypedStorage._new_shared_cuda(
             device_index,
             handle.handle,
@@ -274,12 +291,8 @@ def _open_storage(handle: CudaIpcHandle, device_index: int) -> Any:
             handle.ref_counter_handle,
             handle.ref_counter_offset,
             handle.event_handle,
-            handle.event_sync_required,
+            False,
         )
-        if handle.event_sync_required:
-            # torch made this device's current stream wait for the producer's "allocation
-            # ready" event; the engine copies on its own streams, so settle it here, once.
-            torch.cuda.current_stream(device_index).synchronize()
         _check_allocation(storage.data_ptr(), handle.storage_size)
     return storage
 
@@ -303,6 +316,38 @@ def _check_allocation(address: int, size: int) -> None:
         )
 
 
+def counter_path(ref_counter_handle: bytes) -> str:
+    """Where torch's IPC reference counter file (a POSIX shm name) lives."""
+    return "/dev/shm/" + ref_counter_handle.decode(errors="replace").lstrip("/")
+
+
+def _check_counter(handle: CudaIpcHandle, warned: set[bytes]) -> None:
+    # torch releases the daemon's reference by writing this file, and swallows the error
+    # when it cannot: say so once per file instead.
+    name = handle.ref_counter_handle
+    if not name or name in warned:
+        return
+    path = counter_path(name)
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        warned.add(name)
+        logger.warning(
+            "cannot write torch's IPC reference counter %s: when the rank frees this GPU "
+            "memory it stays allocated until the rank exits. Run the ranks with the group "
+            "they share with the daemon (offloadd-clients) as their primary group; see the "
+            "README, CUDA part",
+            path,
+        )
+
+
+def share_counter(ref_counter_handle: bytes) -> None:
+    """Let the rank's group write torch's counter file (torch creates it 0600), best effort."""
+    path = counter_path(ref_counter_handle)
+    try:
+        os.chmod(path, 0o660)
+    except OSError as exc:
+        logger.debug("cannot open %s to the rank's group: %s", path, exc)
+
+
 def open_ipc_handle(handle: CudaIpcHandle, device_index: int) -> tuple[int, object]:
     """Import ``handle`` on local device ``device_index``: ``(region address, keepalive)``.
 
@@ -322,6 +367,7 @@ class CudaIpcOpener:
 
     def __init__(self, devices: DeviceMap | None = None) -> None:
         self._devices = devices
+        self._warned: set[bytes] = set()  # counter files already reported unwritable
 
     @property
     def devices(self) -> DeviceMap:
@@ -334,8 +380,18 @@ class CudaIpcOpener:
         """The local ordinal of the handle's GPU; raises CudaIpcError."""
         return self.devices.index(handle.device_uuid)
 
+    def duplicate(self, handle: CudaIpcHandle) -> None:
+        """The storage is mapped already: release the reference the producer counted for
+        this export, as torch's ``rebuild_cuda_tensor`` does on a cache hit (otherwise the
+        rank can never free that memory). Best effort, like torch's."""
+        _check_counter(handle, self._warned)
+        _torch().UntypedStorage._release_ipc_counter_cuda(
+            handle.ref_counter_handle, handle.ref_counter_offset
+        )
+
     def open(self, handle: CudaIpcHandle) -> tuple[int, int, Callable[[], None]]:
         """Import the storage ``handle`` names: ``(address, size, close)``."""
+        _check_counter(handle, self._warned)
         storage = _open_storage(handle, self.device_index(handle))
         holder = [storage]
 

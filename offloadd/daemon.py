@@ -3,7 +3,10 @@
 Everything runs on one asyncio loop (uvloop when available) except byte copies, which the
 copy engine runs on its own threads. Each request is handled to completion without awaiting,
 so handlers never interleave; a store or load replies ``JobAccepted`` at once and its
-``JobDone`` is sent when the copy engine's future resolves. Any request that fails
+``JobDone`` is sent when the copy engine's future resolves. One exception: a cuda daemon
+imports a Hello's CUDA IPC handles (and closes imports) on an import thread, since each
+import blocks; that peer's later requests are held (``offloadd.gate``) until its Hello is
+answered, so every peer still sees its requests handled in order. Any request that fails
 validation, and any bug inside a handler, is answered with an ``Error`` and the daemon goes
 on serving everyone else.
 """
@@ -18,8 +21,8 @@ import os
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -33,6 +36,7 @@ from offloadd.cache.index import ChunkCache, Entry, LoadReservation, ShardWrite
 from offloadd.cache.journal import Journal, discard
 from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
+from offloadd.gate import RequestGate
 from offloadd.metrics import Metrics
 from offloadd.mirrors import Mirrors
 from offloadd.registry import (
@@ -46,8 +50,10 @@ from offloadd.registry import (
 from offloadd.safety import engine_id_problem, printable
 from offloadd.settings import Settings
 from offloadd.systemd import Notifier
+from offloadd.transfer.copies import Copies
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable, Import
+from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
 from offloadd.transfer.plan import (
     Span,
     block_id_problem,
@@ -58,6 +64,7 @@ from offloadd.transfer.plan import (
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
+from protocol.handles import CudaIpcHandle
 from protocol.messages import (
     Ack,
     Bye,
@@ -173,6 +180,9 @@ class Daemon:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._handles: HandleTable | None = None
+        # cuda only: CUDA IPC imports and closes run here, off the loop (see _hello).
+        self._importer: ThreadPoolExecutor | None = None
+        self._gate = RequestGate()
         self._cache: ChunkCache | None = None
         self._mirrors: Mirrors | None = None
         self._journal: Journal | None = None
@@ -213,7 +223,12 @@ class Daemon:
                 unlink_on_close=not settings.cache.persist,
                 pin=self._pin_arena if cuda else None,
             )
-            self._cache = ChunkCache(settings.cache.capacity, policy=settings.cache.policy)
+            self._cache = ChunkCache(
+                settings.cache.capacity,
+                policy=settings.cache.policy,
+                # One DMA may not span two of the arena's cudaHostRegister pieces.
+                boundary=PIN_PIECE if cuda else 0,
+            )
             self._mirrors = Mirrors(self._cache, self.registry, self._send_to_session)
             if settings.cache.persist:
                 self._restore()
@@ -225,14 +240,20 @@ class Daemon:
                 from offloadd.cuda_ipc import CudaIpcOpener
 
                 opener = CudaIpcOpener()
+                self._importer = ThreadPoolExecutor(1, thread_name_prefix="offloadd-ipc")
             self._handles = HandleTable(
-                settings.server.shm_dirs, forbidden=[self._arena.path], cuda=opener
+                settings.server.shm_dirs,
+                forbidden=[self._arena.path],
+                cuda=opener,
+                closer=self._close_import if cuda else None,
             )
             if self._copy is None:
                 if cuda:
+                    from offloadd.transfer.batch import HostPieces
                     from offloadd.transfer.cuda import make_engine
 
-                    self._copy = make_engine()
+                    pieces = HostPieces(self._arena.address, PIN_PIECE)
+                    self._copy = make_engine(host_pieces=pieces)
                 else:
                     self._copy = CpuCopyEngine()
             self._ctx = zmq.asyncio.Context()
@@ -255,6 +276,12 @@ class Daemon:
             await self._close_events()
             self._release_resources()
             raise
+        path = self._copy_path()
+        if not all(path.values()):
+            logger.error(
+                "copy path DEGRADED: %s; see the warnings above (offloadd status shows it too)",
+                ", ".join(f"not {feature}" for feature, ok in path.items() if not ok),
+            )
         self._notify.ready(f"serving on {self.endpoint}; no engines yet")
         logger.info(
             "offloadd serving on %s (arena %s, %d MiB, %s eviction, %s copies)",
@@ -313,7 +340,7 @@ class Daemon:
             self._notify.status(f"registering the arena as pinned memory: {fraction:.0%}")
             self._notify.extend_timeout(60)
 
-        return register_host_memory(address, size, progress=progress)
+        return register_host_memory(address, size, piece=PIN_PIECE, progress=progress)
 
     def _restore(self) -> None:
         """Find the chunks a previous daemon committed in this arena (warm restart)."""
@@ -415,6 +442,8 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._importer is not None:
+            self._importer.shutdown(wait=True)  # imports in progress finish first
         if self._handles is not None:
             self._handles.close()
             self._handles = None
@@ -443,17 +472,21 @@ class Daemon:
                 # flood, let copy completions, events and timers run in between.
                 await asyncio.sleep(0)
             identity = frames[0]
-            try:
-                self._on_frames(identity, frames[1:])
-            except Exception:
-                # A bug must not take the daemon down; the peer still gets an answer.
-                logger.exception("internal error while handling a request")
-                request_id = peek_request_id(frames[-1]) if len(frames) > 1 else 0
-                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
-                self._send(
-                    identity,
-                    Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
-                )
+            if not self._gate.hold(identity, frames[1:]):
+                self._handle_frames(identity, frames[1:])
+
+    def _handle_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            self._on_frames(identity, frames)
+        except Exception:
+            # A bug must not take the daemon down; the peer still gets an answer.
+            logger.exception("internal error while handling a request")
+            request_id = peek_request_id(frames[-1]) if frames else 0
+            self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+            self._send(
+                identity,
+                Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+            )
 
     def _send(self, identity: bytes, message: Reply) -> None:
         """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
@@ -558,8 +591,63 @@ class Daemon:
         problem = engine_id_problem(hello.config.engine_id)  # it names logs, labels, topics
         if problem:
             raise _Refused(ErrorCode.BAD_REQUEST, problem)
+        if self._importer is not None and hello.regions:
+            # CUDA imports block (open, wait for the producer's event): run them on the
+            # import thread and hold this peer's later requests until the Hello is done.
+            loop = asyncio.get_running_loop()
+
+            def imported(future: Future[list[Import]]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing to answer
+                    loop.call_soon_threadsafe(self._hello_imported, identity, hello, future)
+
+            self._importer.submit(self._open_regions, hello).add_done_callback(imported)
+            self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
+            return None
+        return self._register(identity, hello, self._open_regions(hello))
+
+    def _hello_imported(self, identity: bytes, hello: Hello, future: Future[list[Import]]) -> None:
+        """Finish a Hello whose regions were imported off the loop, then its held requests."""
+        try:
+            if self._handles is None:
+                return  # closed meanwhile; the table's close unmapped everything
+            try:
+                reply = self._register(identity, hello, future.result())
+            except _Refused as refused:
+                self._protocol_error(identity, hello.request_id, refused.code, str(refused))
+            except Exception:
+                logger.exception("internal error while handling a Hello")
+                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+                self._send(
+                    identity,
+                    Error(hello.request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+                )
+            else:
+                if reply is not None:
+                    self._send(identity, reply)
+        finally:
+            self._gate.open(identity)
+            while (frames := self._gate.next(identity)) is not None:
+                if self._sock is not None:  # else the daemon is closing: nobody to answer
+                    self._handle_frames(identity, frames)
+
+    def _close_import(self, close: Callable[[], None]) -> None:
+        """Run a CUDA import's close (it syncs a stream) on the import thread."""
+
+        def run() -> None:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing a CUDA IPC import failed")
+
+        try:
+            assert self._importer is not None
+            self._importer.submit(run)
+        except RuntimeError:  # shut down: the daemon is exiting, close here
+            run()
+
+    def _register(self, identity: bytes, hello: Hello, imports: list[Import]) -> Reply | None:
+        """The rest of a Hello once its regions are imported: register, answer Welcome."""
         session_id = identity.hex()
-        imports = self._open_regions(hello)
         try:
             outcome = self.registry.hello(session_id, hello)
         except RegistrationError as exc:
@@ -632,6 +720,11 @@ class Daemon:
 
     def _open_regions(self, hello: Hello) -> list[Import]:
         handles = self._require_handles()
+        # Each engine moves one kind of memory: refuse the other kind here, not per job.
+        cuda = self.settings.server.copy_engine == "cuda"
+        for index, region in enumerate(hello.regions):
+            if isinstance(region.handle, CudaIpcHandle) != cuda:
+                raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, _wrong_memory(index, cuda=cuda))
         imports: list[Import] = []
         for index, region in enumerate(hello.regions):
             try:
@@ -808,7 +901,7 @@ class Daemon:
         if job.failed_keys:
             logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
         arena_address = self._require_arena().address
-        moves: list[Triple] = []
+        moves = Copies()  # planned as arrays: the cuda engine takes them as they are
         keys, block_ids = request.keys, request.block_ids
         firsts = _block_offsets(ranges)
         for write in reservation.writes:
@@ -857,7 +950,7 @@ class Daemon:
         job.entries = reservation.entries
         shard = 0 if namespace.replicated else session.rank
         arena_address = self._require_arena().address
-        moves: list[Triple] = []
+        moves = Copies()  # planned as arrays: the cuda engine takes them as they are
         block_ids = request.block_ids
         position = 0
         for entry, (sub_block, count) in zip(reservation.entries, ranges, strict=True):
@@ -937,7 +1030,7 @@ class Daemon:
         state: _SessionState,
         request_id: int,
         job: _Job,
-        moves: list[Triple],
+        moves: Sequence[Triple],
         wait_event: bytes = b"",
     ) -> Reply | None:
         if not moves:
@@ -951,12 +1044,19 @@ class Daemon:
         state.jobs[job.job_id] = job
         self._jobs_in_flight += 1
         loop = asyncio.get_running_loop()
-        future = self._copy.submit(
-            job.direction,
-            moves,
-            device=state.imports[0].device if state.imports else -1,
-            wait_event=wait_event or None,
-        )
+        try:
+            future = self._copy.submit(
+                job.direction,
+                moves,
+                device=state.imports[0].device if state.imports else -1,
+                wait_event=wait_event or None,
+            )
+        except Exception as exc:
+            # Nothing was queued: undo the booking, or the job would stay in flight forever
+            # (Wait never answered, drain never finished).
+            self._unbook(job, imports)
+            logger.error("%s: job %d not started: %s", state.session.describe(), job.job_id, exc)
+            raise _Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
 
         journal = self._journal if job.direction is Direction.STORE else None
 
@@ -972,6 +1072,19 @@ class Daemon:
 
         future.add_done_callback(on_done)
         return JobAccepted(request_id, job.job_id)
+
+    def _unbook(self, job: _Job, imports: list[Import]) -> None:
+        """Undo ``_submit``'s booking of a job the copy engine refused to start."""
+        job.state.jobs.pop(job.job_id, None)
+        self._jobs_in_flight -= 1
+        self._release_imports(imports)
+        cache = self._require_cache()
+        if job.direction is Direction.STORE:
+            cache.finish_store(job.writes, ok=False)
+        else:
+            cache.finish_load(job.entries)
+        if self._jobs_in_flight == 0:
+            self._idle.set()
 
     def _copy_finished(self, job: _Job, imports: list[Import], future: Future[float]) -> None:
         self._jobs_in_flight -= 1
@@ -1273,7 +1386,16 @@ class Daemon:
             jobs_in_flight=self._jobs_in_flight,
             events_endpoint=events[0],
             events_replay_endpoint=events[1],
+            copy_path=self._copy_path(),
         )
+
+    def _copy_path(self) -> dict[str, bool]:
+        """Whether the cuda engine runs its fast path (empty for engines without one)."""
+        batched = getattr(self._copy, "batched", None)
+        if batched is None:
+            return {}
+        pinned = self._arena is not None and self._arena.pinned is not None
+        return {"batched": bool(batched), "pinned": pinned}
 
     def _require_cache(self) -> ChunkCache:
         assert self._cache is not None, "daemon not started"
@@ -1316,6 +1438,20 @@ def _block_offsets(ranges: Sequence[tuple[int, int]]) -> list[int]:
         offsets.append(total)
         total += count
     return offsets
+
+
+def _wrong_memory(index: int, *, cuda: bool) -> str:
+    if cuda:
+        return (
+            f"region {index} is host shared memory, but this daemon runs the cuda copy "
+            'engine (server.copy_engine = "cuda"), which moves GPU memory: register CUDA '
+            "tensors (offloadd.cuda_ipc.kv_region_from_tensor), or use a daemon with "
+            'copy_engine = "cpu"'
+        )
+    return (
+        f"region {index} is CUDA memory, but this daemon runs the cpu copy engine: use a "
+        'daemon with server.copy_engine = "cuda" on a GPU node, or shared-memory regions'
+    )
 
 
 def _own_pid_namespace() -> int:

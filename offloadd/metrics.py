@@ -11,10 +11,12 @@ The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
 - ``protocol_error(code)`` per Error reply, ``code`` the ErrorCode name.
 
 Everything else is read when Prometheus scrapes: ``snapshot()`` (the daemon's ``stats``)
-gives the cache fill, entries, lookup keys, refused stores, evictions, sessions and engines,
-and ``pending_jobs()`` the copies in flight. Both are called on the daemon's event loop (the
-one ``start`` was called from), so they never race the handlers; if the loop does not answer
-within ``snapshot_timeout`` the scrape carries the counters above and no gauges.
+gives the cache fill, entries, lookup keys, refused stores, evictions, sessions, engines and
+the copy path (``offloadd_copy_engine_degraded``: 1 when the cuda engine lost batching or
+the pinned arena), and ``pending_jobs()`` the copies in flight. Both are called on the
+daemon's event loop (the one ``start`` was called from), so they never race the handlers;
+if the loop does not answer within ``snapshot_timeout`` the scrape carries the counters
+above and no gauges.
 
 Cardinality: ``engine`` and ``dp`` labels come from the engines that connect, which are few
 per node (one per model replica); a departed engine's counters stay until restart, as
@@ -372,5 +374,20 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
             sessions.add_metric([engine.engine_id, dp, "worker"], len(engine.ranks_present))
             sessions.add_metric([engine.engine_id, dp, "scheduler"], engine.schedulers)
             ready.add_metric([engine.engine_id, dp], 1.0 if engine.ready else 0.0)
+    degraded = GaugeMetricFamily(
+        "offloadd_copy_engine_degraded",
+        "1 when the cuda copy engine runs without its fast path (batched copies into a "
+        "pinned arena), else 0",
+    )
+    copy_path = GaugeMetricFamily(
+        "offloadd_copy_path",
+        "1 when the cuda copy engine has this part of its fast path (batched, pinned), else 0",
+        labels=["feature"],
+    )
+    if stats is not None:
+        degraded.add_metric([], 0.0 if all(stats.copy_path.values()) else 1.0)
+        for feature, ok in sorted(stats.copy_path.items()):
+            copy_path.add_metric([feature], 1.0 if ok else 0.0)
     families += [entries, lookup_keys, lookups, refused, evictions, sessions, ready]
+    families += [degraded, copy_path]
     return families

@@ -65,6 +65,7 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"loaded {format_size(stats.bytes_loaded)}",
         f"  refused    {stats.stores_refused} keys (no room); {stats.evictions} evictions; "
         f"{stats.protocol_errors} protocol errors",
+        *_copy_lines(stats),
         f"  sessions   {stats.sessions}",
         f"  events     {_events_line(stats)}",
         f"  engines    {len(stats.engines)}" + ("" if stats.engines else " (none connected)"),
@@ -87,6 +88,18 @@ def _events_line(stats: DaemonStats) -> str:
         return "off"
     replay = stats.events_replay_endpoint or "none"
     return f"{stats.events_endpoint} (replay {replay})"
+
+
+def _copy_lines(stats: DaemonStats) -> list[str]:
+    """The cuda engine's copy path; nothing for engines without one."""
+    path = stats.copy_path
+    if not path:
+        return []
+    batched = "batched" if path.get("batched") else "NOT batched (one driver call per copy)"
+    pinned = "arena pinned" if path.get("pinned") else "arena NOT pinned (pageable)"
+    if all(path.values()):
+        return [f"  copies     cuda: {batched}, {pinned}"]
+    return [f"  copies     cuda DEGRADED: {batched}, {pinned}; see the daemon log"]
 
 
 def _engine_line(engine: EngineState) -> str:

@@ -346,6 +346,9 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # Where KV events are published (dp index 0's publisher) and replayed; "" when off.
     events_endpoint: str = ""
     events_replay_endpoint: str = ""
+    # The cuda engine's fast path, {"batched": ..., "pinned": ...}: a False is a degraded
+    # daemon (status and metrics say so). Empty on the cpu engine.
+    copy_path: dict[str, bool] = {}
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

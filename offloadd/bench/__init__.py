@@ -18,6 +18,8 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
   vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed).
 - ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
+- ``cuda_marshal``: CPU cost per copy of a 128k-copy cuda store job, planning and the batched
+  call's marshalling with the driver call stubbed (no GPU), vs the previous path.
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -91,6 +93,12 @@ def _checksum(ctx: Context) -> list[Result]:
     return integrity.run(ctx)
 
 
+def _cuda_marshal(ctx: Context) -> list[Result]:
+    from offloadd.bench import cuda_marshal
+
+    return cuda_marshal.run(ctx)
+
+
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
@@ -103,6 +111,7 @@ GROUPS = (
     Group("events", ("events_per_s",), _events),
     Group("vllm", ("vllm_*",), _vllm),
     Group("checksum", ("checksum_*",), _checksum),
+    Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
 )
 
 

@@ -7,9 +7,15 @@ Contract:
   ``align``. Best fit: a free extent of exactly that size if there is one, else the smallest
   larger one, split.
 - ``free(offset, size)`` takes back an extent, with ``size`` as passed to ``alloc``, and merges it
-  with free neighbours, so freeing everything always leaves one extent of ``capacity`` bytes.
-  Freeing something that is not allocated (or freeing twice) is a bug and raises ValueError.
+  with free neighbours, so freeing everything always leaves one extent of ``capacity`` bytes
+  (one per piece, see ``boundary``). Freeing something that is not allocated (or freeing
+  twice) is a bug and raises ValueError.
 - Allocated extents never overlap and ``used_bytes <= capacity`` always holds.
+- ``boundary`` (0: none) cuts the arena into pieces at every multiple of it, and no extent
+  ever straddles a cut: free extents are never merged across one, so an allocation always
+  lies inside one piece, and ``alloc_size(size) > boundary`` never fits. The daemon passes
+  the size of the arena's ``cudaHostRegister`` pieces: one DMA may not span two
+  registrations (``offloadd.transfer.pinning``).
 
 Pure Python: no I/O and no locks (the daemon calls it from one thread). Free extents live in
 three maps (start -> size, end -> start, size -> starts) plus a sorted list of distinct free
@@ -30,6 +36,7 @@ class ExtentAllocator:
     __slots__ = (
         "_align",
         "_allocated",
+        "_boundary",
         "_by_size",
         "_capacity",
         "_free_end",
@@ -39,12 +46,15 @@ class ExtentAllocator:
         "_used",
     )
 
-    def __init__(self, capacity: int, align: int = 4096) -> None:
+    def __init__(self, capacity: int, align: int = 4096, *, boundary: int = 0) -> None:
         if align <= 0:
             raise ValueError(f"align must be positive, got {align}")
         if capacity < 0:
             raise ValueError(f"capacity must not be negative, got {capacity}")
+        if boundary < 0 or boundary % align:
+            raise ValueError(f"boundary must be 0 or a multiple of align, got {boundary}")
         self._align = align
+        self._boundary = boundary
         self._capacity = capacity - capacity % align
         self._used = 0
         self._free_start: dict[int, int] = {}
@@ -56,18 +66,24 @@ class ExtentAllocator:
         # One int object per distinct size: millions of extents share a handful of sizes.
         self._interned: dict[int, int] = {}
         if self._capacity:
-            self._add_free(0, self._capacity)
+            self._add_free_pieces(0, self._capacity)
 
     @classmethod
     def with_allocated(
-        cls, capacity: int, extents: Sequence[tuple[int, int]], align: int = 4096
+        cls,
+        capacity: int,
+        extents: Sequence[tuple[int, int]],
+        align: int = 4096,
+        *,
+        boundary: int = 0,
     ) -> ExtentAllocator:
         """An allocator whose ``extents`` (offset, size as passed to alloc) are in use.
 
         Used to rebuild the arena's state after a restart in O(n log n). Raises ValueError
-        for an extent that is unaligned, outside the arena, or overlaps another.
+        for an extent that is unaligned, outside the arena, overlaps another or straddles
+        a ``boundary``.
         """
-        allocator = cls(capacity, align)
+        allocator = cls(capacity, align, boundary=boundary)
         if not extents:
             return allocator
         allocator._free_start.clear()
@@ -79,13 +95,15 @@ class ExtentAllocator:
             need = allocator.alloc_size(size)
             if offset % align or offset < cursor or offset + need > allocator._capacity:
                 raise ValueError(f"extent ({offset}, {size}) is unaligned, overlaps or is outside")
+            if allocator.straddles(offset, need):
+                raise ValueError(f"extent ({offset}, {size}) straddles a {boundary}-byte boundary")
             if offset > cursor:
-                allocator._add_free(cursor, offset - cursor)
+                allocator._add_free_pieces(cursor, offset - cursor)
             allocator._allocated[offset] = need
             allocator._used += need
             cursor = offset + need
         if cursor < allocator._capacity:
-            allocator._add_free(cursor, allocator._capacity - cursor)
+            allocator._add_free_pieces(cursor, allocator._capacity - cursor)
         return allocator
 
     @property
@@ -97,6 +115,21 @@ class ExtentAllocator:
     def align(self) -> int:
         """Granularity of offsets and sizes."""
         return self._align
+
+    @property
+    def boundary(self) -> int:
+        """No extent straddles a multiple of this (0: no such cuts)."""
+        return self._boundary
+
+    @property
+    def max_alloc(self) -> int:
+        """The largest ``alloc_size`` that could ever fit (a piece, or the whole arena)."""
+        return min(self._boundary, self._capacity) if self._boundary else self._capacity
+
+    def straddles(self, offset: int, size: int) -> bool:
+        """Whether ``[offset, offset + size)`` crosses a boundary (never for an extent here)."""
+        boundary = self._boundary
+        return bool(boundary) and size > 0 and offset // boundary != (offset + size - 1) // boundary
 
     @property
     def used_bytes(self) -> int:
@@ -151,11 +184,12 @@ class ExtentAllocator:
         del self._allocated[offset]
         self._used -= need
         start, end = offset, offset + need
-        left = self._free_end.get(start)
+        boundary = self._boundary
+        left = self._free_end.get(start) if not boundary or start % boundary else None
         if left is not None:
             self._remove_free(left, start - left)
             start = left
-        right_size = self._free_start.get(end)
+        right_size = self._free_start.get(end) if not boundary or end % boundary else None
         if right_size is not None:
             self._remove_free(end, right_size)
             end += right_size
@@ -167,9 +201,19 @@ class ExtentAllocator:
 
     def __repr__(self) -> str:
         return (
-            f"ExtentAllocator(capacity={self._capacity}, used={self._used}, "
+            f"ExtentAllocator(capacity={self._capacity}, boundary={self._boundary}, "
+            f"used={self._used}, "
             f"free_extents={len(self._free_start)}, largest_free={self.largest_free})"
         )
+
+    def _add_free_pieces(self, start: int, size: int) -> None:
+        """Free ``[start, start + size)``, cut at every boundary inside it."""
+        end = start + size
+        boundary = self._boundary
+        while start < end:
+            cut = min(end, (start // boundary + 1) * boundary) if boundary else end
+            self._add_free(start, cut - start)
+            start = cut
 
     def _add_free(self, start: int, size: int) -> None:
         self._free_start[start] = size

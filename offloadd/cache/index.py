@@ -240,9 +240,11 @@ class ChunkCache:
         *,
         policy: str = "lru",
         align: int = 4096,
+        boundary: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._alloc = ExtentAllocator(capacity, align)
+        # ``boundary``: no shard extent straddles a multiple of it (see ExtentAllocator).
+        self._alloc = ExtentAllocator(capacity, align, boundary=boundary)
         self._policy: EvictionPolicy[_PolicyKey] = make_policy(policy)
         self._clock = clock
         self._tables: dict[str, dict[bytes, Entry]] = {}
@@ -270,11 +272,14 @@ class ChunkCache:
 
         ``chunks`` come in the order they were committed, which seeds the eviction order.
         A chunk whose extents are unaligned, outside the arena or overlap an earlier one is
-        skipped (a damaged record must never alias live bytes). Returns how many were kept.
+        skipped (a damaged record must never alias live bytes), and so is one whose extent
+        straddles the allocator's boundary (written by a daemon that did not cut the arena).
+        Returns how many were kept.
         """
         if self._entries:
             raise ValueError("restore needs an empty cache")
         align, capacity = self._alloc.align, self._alloc.capacity
+        straddles = self._alloc.straddles
         kept: list[RestoredChunk] = []
         taken: list[tuple[int, int]] = []  # (start, end) of accepted extents, kept sorted
         for chunk in chunks:
@@ -283,6 +288,8 @@ class ChunkCache:
                 for offset, size in zip(chunk.offsets, chunk.sizes, strict=True)
             ]
             if any(start % align or end > capacity or start < 0 for start, end in spans):
+                continue
+            if any(straddles(start, end - start) for start, end in spans):
                 continue
             if any(_overlaps(taken, start, end) for start, end in spans):
                 continue
@@ -293,6 +300,7 @@ class ChunkCache:
             self._alloc.capacity,
             [(o, z) for c in kept for o, z in zip(c.offsets, c.sizes, strict=True)],
             align,
+            boundary=self._alloc.boundary,
         )
         for chunk in kept:
             entry = Entry(chunk.namespace, chunk.key, list(chunk.offsets), tuple(chunk.sizes))
@@ -840,7 +848,7 @@ class ChunkCache:
         """
         alloc = self._alloc
         need = sum(alloc.alloc_size(size) for size in sizes)
-        if need > alloc.capacity:
+        if need > alloc.capacity or any(alloc.alloc_size(s) > alloc.max_alloc for s in sizes):
             return None
         if alloc.free_bytes >= need:
             offsets = self._try_alloc(sizes)

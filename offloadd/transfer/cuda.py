@@ -5,37 +5,36 @@ one side is device memory (a rank's KV tensor imported over CUDA IPC) and the ot
 memory (the arena: pinned when ``offloadd.transfer.pinning`` could register it, pageable
 otherwise, which is correct but slower).
 
-Per job (``submit(direction, moves, *, device, wait_event=None)``):
-- The job runs on the daemon-owned stream of its lane, ``(device, direction)``: one stream
-  and one issuing thread per lane, created on first use. ``device`` is the rank's *local*
-  ordinal (``Import.device``).
-- ``wait_event``, when given, is a CUDA IPC event handle (64 bytes of
-  ``torch.cuda.Event(interprocess=True).ipc_handle()``) that the rank recorded on its compute
-  stream after writing the blocks: the lane's stream waits for it before copying, so a
-  store never reads KV the model has not finished writing. The wait covers the event's
-  latest record when the job is issued, so a rank may re-record one event every step (a
-  newer record only makes the copy wait longer). The rank-side alternative is to
-  synchronize the compute stream before sending ``Store``; then no event is needed.
-- The copies of a job are ONE driver call: ``cudaMemcpyBatchAsync`` (cuda-python, CUDA
-  >= 12.8) over src/dst/size arrays built once per job, with ``srcAccessOrder`` STREAM for
-  stores (device -> host) and ANY for loads (host -> device; no earlier work on the stream
-  touches the arena slot, which is committed before any load may read it). Without
-  cuda-python, or on a driver without the batch API, each merged triple is one
-  ``cuMemcpyAsync`` (logged once as the slower path).
-- Start and end events (timing enabled) bracket the copies; a single poller thread polls
-  ``end.query()`` (never on the asyncio loop) and resolves the job's future with the
-  elapsed seconds, or with the error.
+Per job (``submit(direction, moves, *, device, wait_event=None)``; ``submit`` takes
+ownership of ``moves``, which the caller must not change afterwards):
+- The job runs on the daemon-owned stream of its lane, ``(device, direction)``: one stream,
+  one issuing thread and one completion thread per lane, created on first use. ``device``
+  is the rank's *local* ordinal (``Import.device``).
+- ``wait_event``, when given (stores and loads alike), is a CUDA IPC event handle (64 bytes
+  of ``torch.cuda.Event(interprocess=True).ipc_handle()``) that the rank recorded on its
+  compute stream: the lane's stream waits for it before copying, so a store never reads KV
+  the model has not finished writing, and a load never overwrites blocks the model still
+  reads. The wait covers the event's latest record when the job is issued, so a rank may
+  re-record one event every step. The rank-side alternative is to synchronize its compute
+  stream before sending the request; then no event is needed.
+- The copies of a job are ONE driver call: ``offloadd.transfer.batch`` builds the address
+  arrays with numpy (merging neighbours contiguous on both sides, never across a cut between
+  the arena's pinned pieces, ``host_pieces``) and calls ``cuMemcpyBatchAsync`` through
+  ctypes. On a driver without it (before CUDA 12.8), or one that answers "not supported",
+  each merged copy is one ``cuMemcpyAsync``: the engine then reports ``batched`` False and
+  says so in an error log line, since it is several times slower for small blocks.
+- Start and end events (timing enabled, blocking sync) bracket the copies. The lane's
+  completion thread blocks in ``end.synchronize()`` (the thread sleeps; no polling) and
+  resolves the job's future the moment the copy ends, with the elapsed seconds or the error.
 
-Ordering: jobs of one lane run and complete in submission order (one stream; futures are
-resolved strictly in order, a failed job included). Lanes are independent, so the FIFO
-per direction of the contract holds per device, and different GPUs never wait for each
-other. Loads and stores run on separate streams and may overlap.
+Ordering: jobs of one lane run and complete in submission order (one stream; the completion
+thread resolves them strictly in order, a failed job included). Lanes are independent, so
+the FIFO per direction of the contract holds per device, and different GPUs never wait for
+each other. Loads and stores run on separate streams and may overlap.
 
-What moves: the engine only sees absolute ``(src, dst, nbytes)`` triples. Which bytes those
-are is ``offloadd.transfer.plan``'s business: only the unpadded page of each block moves, at
-the padded block stride, and packed (one row per block for all layers) and unpacked (one
-region per layer) layouts are both just regions there. Neighbouring triples contiguous on
-both sides are merged here once more (``merge_moves``), since chunk plans concatenate.
+What moves: the engine only sees absolute ``(src, dst, nbytes)`` triples; which bytes those
+are is ``offloadd.transfer.plan``'s business (the unpadded page of each block, at the padded
+block stride; packed and unpacked layouts are both just regions there).
 
 ``close()`` waits until every submitted job has completed and been resolved, then stops the
 threads and drops the streams.
@@ -44,76 +43,47 @@ threads and drops the streams.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from offloadd.transfer import libcuda
+from offloadd.transfer.batch import (
+    CUDA_ERROR_NOT_SUPPORTED,
+    BatchCopier,
+    HostPieces,
+    MoveArrays,
+    move_arrays,
+)
 from offloadd.transfer.engine import Direction, Triple
 
 logger = logging.getLogger(__name__)
 
-_POLL_MIN = 50e-6
-_POLL_MAX = 1e-3
 _IPC_EVENT_CACHE = 256
-
-AccessOrder = Literal["stream", "any"]
-
-
-# --- pure helpers --------------------------------------------------------------------------
-
-
-def merge_moves(moves: Iterable[Triple]) -> list[Triple]:
-    """Drop empty moves and merge neighbours that are contiguous on both sides."""
-    merged: list[Triple] = []
-    for src, dst, nbytes in moves:
-        if nbytes < 0:
-            raise ValueError(f"negative copy size {nbytes}")
-        if nbytes == 0:
-            continue
-        if merged:
-            last_src, last_dst, last_n = merged[-1]
-            if last_src + last_n == src and last_dst + last_n == dst:
-                merged[-1] = (last_src, last_dst, last_n + nbytes)
-                continue
-        merged.append((src, dst, nbytes))
-    return merged
-
-
-def batch_arrays(moves: Iterable[Triple]) -> tuple[list[int], list[int], list[int]]:
-    """``(srcs, dsts, sizes)`` for one batched copy call, built once per job."""
-    merged = merge_moves(moves)
-    return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged]
-
-
-def src_access_order(direction: Direction) -> AccessOrder:
-    """How the driver may read a job's sources.
-
-    In stream order for stores (device memory, written by work the stream waited for); at
-    any time for loads (the arena slot, which no work on the stream touches).
-    """
-    return "stream" if direction is Direction.STORE else "any"
-
-
-# --- backends ------------------------------------------------------------------------------
+PER_COPY = "cuMemcpyAsync per copy"
 
 
 class Backend(Protocol):
     """What the engine needs from CUDA; ``TorchCudaBackend`` in the daemon, fakes in tests.
 
-    Streams need ``wait_event(event)``; events need ``record(stream)``, ``query()`` and
+    Streams need ``wait_event(event)``; events need ``record(stream)``, ``synchronize()``
+    (blocks the calling thread until the event completed; raises on a device error) and
     ``elapsed_time(end) -> milliseconds`` (torch's ``Stream`` and ``Event`` have them).
     """
 
     @property
     def name(self) -> str:
-        """How copies are issued, for logs."""
+        """How copies are issued, for logs and status."""
+        ...
+
+    @property
+    def batched(self) -> bool:
+        """Whether a job's copies are one batched driver call (the fast path)."""
         ...
 
     def bind_thread(self, device: int) -> None:
@@ -125,21 +95,14 @@ class Backend(Protocol):
         ...
 
     def timing_event(self, device: int) -> Any:
-        """A new event with timing enabled."""
+        """A new event with timing enabled whose ``synchronize`` sleeps, not spins."""
         ...
 
     def ipc_event(self, device: int, handle: bytes) -> Any:
         """The interprocess event a rank exported as ``handle``."""
         ...
 
-    def copy(
-        self,
-        stream: Any,
-        direction: Direction,
-        srcs: list[int],
-        dsts: list[int],
-        sizes: list[int],
-    ) -> None:
+    def copy(self, stream: Any, direction: Direction, arrays: MoveArrays) -> None:
         """Enqueue the copies on ``stream``; raises if the driver refuses them."""
         ...
 
@@ -154,38 +117,16 @@ def _torch() -> Any:
     return torch
 
 
-def _cuda_runtime() -> Any | None:
-    """cuda-python's runtime bindings with the batch API, or None."""
-    for name in ("cuda.bindings.runtime", "cuda.cudart"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "cudaMemcpyBatchAsync"):
-            return module
-    return None
-
-
 class _LoopCopier:
-    """One ``cuMemcpyAsync`` per merged triple, through ctypes on the driver library."""
+    """One ``cuMemcpyAsync`` per merged copy (drivers without the batch API)."""
 
-    name = "cuMemcpyAsync per copy"
-
-    def __init__(self) -> None:
-        driver = libcuda.load()
-        if driver is None:
-            raise RuntimeError("libcuda.so.1 (the NVIDIA driver library) cannot be loaded")
+    def __init__(self, driver: libcuda.LibCuda) -> None:
         self._driver = driver
 
-    def bind(self, device: int) -> None:
-        """Nothing beyond torch's binding (which made the primary context current)."""
-
-    def copy(
-        self, stream: int, direction: Direction, srcs: list[int], dsts: list[int], sizes: list[int]
-    ) -> None:
+    def copy(self, stream: int, arrays: MoveArrays) -> None:
         """Enqueue each copy; stops at the first refusal."""
         memcpy = self._driver.memcpy_async
-        for index, (src, dst, nbytes) in enumerate(zip(srcs, dsts, sizes, strict=True)):
+        for index, (src, dst, nbytes) in enumerate(arrays.triples()):
             code = memcpy(dst, src, nbytes, stream)
             if code != libcuda.CUDA_SUCCESS:
                 raise CudaCopyError(
@@ -194,150 +135,90 @@ class _LoopCopier:
                 )
 
 
-class _BatchCopier:
-    """``cudaMemcpyBatchAsync`` through cuda-python: one call per job."""
-
-    name = "cudaMemcpyBatchAsync"
-
-    def __init__(self, runtime: Any) -> None:
-        self._rt = runtime
-        orders = runtime.cudaMemcpySrcAccessOrder
-        self._attrs: dict[Direction, Any] = {}
-        for direction in Direction:
-            attrs = runtime.cudaMemcpyAttributes()
-            attrs.srcAccessOrder = (
-                orders.cudaMemcpySrcAccessOrderStream
-                if src_access_order(direction) == "stream"
-                else orders.cudaMemcpySrcAccessOrderAny
-            )
-            self._attrs[direction] = attrs
-        errors = runtime.cudaError_t
-        # A driver or library without the batch API: switch to the per-copy path for good.
-        self.unsupported = {
-            int(getattr(errors, name))
-            for name in (
-                "cudaErrorNotSupported",
-                "cudaErrorCallRequiresNewerDriver",
-                "cudaErrorInsufficientDriver",
-                "cudaErrorSymbolNotFound",
-            )
-            if hasattr(errors, name)
-        }
-        self._success = int(errors.cudaSuccess)
-
-    def bind(self, device: int) -> int:
-        """cuda-python keeps its own notion of the current device: set it too.
-
-        Returns the cudaError code: one of ``unsupported`` means this cuda-python cannot
-        run on the installed driver (the caller stops batching); others raise.
-        """
-        (err, *_rest) = self._rt.cudaSetDevice(device)
-        code = int(err)
-        if code != self._success and code not in self.unsupported:
-            raise CudaCopyError(f"cudaSetDevice({device}) failed: {err}")
-        return code
-
-    def copy(
-        self, stream: int, direction: Direction, srcs: list[int], dsts: list[int], sizes: list[int]
-    ) -> int:
-        """Enqueue the batch; returns the cudaError code (0 on success)."""
-        result = self._rt.cudaMemcpyBatchAsync(
-            dsts, srcs, sizes, len(sizes), [self._attrs[direction]], [0], 1, stream
-        )
-        # CUDA 12.x bindings return (err, failIdx); 13.x dropped failIdx and return (err,).
-        err = result[0] if isinstance(result, tuple) else result
-        code = int(err)
-        if code != self._success and code not in self.unsupported:
-            fail_index = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-            raise CudaCopyError(
-                f"cudaMemcpyBatchAsync of {len(sizes)} copies failed: {err}"
-                + (f" at copy {fail_index}" if fail_index is not None else "")
-            )
-        return code
-
-
 class TorchCudaBackend:
-    """Streams and events from torch; copies batched via cuda-python when it is installed."""
+    """Streams and events from torch; copies through the driver library with ctypes."""
 
-    def __init__(self, *, batch: bool = True) -> None:
-        torch = _torch()
+    def __init__(
+        self, *, batch: bool = True, torch: Any = None, driver: libcuda.LibCuda | None = None
+    ) -> None:
+        torch = torch if torch is not None else _torch()
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda copy engine needs a CUDA device, and torch sees none")
         torch.cuda.init()
+        driver = driver if driver is not None else libcuda.load()
+        if driver is None:
+            raise RuntimeError("libcuda.so.1 (the NVIDIA driver library) cannot be loaded")
         self._torch = torch
-        self._loop: _LoopCopier | None = None
-        self._batch: _BatchCopier | None = None
-        runtime = _cuda_runtime() if batch else None
-        if runtime is not None:
-            self._batch = _BatchCopier(runtime)
-        else:
-            if batch:
-                logger.warning(
-                    "cuda-python is not installed: one cuMemcpyAsync per copy (slower); "
-                    "install offloadd[cuda] for batched copies"
-                )
-            self._loop = _LoopCopier()
-        self._fallback_lock = threading.Lock()
+        self._driver = driver
+        self._loop = _LoopCopier(driver)
+        self._batch = BatchCopier.resolve(driver.lib) if batch else None
+        self._lock = threading.Lock()
+        self.degraded = ""  # why copies are not batched ("" while they are)
+        if not batch:
+            self.degraded = "batching turned off (make_engine(batch=False))"
+            logger.info("cuda copies: %s, as asked", PER_COPY)
+        elif self._batch is None:
+            self._give_up_batching(
+                "the driver has no cuMemcpyBatchAsync (it needs a CUDA 12.8 or newer driver)"
+            )
 
     @property
     def name(self) -> str:
         """The copy path in use."""
-        return _BatchCopier.name if self._batch is not None else _LoopCopier.name
+        batch = self._batch
+        return batch.name if batch is not None else PER_COPY
+
+    @property
+    def batched(self) -> bool:
+        """Whether copies go out as one batch per job."""
+        return self._batch is not None
 
     def bind_thread(self, device: int) -> None:
-        """Set ``device`` for torch (primary context current) and for cuda-python."""
+        """Make ``device``'s primary context current in the calling thread."""
         self._torch.cuda.set_device(device)
         # cudaSetDevice alone may defer creating the context; a stream query forces it.
         self._torch.cuda.current_stream(device).query()
-        batch = self._batch
-        if batch is not None:
-            code = batch.bind(device)
-            if code != 0:
-                self._give_up_batching(code)
 
     def stream(self, device: int) -> Any:
         """A pool stream of ``device`` (torch creates them non-blocking)."""
         return self._torch.cuda.Stream(device=device)
 
     def timing_event(self, device: int) -> Any:
-        """An event with timing (its device is the stream's it is recorded on)."""
-        return self._torch.cuda.Event(enable_timing=True)
+        """An event with timing and blocking sync (its device is its stream's)."""
+        return self._torch.cuda.Event(enable_timing=True, blocking=True)
 
     def ipc_event(self, device: int, handle: bytes) -> Any:
         """Open an interprocess event a rank exported."""
         return self._torch.cuda.Event.from_ipc_handle(self._torch.device("cuda", device), handle)
 
-    def copy(
-        self,
-        stream: Any,
-        direction: Direction,
-        srcs: list[int],
-        dsts: list[int],
-        sizes: list[int],
-    ) -> None:
+    def copy(self, stream: Any, direction: Direction, arrays: MoveArrays) -> None:
         """One batched call, or the per-copy loop where batching is unavailable."""
         handle = int(stream.cuda_stream)
         batch = self._batch
         if batch is not None:
-            code = batch.copy(handle, direction, srcs, dsts, sizes)
-            if code == 0:
+            code, failed = batch.copy(handle, direction, arrays)
+            if code == libcuda.CUDA_SUCCESS:
                 return
-            self._give_up_batching(code)
-        assert self._loop is not None
-        self._loop.copy(handle, direction, srcs, dsts, sizes)
+            if code != CUDA_ERROR_NOT_SUPPORTED:
+                where = f" at copy {failed}" if failed is not None else ""
+                raise CudaCopyError(
+                    f"{batch.name} of {len(arrays)} copies failed{where}: "
+                    f"{self._driver.error_name(code)}"
+                )
+            self._give_up_batching(f"{batch.name} answered CUDA_ERROR_NOT_SUPPORTED")
+        self._loop.copy(handle, arrays)
 
-    def _give_up_batching(self, code: int) -> None:
-        with self._fallback_lock:
-            if self._batch is None:
+    def _give_up_batching(self, reason: str) -> None:
+        with self._lock:
+            if self.degraded:
                 return
-            logger.warning(
-                "cudaMemcpyBatchAsync is unavailable here (cudaError %d: it needs a CUDA 12.8 "
-                "driver, and cuda-python no newer than the driver): one cuMemcpyAsync per "
-                "copy from now on (slower)",
-                code,
-            )
-            self._loop = _LoopCopier()
             self._batch = None
+            self.degraded = reason
+        logger.error(
+            "cuda copy path DEGRADED: %s; one cuMemcpyAsync per copy from now on, several "
+            "times slower for small blocks. Update the NVIDIA driver to CUDA 12.8 or newer.",
+            reason,
+        )
 
 
 # --- the engine ----------------------------------------------------------------------------
@@ -361,9 +242,12 @@ class _Lane:
     device: int
     direction: Direction
     executor: ThreadPoolExecutor
+    cond: threading.Condition = field(default_factory=threading.Condition)
     pending: deque[_Job] = field(default_factory=deque)
     stream: Any = None
-    bound: bool = False  # the lane's thread has made its device current
+    bound: bool = False  # the issuing thread has made its device current
+    stopping: bool = False
+    waiter: threading.Thread | None = None
 
 
 class CudaCopyEngine:
@@ -371,18 +255,25 @@ class CudaCopyEngine:
 
     name = "cuda"
 
-    def __init__(self, backend: Backend | None = None) -> None:
+    def __init__(self, backend: Backend | None = None, *, host_pieces: HostPieces | None = None):
         self._backend: Backend = backend if backend is not None else TorchCudaBackend()
+        self._pieces = host_pieces
         self._lanes: dict[tuple[int, Direction], _Lane] = {}
-        self._cond = threading.Condition()
-        self._outstanding = 0
+        self._lanes_lock = threading.Lock()
         self._closed = False
-        self._stopping = False
         self._ipc_events: OrderedDict[tuple[int, bytes], Any] = OrderedDict()
         self._ipc_lock = threading.Lock()
-        self._poller = threading.Thread(target=self._poll, name="offloadd-cuda-poll", daemon=True)
-        self._poller.start()
         logger.info("cuda copy engine: %s", self._backend.name)
+
+    @property
+    def batched(self) -> bool:
+        """Whether each job is one batched driver call (False: degraded, per-copy)."""
+        return self._backend.batched
+
+    @property
+    def path(self) -> str:
+        """How copies are issued, for status lines."""
+        return self._backend.name
 
     def submit(
         self,
@@ -400,17 +291,16 @@ class CudaCopyEngine:
         future: Future[float] = Future()
         lane = self._lane(device, direction)
         job = _Job(lane, future)
-        with self._cond:
+        with lane.cond:
             lane.pending.append(job)
-            self._outstanding += 1
         try:
-            lane.executor.submit(self._issue, job, list(moves), wait_event)
+            lane.executor.submit(self._issue, job, moves, wait_event)
         except BaseException as exc:
-            # Never leave a job the poller would wait for forever.
+            # Never leave a job the completion thread would wait for forever.
             job.error = exc
-            with self._cond:
+            with lane.cond:
                 job.issued = True
-                self._cond.notify_all()
+                lane.cond.notify_all()
         return future
 
     def close(self) -> None:
@@ -418,15 +308,19 @@ class CudaCopyEngine:
         if self._closed:
             return
         self._closed = True
-        for lane in list(self._lanes.values()):
-            lane.executor.shutdown(wait=True)
-        with self._cond:
-            while self._outstanding and self._poller.is_alive():
-                self._cond.wait(0.1)
-            self._stopping = True
-            self._cond.notify_all()
-        self._poller.join()
-        self._lanes.clear()
+        with self._lanes_lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.executor.shutdown(wait=True)  # every job is issued after this
+        for lane in lanes:
+            with lane.cond:
+                lane.stopping = True
+                lane.cond.notify_all()
+        for lane in lanes:
+            if lane.waiter is not None:
+                lane.waiter.join()
+        with self._lanes_lock:
+            self._lanes.clear()
         with self._ipc_lock:
             self._ipc_events.clear()
 
@@ -434,24 +328,26 @@ class CudaCopyEngine:
 
     def _lane(self, device: int, direction: Direction) -> _Lane:
         key = (device, direction)
-        lane = self._lanes.get(key)
-        if lane is None:
-            executor = ThreadPoolExecutor(
-                1, thread_name_prefix=f"offloadd-cuda{device}-{direction.value}"
-            )
-            lane = _Lane(device, direction, executor)
-            with self._cond:  # the poller lists the lanes
+        with self._lanes_lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                name = f"offloadd-cuda{device}-{direction.value}"
+                lane = _Lane(device, direction, ThreadPoolExecutor(1, thread_name_prefix=name))
+                lane.waiter = threading.Thread(
+                    target=self._complete_lane, args=(lane,), name=f"{name}-done", daemon=True
+                )
+                lane.waiter.start()
                 self._lanes[key] = lane
         return lane
 
-    def _issue(self, job: _Job, moves: list[Triple], wait_event: bytes | None) -> None:
+    def _issue(self, job: _Job, moves: Sequence[Triple], wait_event: bytes | None) -> None:
         backend = self._backend
         lane = job.lane
         try:
             if not job.future.set_running_or_notify_cancel():
                 job.cancelled = True
                 return
-            srcs, dsts, sizes = batch_arrays(moves)
+            arrays = move_arrays(moves, lane.direction, self._pieces)
             if not lane.bound:
                 backend.bind_thread(lane.device)
                 lane.bound = True
@@ -466,8 +362,8 @@ class CudaCopyEngine:
             start.record(stream)
             job.start = start
             try:
-                if sizes:
-                    backend.copy(stream, lane.direction, srcs, dsts, sizes)
+                if len(arrays):
+                    backend.copy(stream, lane.direction, arrays)
             finally:
                 # Recorded even after a refused copy: the job is resolved only once what was
                 # enqueued has finished, so its memory is never released under a copy.
@@ -476,9 +372,9 @@ class CudaCopyEngine:
         except BaseException as exc:
             job.error = exc
         finally:
-            with self._cond:
+            with lane.cond:
                 job.issued = True
-                self._cond.notify_all()
+                lane.cond.notify_all()
 
     def _ipc_event(self, device: int, handle: bytes) -> Any:
         # A rank re-records one interprocess event, so the same handle comes back each step;
@@ -496,55 +392,38 @@ class CudaCopyEngine:
                 self._ipc_events.popitem(last=False)
         return event
 
-    # ----------------------------------------------------------------- completion (poller)
+    # ----------------------------------------------------------------- completion (lane threads)
 
-    def _poll(self) -> None:
-        delay = _POLL_MIN
-        bound = -1
+    def _complete_lane(self, lane: _Lane) -> None:
+        """Resolve the lane's jobs in order, each the moment its end event completes."""
+        bound = False
         while True:
-            with self._cond:
-                while not self._outstanding and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and not self._outstanding:
-                    return
-                lanes = list(self._lanes.values())
-            progressed = False
-            for lane in lanes:
-                while True:
-                    with self._cond:
-                        head = lane.pending[0] if lane.pending else None
-                    if head is None or not head.issued:
-                        break
-                    if bound != lane.device and not head.cancelled and head.end is not None:
-                        with contextlib.suppress(Exception):
-                            self._backend.bind_thread(lane.device)
-                        bound = lane.device
-                    outcome = self._outcome(head)
-                    if outcome is None:
-                        break
-                    with self._cond:
-                        lane.pending.popleft()
-                        self._outstanding -= 1
-                        self._cond.notify_all()
-                    self._resolve(head, *outcome)
-                    progressed = True
-            if progressed:
-                delay = _POLL_MIN
-                continue
-            with self._cond:
-                notified = self._cond.wait(delay)
-            delay = _POLL_MIN if notified else min(delay * 2, _POLL_MAX)
+            with lane.cond:
+                while not (lane.pending and lane.pending[0].issued):
+                    if lane.stopping and not lane.pending:
+                        return
+                    lane.cond.wait()
+                job = lane.pending[0]
+            if not bound and job.end is not None:
+                # Once per thread, so the runtime never falls back to (and initialises a
+                # context on) device 0 for this lane's synchronisations.
+                with contextlib.suppress(Exception):
+                    self._backend.bind_thread(lane.device)
+                bound = True
+            outcome = self._outcome(job)
+            with lane.cond:
+                lane.pending.popleft()
+            self._resolve(job, *outcome)
 
     @staticmethod
-    def _outcome(job: _Job) -> tuple[float, BaseException | None] | None:
-        """None while the job runs; else (seconds, error)."""
+    def _outcome(job: _Job) -> tuple[float, BaseException | None]:
+        """(seconds, error) once the job's copies have finished; blocks until then."""
         if job.cancelled:
             return 0.0, None
         if job.end is None:
             return 0.0, job.error or RuntimeError("the copy was never issued")
         try:
-            if not job.end.query():
-                return None
+            job.end.synchronize()
         except Exception as exc:
             return 0.0, exc
         if job.error is not None:
@@ -567,10 +446,10 @@ class CudaCopyEngine:
                 job.future.set_result(seconds)
 
 
-def make_engine(*, batch: bool = True) -> CudaCopyEngine:
+def make_engine(*, batch: bool = True, host_pieces: HostPieces | None = None) -> CudaCopyEngine:
     """The engine the daemon runs with ``server.copy_engine = "cuda"``.
 
     Raises RuntimeError without a CUDA device. ``batch=False`` forces the per-copy path
-    (for comparisons).
+    (for comparisons). ``host_pieces``: the arena's pinned pieces, never merged across.
     """
-    return CudaCopyEngine(TorchCudaBackend(batch=batch))
+    return CudaCopyEngine(TorchCudaBackend(batch=batch), host_pieces=host_pieces)

@@ -10,7 +10,8 @@ Contract (every engine: ``cpu`` here, ``cuda`` in ``offloadd.transfer.cuda``):
 - Jobs of one direction complete in submission order (FIFO per direction; the cuda engine
   keeps this per device, so GPUs never wait for each other); the two directions run
   independently.
-- The caller keeps source and destination mapped until the future resolves.
+- The caller keeps source and destination mapped until the future resolves, and does not
+  change ``moves`` after ``submit`` (the engine takes it as it is, without a copy).
 - ``close()`` waits for submitted copies and stops the engine; it is idempotent.
 The daemon's event loop never copies bytes itself: it only submits and awaits futures.
 """
@@ -56,10 +57,14 @@ class CopyEngine(Protocol):
         ...
 
 
-def _copy_all(moves: Sequence[Triple]) -> float:
+def _copy_all(moves: Sequence[Triple], direction: Direction) -> float:
+    # Imported here: batch builds on this module's Direction and Triple.
+    from offloadd.transfer.batch import move_arrays
+
     started = time.perf_counter()
     memmove = ctypes.memmove
-    for src, dst, nbytes in moves:
+    # Neighbours contiguous on both sides become one memmove (the planner does not merge).
+    for src, dst, nbytes in move_arrays(moves, direction).triples():
         memmove(dst, src, nbytes)  # releases the GIL while it copies
     return time.perf_counter() - started
 
@@ -90,7 +95,7 @@ class CpuCopyEngine:
         """
         if self._closed:
             raise RuntimeError("copy engine is closed")
-        return self._pools[direction].submit(_copy_all, list(moves))
+        return self._pools[direction].submit(_copy_all, moves, direction)
 
     def close(self) -> None:
         """Wait for queued copies, then stop the threads."""

@@ -12,10 +12,18 @@ and later write, an arbitrary file) and may never name the daemon's own arena.
 CUDA IPC handles are opened through the ``cuda`` opener the table is built with (see
 ``CudaOpener``; ``offloadd.cuda_ipc.CudaIpcOpener`` in the daemon, a fake in tests). One
 mapping per exported storage: ``(device UUID, handle bytes, storage offset)``, the key torch
-itself uses for its IPC cache. It is closed when the last reference goes, so releasing a
+itself uses for its IPC cache; a handle that finds its storage mapped already is passed to
+the opener's ``duplicate`` (each export holds a reference of its own on the exporter, as
+torch's rebuild knows). A mapping is closed when the last reference goes, so releasing a
 reaped rank's imports unmaps its GPU memory at once. ``Import.device`` is the local device
 ordinal of a CUDA import (-1 for host memory), which the cuda copy engine needs per job.
 Without a cuda opener, CUDA handles are refused with a clear message.
+
+Threads: the table may be used from several threads (the daemon opens CUDA handles on an
+import thread while its loop retains and releases); its bookkeeping is locked, and openers
+run outside the lock. ``closer``, when given, runs each mapping's close (for a CUDA import,
+torch syncs a stream and closes the IPC mapping): the daemon hands them to its import thread,
+off the event loop. Without it, closes run in the releasing thread.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import ctypes
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,6 +58,11 @@ class CudaOpener(Protocol):
         ``address`` and ``size`` describe the whole imported object (the table adds
         ``handle.offset`` and checks ``handle.size`` against it); ``close`` drops the import.
         """
+        ...
+
+    def duplicate(self, handle: CudaIpcHandle) -> None:
+        """``handle`` names an object the table maps already (another export of it): drop
+        whatever this export holds for the exporter (torch's per-export reference)."""
         ...
 
 
@@ -82,15 +96,19 @@ class HandleTable:
         forbidden: Sequence[str] = (),
         *,
         cuda: CudaOpener | None = None,
+        closer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._allowed = [os.path.realpath(d) for d in allowed_dirs]
         self._forbidden = {_file_id(p) for p in forbidden if os.path.exists(p)}
         self._cuda = cuda
+        self._closer = closer
         self._mappings: dict[tuple[object, ...], _Mapping] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         """Mappings currently open."""
-        return len(self._mappings)
+        with self._lock:
+            return len(self._mappings)
 
     def open(self, handle: MemoryHandle) -> Import:
         """Map ``handle`` (or reuse its mapping); raises HandleError."""
@@ -121,12 +139,16 @@ class HandleTable:
 
     def retain(self, imported: Import) -> None:
         """Take one more reference (e.g. for a copy in flight)."""
-        imported._mapping.refs += 1
+        with self._lock:
+            imported._mapping.refs += 1
 
     def close(self) -> None:
         """Unmap everything (at daemon exit, after copies drained)."""
-        for mapping in list(self._mappings.values()):
-            mapping.refs = 1
+        with self._lock:
+            mappings = list(self._mappings.values())
+            for mapping in mappings:
+                mapping.refs = 1
+        for mapping in mappings:
             self._unref(mapping)
 
     def _open_shm(self, handle: ShmHandle) -> _Mapping:
@@ -148,10 +170,11 @@ class HandleTable:
             key = ("shm", info.st_dev, info.st_ino)
             if (info.st_dev, info.st_ino) in self._forbidden:
                 raise HandleError(f"{handle.path} is the daemon's own arena")
-            existing = self._mappings.get(key)
-            if existing is not None:
-                existing.refs += 1
-                return existing
+            with self._lock:
+                existing = self._mappings.get(key)
+                if existing is not None:
+                    existing.refs += 1
+                    return existing
             if info.st_size == 0:
                 raise HandleError(f"{handle.path} is empty")
             mm = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED)
@@ -165,8 +188,9 @@ class HandleTable:
             holder.clear()
             mm.close()
 
-        mapping = _Mapping(key, info.st_size, ctypes.addressof(view), 1, unmap)
-        self._mappings[key] = mapping
+        mapping = self._insert(_Mapping(key, info.st_size, ctypes.addressof(view), 1, unmap))
+        if mapping.close is not unmap:  # mapped meanwhile by another thread: keep that one
+            unmap()
         return mapping
 
     def _open_cuda(self, handle: CudaIpcHandle) -> _Mapping:
@@ -175,9 +199,12 @@ class HandleTable:
                 "CUDA IPC handles need the cuda copy engine, which this daemon does not run"
             )
         key = ("cuda", normalize_uuid(handle.device_uuid), handle.handle, handle.storage_offset)
-        existing = self._mappings.get(key)
+        with self._lock:
+            existing = self._mappings.get(key)
+            if existing is not None:
+                existing.refs += 1
         if existing is not None:
-            existing.refs += 1
+            self._duplicate(existing, handle)
             return existing
         try:
             device = self._cuda.device_index(handle)
@@ -188,17 +215,47 @@ class HandleTable:
             raise HandleError(
                 f"cannot open the CUDA IPC handle of GPU {handle.device_uuid}: {exc}"
             ) from exc
-        mapping = _Mapping(key, size, base, 1, close, device)
-        self._mappings[key] = mapping
+        mapping = self._insert(_Mapping(key, size, base, 1, close, device))
+        if mapping.close is not close:  # opened meanwhile by another thread: keep that one
+            self._run_close(close)
+            self._duplicate(mapping, handle)
         return mapping
 
+    def _duplicate(self, mapping: _Mapping, handle: CudaIpcHandle) -> None:
+        assert self._cuda is not None
+        try:
+            self._cuda.duplicate(handle)
+        except Exception as exc:
+            self._unref(mapping)
+            raise HandleError(
+                f"cannot release the extra reference of a CUDA IPC handle: {exc}"
+            ) from exc
+
+    def _insert(self, mapping: _Mapping) -> _Mapping:
+        """Add a new mapping, or take a reference on one another thread added first."""
+        with self._lock:
+            existing = self._mappings.get(mapping.key)
+            if existing is not None:
+                existing.refs += 1
+                return existing
+            self._mappings[mapping.key] = mapping
+            return mapping
+
     def _unref(self, mapping: _Mapping) -> None:
-        mapping.refs -= 1
-        if mapping.refs == 0:
+        with self._lock:
+            mapping.refs -= 1
+            if mapping.refs:
+                return
             del self._mappings[mapping.key]
-            close = mapping.close
-            assert callable(close)
+        close = mapping.close
+        assert callable(close)
+        self._run_close(close)
+
+    def _run_close(self, close: Callable[[], None]) -> None:
+        if self._closer is None:
             close()
+        else:
+            self._closer(close)
 
 
 def _file_id(path: str) -> tuple[int, int]:

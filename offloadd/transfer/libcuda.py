@@ -20,6 +20,7 @@ class LibCuda:
     """Typed wrappers over the driver functions offloadd uses."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib  # for entry points resolved elsewhere (offloadd.transfer.batch)
         self._memcpy_async = lib.cuMemcpyAsync
         self._memcpy_async.argtypes = [
             ctypes.c_uint64,

@@ -18,6 +18,7 @@ from itertools import repeat
 from operator import sub
 from typing import NamedTuple
 
+from offloadd.transfer.copies import Copies
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import KVRegion
 
@@ -199,7 +200,7 @@ def chunk_copies(
     spans: Sequence[Span],
     block_ids: Sequence[int],
     shard_address: int,
-    out: list[tuple[int, int, int]],
+    out: list[tuple[int, int, int]] | Copies,
     *,
     first_sub_block: int = 0,
     load: bool = False,
@@ -207,8 +208,14 @@ def chunk_copies(
     """Append one chunk's ``(src, dst, nbytes)`` copies to ``out``; returns the bytes.
 
     A store copies region -> shard, a load (``load=True``) shard -> region. Block ids must be
-    validated against ``num_blocks`` already.
+    validated against ``num_blocks`` already. Into a ``Copies`` (what the daemon passes) the
+    chunk goes as arrays, unmerged; into a list, as tuples with runs of consecutive blocks
+    merged (the readable path the tests hold both against).
     """
+    if isinstance(out, Copies):
+        return out.add_chunk(
+            spans, block_ids, shard_address, first_sub_block=first_sub_block, load=load
+        )
     count = len(block_ids)
     runs = _runs(block_ids)
     total = 0

@@ -5,7 +5,9 @@ one allocation), fills them with random bytes, exports them with ``kv_region_fro
 and records an interprocess event. This process imports them through ``HandleTable`` +
 ``CudaIpcOpener``, stores some blocks into a pinned arena with ``CudaCopyEngine`` (waiting
 on the rank's event), loads them back into other blocks, and the rank checks every byte,
-padding included. Skipped without CUDA.
+padding included; once with the arena pinned in one piece, once in 1 MiB pieces with the
+slots of neighbouring blocks back to back across the cuts (copies must be split there: one
+DMA over two registrations fails). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from offloadd.cache.arena import Arena
 from offloadd.cuda_ipc import CudaIpcOpener
+from offloadd.transfer.batch import HostPieces
 from offloadd.transfer.cuda import make_engine
 from offloadd.transfer.engine import Direction, Triple
 from offloadd.transfer.handles import HandleTable
@@ -117,16 +120,34 @@ def rank() -> Iterator[Connection]:
         process.kill()
 
 
-@pytest.fixture
-def arena() -> Iterator[Arena]:
+PIECE = 1 << 20  # pinned pieces this small put several cuts under one test's slots
+
+
+@pytest.fixture(params=[0, PIECE], ids=["one-piece", "1MiB-pieces"])
+def pinned_arena(request: pytest.FixtureRequest) -> Iterator[tuple[Arena, int]]:
+    """The pinned arena and its piece size (0: one piece)."""
+    piece = request.param or (64 << 30)
     path = f"/dev/shm/offloadd-test-{os.getpid()}-{uuid.uuid4().hex[:10]}.arena"
-    arena = Arena(path, 16 << 20, pin=lambda address, size: register_host_memory(address, size))
-    yield arena
+    arena = Arena(
+        path, 16 << 20, pin=lambda address, size: register_host_memory(address, size, piece=piece)
+    )
+    yield arena, request.param
     arena.close()
 
 
+def _slot(slot: int, size: int, piece: int) -> int:
+    """``slot``, or the next cut when ``size`` bytes there would span two pinned pieces (as
+    the daemon's allocator never places a shard)."""
+    if piece and slot // piece != (slot + size - 1) // piece:
+        return (slot // piece + 1) * piece
+    return slot
+
+
 @pytest.mark.parametrize("batch", [True, False], ids=["batched", "per-copy"])
-def test_store_and_load_through_cuda_ipc(rank: Connection, arena: Arena, batch: bool) -> None:
+def test_store_and_load_through_cuda_ipc(
+    rank: Connection, pinned_arena: tuple[Arena, int], batch: bool
+) -> None:
+    arena, piece = pinned_arena
     assert rank.poll(120), "the rank did not report"
     message: Any = rank.recv()
     assert not isinstance(message, list), message
@@ -135,7 +156,10 @@ def test_store_and_load_through_cuda_ipc(rank: Connection, arena: Arena, batch: 
     assert isinstance(arena.pinned, HostRegistration), "the arena should be pinned on a GPU host"
 
     table = HandleTable(cuda=CudaIpcOpener())
-    engine = make_engine(batch=batch)
+    engine = make_engine(
+        batch=batch, host_pieces=HostPieces(arena.address, piece) if piece else None
+    )
+    assert engine.batched == batch, "the driver has no cuMemcpyBatchAsync (CUDA >= 12.8)"
     imports = [table.open(region.handle) for region in regions]
     try:
         assert len(table) == 3  # the two layers of one allocation share a mapping
@@ -146,6 +170,7 @@ def test_store_and_load_through_cuda_ipc(rank: Connection, arena: Arena, batch: 
         slot = 0
         for region, imported in zip(regions, imports, strict=True):
             for src, dst in zip(SRC, DST, strict=True):
+                slot = _slot(slot, region.page_size, piece)
                 host = arena.address + slot
                 stores.append(
                     (imported.address + src * region.block_stride, host, region.page_size)

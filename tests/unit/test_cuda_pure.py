@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -39,14 +41,8 @@ from offloadd.cuda_ipc import (
     open_ipc_handle,
     span_bytes,
 )
-from offloadd.transfer.cuda import (
-    CudaCopyEngine,
-    CudaCopyError,
-    batch_arrays,
-    make_engine,
-    merge_moves,
-    src_access_order,
-)
+from offloadd.transfer.batch import HostPieces, MoveArrays, move_arrays, src_access_order
+from offloadd.transfer.cuda import CudaCopyEngine, CudaCopyError, make_engine
 from offloadd.transfer.engine import CpuCopyEngine, Direction, Triple
 from offloadd.transfer.handles import HandleError, HandleTable
 from offloadd.transfer.pinning import (
@@ -371,11 +367,15 @@ def test_device_map_refuses_missing_and_duplicate_uuids() -> None:
 
 
 class FakeTorch:
-    """What ``_open_storage`` touches: cuda.init/device/current_stream, _new_shared_cuda."""
+    """What the import touches: cuda.init/device/Event.from_ipc_handle, _new_shared_cuda,
+    _release_ipc_counter_cuda."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.synced: list[int] = []
+        self.events: list[tuple[Any, bytes]] = []  # opened IPC events: (device, handle)
+        self.synced: list[bytes] = []  # IPC events waited for on the host
+        self.destroyed: list[bytes] = []  # IPC events destroyed
+        self.released: list[tuple[bytes, int]] = []  # IPC counters released
         fake = self
 
         class Storage:
@@ -393,19 +393,32 @@ class FakeTorch:
                 fake.calls.append(args)
                 return Storage(args)
 
-        class Stream:
-            def __init__(self, device: int) -> None:
-                self.device = device
+            @staticmethod
+            def _release_ipc_counter_cuda(handle: bytes, offset: int) -> None:
+                fake.released.append((handle, offset))
+
+        class Event:
+            def __init__(self, handle: bytes) -> None:
+                self.handle = handle
+
+            @classmethod
+            def from_ipc_handle(cls, device: Any, handle: bytes) -> Event:
+                fake.events.append((device, handle))
+                return cls(handle)
 
             def synchronize(self) -> None:
-                fake.synced.append(self.device)
+                fake.synced.append(self.handle)
+
+            def __del__(self) -> None:  # torch's CUDAEvent destructor: cudaEventDestroy
+                fake.destroyed.append(self.handle)
 
         self.UntypedStorage = Storage
         self.cuda = types.SimpleNamespace(
             init=lambda: None,
             device=lambda index: contextlib.nullcontext(),
-            current_stream=Stream,
+            Event=Event,
         )
+        self.device = lambda kind, index: (kind, index)
 
 
 @pytest.fixture
@@ -418,12 +431,16 @@ def fake_torch(monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
 def test_open_passes_the_local_device_and_the_eight_fields_in_order(fake_torch: FakeTorch) -> None:
     handle = cuda_handle(storage_offset=8192, storage_size=4 << 20, offset=1024, size=1 << 20)
     address, keepalive = open_ipc_handle(handle, 3)
+    # torch is not asked to sync on the event: it would wait on the device's current stream
+    # and, in some versions, never destroy the event it opened.
     assert fake_torch.calls == [
-        (3, IPC, 4 << 20, 8192, b"/torch_123_456", 3, EVENT, True),
+        (3, IPC, 4 << 20, 8192, b"/torch_123_456", 3, EVENT, False),
     ]
     assert address == 0x7F0000000000 + 8192 + 1024
     assert keepalive is not None
-    assert fake_torch.synced == [3]  # the producer's "ready" event is settled once
+    # The producer's "ready" event: opened on the local device, waited for, destroyed.
+    assert fake_torch.events == [(("cuda", 3), EVENT)]
+    assert fake_torch.synced == [EVENT] and fake_torch.destroyed == [EVENT]
 
 
 def test_open_refuses_expandable_handles_and_regions_outside_the_storage(
@@ -463,6 +480,11 @@ class FakeOpener:
     def device_index(self, handle: CudaIpcHandle) -> int:
         return self.devices.index(handle.device_uuid)
 
+    duplicates: list[CudaIpcHandle] = field(default_factory=list)
+
+    def duplicate(self, handle: CudaIpcHandle) -> None:
+        self.duplicates.append(handle)
+
     def open(self, handle: CudaIpcHandle) -> tuple[int, int, Callable[[], None]]:
         if self.fail is not None:
             raise self.fail
@@ -481,6 +503,7 @@ def test_one_mapping_per_handle_refcounted_and_closed_on_last_release(opener: Fa
     first = table.open(cuda_handle(offset=0, size=4096))
     second = table.open(cuda_handle(uuid="gpu-" + UUID0[4:].lower(), offset=4096, size=4096))
     assert len(opener.opened) == 1 and len(table) == 1
+    assert [h.offset for h in opener.duplicates] == [4096]  # its own export reference
     assert second.address == first.address + 4096
     assert (first.device, second.device) == (0, 0)
     table.retain(first)  # a copy in flight
@@ -718,7 +741,7 @@ def test_prefault_falls_back_to_touching_pages(
 # --- batch arrays ------------------------------------------------------------------------------
 
 
-def test_batch_arrays_merges_neighbours_contiguous_on_both_sides() -> None:
+def test_move_arrays_merge_neighbours_contiguous_on_both_sides() -> None:
     moves: list[Triple] = [
         (1000, 5000, 100),
         (1100, 5100, 50),  # contiguous on both sides: merged
@@ -726,16 +749,18 @@ def test_batch_arrays_merges_neighbours_contiguous_on_both_sides() -> None:
         (2000, 6010, 0),  # empty: dropped
         (3000, 7000, 8),
     ]
-    assert batch_arrays(moves) == ([1000, 1150, 3000], [5000, 6000, 7000], [150, 10, 8])
-    assert merge_moves([]) == []
-    assert batch_arrays([]) == ([], [], [])
+    arrays = move_arrays(moves, Direction.STORE)
+    assert arrays.triples() == [(1000, 5000, 150), (1150, 6000, 10), (3000, 7000, 8)]
+    assert all(a.dtype == np.uint64 and a.flags.c_contiguous for a in arrays)
+    assert move_arrays([], Direction.LOAD).triples() == []
+    assert move_arrays([(1, 2, 0)], Direction.LOAD).triples() == []
     with pytest.raises(ValueError, match="negative"):
-        merge_moves([(0, 0, -1)])
+        move_arrays([(0, 0, -1)], Direction.STORE)
 
 
 def test_access_order_per_direction() -> None:
-    assert src_access_order(Direction.STORE) == "stream"
-    assert src_access_order(Direction.LOAD) == "any"
+    assert src_access_order(Direction.STORE) == 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    assert src_access_order(Direction.LOAD) == 3  # CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 
 
 def test_cpu_engine_accepts_and_ignores_the_cuda_keywords() -> None:
@@ -761,21 +786,6 @@ def test_make_engine_without_cuda_is_a_clear_error() -> None:
         make_engine()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-driver answers")
-def test_batch_copier_marshals_its_arguments_for_real_cuda_python() -> None:
-    runtime = pytest.importorskip("cuda.bindings.runtime")
-    from offloadd.transfer.cuda import _BatchCopier
-
-    copier = _BatchCopier(runtime)
-    orders = runtime.cudaMemcpySrcAccessOrder
-    assert copier._attrs[Direction.STORE].srcAccessOrder == orders.cudaMemcpySrcAccessOrderStream
-    assert copier._attrs[Direction.LOAD].srcAccessOrder == orders.cudaMemcpySrcAccessOrderAny
-    # No driver here: the call is marshalled and answered with a "fall back" code.
-    code = copier.copy(0x1234, Direction.LOAD, [1 << 20, 2 << 20], [3 << 20, 4 << 20], [64, 64])
-    assert code in copier.unsupported
-    assert copier.bind(0) in copier.unsupported
-
-
 # --- the cuda engine on a fake backend -------------------------------------------------------
 
 
@@ -791,10 +801,14 @@ class FakeEvent:
         stream.ops.append(("record", self))
 
     def query(self) -> bool:
+        raise AssertionError("completion is event driven: nothing polls an event")
+
+    def synchronize(self) -> None:
         assert self.device is not None
+        self.backend.synchronized.append((threading.current_thread().name, self.device))
+        self.backend.released[self.device].wait()
         if self.backend.broken_query:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return self.backend.released[self.device].is_set()
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return (end.at - self.at) * 1000.0 + 0.25
@@ -822,7 +836,9 @@ class FakeBackend:
     fail_copy: bool = False
     fail_bind: bool = False
     broken_query: bool = False
+    synchronized: list[tuple[str, int]] = field(default_factory=list)
     name: str = "fake"
+    batched: bool = True
 
     def __post_init__(self) -> None:
         for _ in range(self.devices):
@@ -847,19 +863,13 @@ class FakeBackend:
         self.ipc_opened.append((device, handle))
         return ("ipc", device, handle)
 
-    def copy(
-        self,
-        stream: FakeStream,
-        direction: Direction,
-        srcs: list[int],
-        dsts: list[int],
-        sizes: list[int],
-    ) -> None:
+    def copy(self, stream: FakeStream, direction: Direction, arrays: MoveArrays) -> None:
         if self.fail_copy:
-            raise CudaCopyError("cudaMemcpyBatchAsync of 1 copies failed: cudaErrorInvalidValue")
+            raise CudaCopyError("cuMemcpyBatchAsync of 1 copies failed: CUDA_ERROR_INVALID_VALUE")
+        srcs, dsts, sizes = (a.tolist() for a in arrays)
         self.copies.append((direction, srcs, dsts, sizes))
         stream.ops.append(("copy", len(sizes)))
-        for src, dst, nbytes in zip(srcs, dsts, sizes, strict=True):
+        for src, dst, nbytes in arrays.triples():
             ctypes.memmove(dst, src, nbytes)
 
 
@@ -900,7 +910,11 @@ def test_engine_copies_one_batch_per_job_and_reports_seconds(
     assert len(backend.copies) == 1  # one driver call per job
     direction, srcs, _dsts, sizes = backend.copies[0]
     assert direction is Direction.STORE and srcs == [base_s] and sizes == [8 * 64]
-    assert [d for name, d in backend.bound if "cuda1-store" in name] == [1]
+    # The issuing thread and the completion thread each make the device current, once.
+    assert sorted(name for name, d in backend.bound if d == 1) == [
+        "offloadd-cuda1-store-done",
+        "offloadd-cuda1-store_0",
+    ]
 
 
 def test_jobs_of_a_lane_resolve_in_submission_order(
@@ -955,12 +969,62 @@ def test_store_waits_on_the_ipc_event_before_copying(
     assert ops[4:] == ["wait", "record", "copy", "record"] * 2 + ["record", "copy", "record"]
 
 
+def test_a_load_waits_on_the_ipc_event_too(engine: CudaCopyEngine, backend: FakeBackend) -> None:
+    src, dst = buffers(1, 16)
+    move = [(ctypes.addressof(src), ctypes.addressof(dst), 16)]
+    assert engine.submit(Direction.LOAD, move, device=1, wait_event=EVENT).result(5) >= 0.0
+    assert backend.ipc_opened == [(1, EVENT)]
+    assert [op for op, _ in backend.streams[0].ops] == ["wait", "record", "copy", "record"]
+
+
+def test_completion_blocks_on_each_end_event_once_and_never_polls(
+    engine: CudaCopyEngine, backend: FakeBackend
+) -> None:
+    # FakeEvent.query raises: a poller would fail every job. Each job's end event is waited
+    # for exactly once, on the lane's completion thread, and the job resolves right after.
+    src, dst = buffers(3, 32)
+    backend.released[0].clear()
+    futures = [
+        engine.submit(
+            Direction.LOAD,
+            [(ctypes.addressof(src) + i * 32, ctypes.addressof(dst) + i * 32, 32)],
+            device=0,
+        )
+        for i in range(3)
+    ]
+    deadline = time.monotonic() + 5
+    while not backend.synchronized and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert backend.synchronized == [("offloadd-cuda0-load-done", 0)]  # blocked on job 0 only
+    assert not any(f.done() for f in futures)
+    backend.released[0].set()
+    assert [f.result(5) >= 0.0 for f in futures] == [True] * 3
+    assert backend.synchronized == [("offloadd-cuda0-load-done", 0)] * 3
+    assert dst.raw == src.raw
+
+
+def test_the_engine_splits_a_run_at_the_pinned_piece_cut(backend: FakeBackend) -> None:
+    src, dst = buffers(4, 4096)
+    arena = ctypes.addressof(dst)
+    cut = arena + 2 * 4096
+    engine = CudaCopyEngine(backend, host_pieces=HostPieces(cut - (1 << 30), 1 << 30))
+    try:
+        moves = [(ctypes.addressof(src) + i * 4096, arena + i * 4096, 4096) for i in range(4)]
+        engine.submit(Direction.STORE, moves, device=0).result(5)
+    finally:
+        engine.close()
+    (_direction, srcs, dsts, sizes) = backend.copies[0]
+    assert dsts == [arena, cut] and sizes == [8192, 8192]
+    assert srcs == [ctypes.addressof(src), ctypes.addressof(src) + 8192]
+    assert dst.raw == src.raw
+
+
 def test_a_refused_copy_fails_its_job_only(engine: CudaCopyEngine, backend: FakeBackend) -> None:
     src, dst = buffers(1, 16)
     move = [(ctypes.addressof(src), ctypes.addressof(dst), 16)]
     backend.fail_copy = True
     failed = engine.submit(Direction.LOAD, move, device=0)
-    with pytest.raises(CudaCopyError, match="cudaErrorInvalidValue"):
+    with pytest.raises(CudaCopyError, match="CUDA_ERROR_INVALID_VALUE"):
         failed.result(5)
     # The end event was still recorded, so the job resolved after the stream drained.
     assert [op for op, _ in backend.streams[0].ops] == ["record", "record"]
@@ -1065,3 +1129,53 @@ def test_gpu_check_without_cuda_exits_2_with_a_message() -> None:
     result = run_script("--total", "1GiB")
     assert result.returncode == 2
     assert "CUDA" in result.stderr
+
+
+def test_a_second_export_of_a_mapped_storage_releases_its_ipc_counter(
+    fake_torch: FakeTorch,
+) -> None:
+    # Two layers in one allocation, exported twice: torch counted a reference per export.
+    opener = CudaIpcOpener(DeviceMap([UUID0]))
+    table = HandleTable(cuda=opener)
+    first = table.open(cuda_handle(offset=0, size=4096))
+    second_handle = msgspec.structs.replace(
+        cuda_handle(offset=4096, size=4096), ref_counter_offset=9
+    )
+    second = table.open(second_handle)
+    assert len(fake_torch.calls) == 1  # one import
+    assert fake_torch.released == [(b"/torch_123_456", 9)]  # the second export's reference
+    table.release(first)
+    table.release(second)
+
+
+def test_an_unwritable_counter_file_is_reported_once(
+    fake_torch: FakeTorch, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"/offloadd-test-counter-{uuid.uuid4().hex[:8]}"
+    path = cuda_ipc.counter_path(name.encode())
+    with open(path, "wb"):
+        pass
+    try:
+        monkeypatch.setattr(cuda_ipc.os, "access", lambda p, mode: p != path)
+        opener = CudaIpcOpener(DeviceMap([UUID0]))
+        handle = msgspec.structs.replace(cuda_handle(), ref_counter_handle=name.encode())
+        with caplog.at_level(logging.WARNING, logger="offloadd.cuda_ipc"):
+            for _ in range(3):
+                opener.open(handle)[2]()
+        assert caplog.text.count("cannot write torch's IPC reference counter") == 1
+        assert path in caplog.text
+    finally:
+        os.unlink(path)
+
+
+def test_export_opens_the_counter_file_to_the_ranks_group(fake_gpu: None) -> None:
+    name = f"/offloadd-test-counter-{uuid.uuid4().hex[:8]}"
+    path = cuda_ipc.counter_path(name.encode())
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        shared = (0, IPC, 1 << 22, 4096, name.encode(), 7, EVENT, True)
+        export_tensor(FakeCudaTensor((4, 64), (64, 1), itemsize=1, shared=shared))  # type: ignore[arg-type]
+        assert os.stat(path).st_mode & 0o777 == 0o660
+    finally:
+        os.unlink(path)

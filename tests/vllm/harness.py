@@ -795,13 +795,23 @@ class VllmHarness:
             return
         self._update(*queue.pop())
 
-    def run_until_finished(self, max_steps: int = 1000) -> int:
-        """Step until no request and no connector work is left; return steps."""
-        for n in range(max_steps):
-            if not self.has_work():
-                return n
+    def run_until_finished(self, max_steps: int = 1000, timeout: float = 30.0) -> int:
+        """Step until no request and no connector work is left; return steps.
+
+        Like the engine core, it keeps stepping while transfers run elsewhere (an offload
+        daemon's copies): it gives up after ``max_steps`` steps *and* ``timeout`` seconds,
+        pausing a millisecond between steps past the first ``max_steps``.
+        """
+        deadline = time.monotonic() + timeout
+        n = 0
+        while self.has_work():
+            if n >= max_steps:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"still busy after {n} steps and {timeout:.0f}s")
+                time.sleep(0.001)
             self.step()
-        raise AssertionError(f"still busy after {max_steps} steps")
+            n += 1
+        return n
 
     def _schedule(self) -> SchedulerOutput:
         self.step_count += 1

@@ -1,0 +1,150 @@
+"""A job's copies held as numpy blocks: the planner's output for the engines' fast path.
+
+``Copies`` is a ``Sequence[Triple]`` (so every engine and test can read it as triples), but
+``offloadd.transfer.plan.chunk_copies`` fills it one chunk at a time with a few array
+operations over all of the chunk's regions and blocks at once, instead of one Python tuple
+per copy, and ``offloadd.transfer.batch.move_arrays`` takes its ``table()`` as is. Nothing
+is merged here: the engine merges once, over the whole job.
+
+Order of the copies: chunk after chunk; inside a chunk, region after region (the group's
+order), block after block: the order ``chunk_copies`` appends triples in, so a shard's bytes
+come out in arena order and neighbours can merge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple, overload
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from offloadd.transfer.plan import Span
+
+Table = npt.NDArray[np.int64]
+Triple = tuple[int, int, int]
+_SPAN_CACHE = 1024
+
+
+class _SpanArrays(NamedTuple):
+    bases: Table
+    strides: Table
+    pages: Table
+    parts: Table
+    page_sum: int
+
+
+class Copies(Sequence[Triple]):
+    """A job's ``(src, dst, nbytes)`` copies as int64 column blocks; see the module."""
+
+    __slots__ = ("_columns", "_count", "_joined")
+
+    def __init__(self) -> None:
+        self._columns: tuple[list[Table], list[Table], list[Table]] = ([], [], [])
+        self._count = 0
+        self._joined: tuple[Table, Table, Table] | None = None
+
+    def add_chunk(
+        self,
+        spans: Sequence[Span],
+        block_ids: Sequence[int],
+        shard_address: int,
+        *,
+        first_sub_block: int = 0,
+        load: bool = False,
+    ) -> int:
+        """Append one chunk's copies (``chunk_copies``'s contract); returns the bytes."""
+        count = len(block_ids)
+        if not count or not spans:
+            return 0
+        arrays = _span_arrays(spans)
+        ids = np.fromiter(block_ids, np.int64, count)
+        region = np.multiply.outer(arrays.strides, ids)
+        region += arrays.bases[:, None]
+        shard, sizes = _shard_template(arrays, count, first_sub_block)
+        shard = shard + shard_address
+        srcs, dsts, nbytes = self._columns
+        srcs.append((shard if load else region).ravel())
+        dsts.append((region if load else shard).ravel())
+        nbytes.append(sizes)
+        self._count += sizes.size
+        self._joined = None
+        return arrays.page_sum * count
+
+    def columns(self) -> tuple[Table, Table, Table]:
+        """``(srcs, dsts, sizes)``, each one contiguous array (joined once, on first use)."""
+        if self._joined is None:
+            joined = tuple(
+                blocks[0] if len(blocks) == 1 else np.concatenate(blocks) if blocks else _NONE
+                for blocks in self._columns
+            )
+            self._joined = (joined[0], joined[1], joined[2])
+            self._columns = ([joined[0]], [joined[1]], [joined[2]]) if self._count else ([], [], [])
+        return self._joined
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[Triple]:
+        srcs, dsts, sizes = (column.tolist() for column in self.columns())
+        return zip(srcs, dsts, sizes, strict=True)
+
+    @overload
+    def __getitem__(self, index: int) -> Triple: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Triple]: ...
+
+    def __getitem__(self, index: int | slice) -> Triple | list[Triple]:
+        srcs, dsts, sizes = self.columns()
+        if isinstance(index, slice):
+            columns = (srcs[index].tolist(), dsts[index].tolist(), sizes[index].tolist())
+            return list(zip(*columns, strict=True))
+        return int(srcs[index]), int(dsts[index]), int(sizes[index])
+
+
+_NONE: Table = np.zeros(0, np.int64)
+
+
+# The daemon passes the same spans tuple (cached per session and group) for every chunk, so the
+# arrays are keyed by its identity; the tuple itself is kept so the id cannot be reused.
+_cache: dict[int, tuple[Sequence[Span], _SpanArrays]] = {}
+
+
+def _span_arrays(spans: Sequence[Span]) -> _SpanArrays:
+    hit = _cache.get(id(spans))
+    if hit is not None and hit[0] is spans:
+        return hit[1]
+    columns = np.array([tuple(span) for span in spans], np.int64).reshape(-1, 4)
+    arrays = _SpanArrays(
+        columns[:, 0].copy(),
+        columns[:, 1].copy(),
+        columns[:, 2].copy(),
+        columns[:, 3].copy(),
+        int(columns[:, 2].sum()),
+    )
+    if len(_cache) >= _SPAN_CACHE:
+        _cache.pop(next(iter(_cache)))
+    _cache[id(spans)] = (spans, arrays)
+    return arrays
+
+
+# Per spans, chunk length and first sub-block: the shard offsets and sizes of a chunk's copies,
+# which only the shard's address changes from chunk to chunk.
+_templates: dict[tuple[int, int, int], tuple[_SpanArrays, Table, Table]] = {}
+
+
+def _shard_template(arrays: _SpanArrays, count: int, first: int) -> tuple[Table, Table]:
+    key = (id(arrays), count, first)
+    hit = _templates.get(key)
+    if hit is not None and hit[0] is arrays:
+        return hit[1], hit[2]
+    offsets = np.multiply.outer(arrays.pages, np.arange(first, first + count))
+    offsets += arrays.parts[:, None]
+    sizes = np.repeat(arrays.pages, count)
+    sizes.flags.writeable = False
+    if len(_templates) >= _SPAN_CACHE:
+        _templates.pop(next(iter(_templates)))
+    _templates[key] = (arrays, offsets, sizes)
+    return offsets, sizes

@@ -1,0 +1,57 @@
+"""The daemon's array planner (``chunk_copies`` into ``Copies``) moves exactly what the tuple
+planner and the reference plan move, and reads back as a sequence of triples."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offloadd.transfer.batch import move_arrays
+from offloadd.transfer.copies import Copies
+from offloadd.transfer.engine import Direction
+from offloadd.transfer.plan import GroupLayout, Span, chunk_copies, group_spans
+from protocol.handles import KVRegion
+from tests.unit.test_plan_fast import _reference, cases
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(cases(), min_size=1, max_size=3))
+def test_arrays_plan_the_same_copies_as_tuples(
+    chunks: list[tuple[list[KVRegion], GroupLayout, list[int], int, int, bool]],
+) -> None:
+    load = chunks[0][-1]
+    direction = Direction.LOAD if load else Direction.STORE
+    tuples: list[tuple[int, int, int]] = []
+    arrays = Copies()
+    for index, (regions, layout, ids, bpc, first, _load) in enumerate(chunks):
+        bases = [100_000 * (i + 1) + index * 10_000_000 for i in range(len(regions))]
+        mappings = [(base, r.handle.size) for base, r in zip(bases, regions, strict=True)]
+        spans = group_spans(layout, regions, mappings, blocks_per_chunk=bpc)
+        shard = 1_000_000_000 + index * 1_000_000
+        expected = chunk_copies(spans, ids, shard, tuples, first_sub_block=first, load=load)
+        before = len(arrays)
+        total = chunk_copies(spans, ids, shard, arrays, first_sub_block=first, load=load)
+        assert total == expected
+        planned = {(s + i, d + i) for s, d, n in arrays[before:] for i in range(n)}
+        assert planned == _reference(regions, layout, ids, bpc, first, load, bases, shard)
+    assert move_arrays(arrays, direction).triples() == move_arrays(tuples, direction).triples()
+
+
+def test_copies_read_back_as_triples() -> None:
+    spans = (Span(1000, 128, 64, 0), Span(9000, 64, 64, 64 * 2))
+    copies = Copies()
+    assert len(copies) == 0 and list(copies) == [] and not copies
+    assert chunk_copies(spans, [3, 1], 50_000, copies) == 2 * 128
+    assert chunk_copies(spans, [0], 60_000, copies, first_sub_block=1, load=True) == 128
+    expected = [
+        (1000 + 3 * 128, 50_000, 64),
+        (1000 + 1 * 128, 50_064, 64),
+        (9000 + 3 * 64, 50_128, 64),
+        (9000 + 1 * 64, 50_192, 64),
+        (60_064, 1000, 64),  # a load: shard -> region, from sub-block 1
+        (60_192, 9000, 64),
+    ]
+    assert list(copies) == expected
+    assert len(copies) == 6 and copies[0] == expected[0] and copies[-1] == expected[-1]
+    assert copies[1:3] == expected[1:3]
+    assert chunk_copies(spans, [], 70_000, copies) == 0 and len(copies) == 6
