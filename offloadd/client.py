@@ -12,6 +12,13 @@ Both speak to the daemon over a DEALER socket and have the same methods::
 record of finished jobs and engine readiness, and the mapping from Error replies to
 exceptions. The two clients only move frames. Replies that arrive unasked (``JobDone``,
 ``EngineReady``) are recorded by the core whenever either client reads the socket.
+
+Every Hello is preceded by a registration (``offloadd.peer``): on an ``ipc://`` endpoint the
+client opens its shared-memory regions' files itself (or duplicates the descriptors given in
+``files``), passes the descriptors over the daemon's registration socket, where the kernel
+tells the daemon the rank's uid, gid and pid, and sends the one-time token it gets back in
+the Hello. A Hello said again (after a daemon restart or a reap) registers again. ``stats``
+without a session registers too, so the daemon shows the engines this user may see.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from offloadd.errors import DaemonUnavailable, JobError, OffloaddError, error_from_reply
+from offloadd.peer import RegionFiles, register
 from protocol import PROTOCOL_VERSION
 from protocol.config import OffloadingConfig
 from protocol.errors import ErrorCode
@@ -91,6 +99,7 @@ class _ClientCore:
         self.submitted: set[int] = set()  # accepted jobs whose JobDone has not arrived
         self.notices: list[KeysChanged] = []  # key-mirror changes not yet taken, in order
         self._hello: Hello | None = None
+        self.files: RegionFiles | None = None
         self.last_request = time.monotonic()
 
     def next_id(self) -> int:
@@ -124,6 +133,28 @@ class _ClientCore:
             mirror=mirror,
         )
         return self._hello
+
+    def open_files(
+        self, regions: Sequence[KVRegion], files: Mapping[str, int] | None
+    ) -> tuple[KVRegion, ...]:
+        """Open the regions' shared-memory files (kept until ``close_files``); the regions as
+        the Hello names them (their descriptors numbered)."""
+        try:
+            self.files = RegionFiles.open(regions, files)
+        except OSError as exc:
+            raise OffloaddError(f"cannot hand a KV region to the daemon: {exc}") from None
+        return self.files.regions
+
+    def close_files(self) -> None:
+        if self.files is not None:
+            self.files.close()
+
+    def registered(self, endpoint: str, timeout: float) -> bytes:
+        """A fresh registration token for this client's identity and files (b"" where the
+        endpoint has no registration socket)."""
+        fds = self.files.fds if self.files is not None else []
+        registered = register(endpoint, self.identity, fds, timeout)
+        return registered.token if registered is not None else b""
 
     def hello_again(self, reply: Reply) -> Hello | None:
         """The Hello to resend when ``reply`` says the daemon no longer knows this session.
@@ -348,17 +379,21 @@ class OffloadClient:
         heartbeat: float = DEFAULT_HEARTBEAT,
         curve: CurveKeys | None = None,
         mirror: bool = False,
+        files: Mapping[str, int] | None = None,
     ) -> OffloadClient:
         """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable.
 
         ``mirror`` (schedulers): receive the namespace's key changes (``take_notices``).
+        ``files``: descriptors of shared-memory region files by ``ShmHandle.path`` (the
+        client duplicates them); a file not given is opened here, with the rank's rights.
         """
         client = cls(endpoint, timeout=timeout, heartbeat=heartbeat, curve=curve)
         try:
+            named = client._core.open_files(regions, files)
             hello = client._core.hello(
-                config, regions, role, device_uuid, name, events_topic, raw_hashes, mirror
+                config, named, role, device_uuid, name, events_topic, raw_hashes, mirror
             )
-            client._core.expect(client._exchange(hello, timeout), Welcome)
+            client._core.expect(client._exchange(client._registered(hello), timeout), Welcome)
         except BaseException:
             client.close(goodbye=False)
             raise
@@ -470,7 +505,7 @@ class OffloadClient:
         if isinstance(reply, Ok) and reply.count == 0:
             hello = self._core.lost_session()
             if hello is not None:
-                self._core.expect(self._exchange(hello, timeout), Welcome)
+                self._core.expect(self._exchange(self._registered(hello), timeout), Welcome)
 
     def ack(self, seq: int) -> None:
         """(Scheduler) Acknowledge key changes up to ``seq``, without waiting for the reply."""
@@ -524,8 +559,15 @@ class OffloadClient:
         return self._core.expect(self._request(Clear(self._core.next_id())), Ok).count
 
     def stats(self) -> DaemonStats:
-        """The daemon's counters (works without Hello)."""
-        return self._core.expect(self._request(GetStats(self._core.next_id())), StatsResult).stats
+        """The daemon's counters (works without Hello: then registers, so the engines listed
+        are those this user may see)."""
+        token = (
+            b""
+            if self._core.welcome is not None
+            else self._core.registered(self.endpoint, self.timeout)
+        )
+        request = GetStats(self._core.next_id(), token)
+        return self._core.expect(self._request(request), StatsResult).stats
 
     def close(self, *, goodbye: bool = True) -> None:
         """Say goodbye (best effort) and close the sockets. Idempotent."""
@@ -540,13 +582,19 @@ class OffloadClient:
         self._closed = True
         self._sock.close(linger=0)
         self._ctx.term()
+        self._core.close_files()
+
+    def _registered(self, hello: Hello) -> Hello:
+        """``hello`` with a fresh registration token."""
+        token = self._core.registered(self.endpoint, self.timeout)
+        return msgspec.structs.replace(hello, token=token)
 
     def _request(self, request: Request, timeout: float | None = None) -> Reply:
         """Send and wait for the reply; says Hello again once if the session was lost."""
         reply = self._exchange(request, timeout)
         hello = self._core.hello_again(reply)
         if hello is not None:
-            self._core.expect(self._exchange(hello, timeout), Welcome)
+            self._core.expect(self._exchange(self._registered(hello), timeout), Welcome)
             reply = self._exchange(request, timeout)
         return reply
 
@@ -657,17 +705,20 @@ class AsyncOffloadClient:
         heartbeat: float = DEFAULT_HEARTBEAT,
         curve: CurveKeys | None = None,
         mirror: bool = False,
+        files: Mapping[str, int] | None = None,
     ) -> AsyncOffloadClient:
         """Connect and say Hello; raises ConfigMismatch, InvalidRequest or DaemonUnavailable.
 
         ``mirror`` (schedulers): receive the namespace's key changes (``take_notices``).
+        ``files``: as in ``OffloadClient.connect``.
         """
         client = cls(endpoint, timeout=timeout, heartbeat=heartbeat, curve=curve)
         try:
+            named = client._core.open_files(regions, files)
             hello = client._core.hello(
-                config, regions, role, device_uuid, name, events_topic, raw_hashes, mirror
+                config, named, role, device_uuid, name, events_topic, raw_hashes, mirror
             )
-            client._core.expect(await client._exchange(hello), Welcome)
+            client._core.expect(await client._exchange(await client._registered(hello)), Welcome)
         except BaseException:
             await client.close(goodbye=False)
             raise
@@ -807,8 +858,11 @@ class AsyncOffloadClient:
         return self._core.expect(await self._request(Clear(self._core.next_id())), Ok).count
 
     async def stats(self) -> DaemonStats:
-        """The daemon's counters (works without Hello)."""
-        reply = await self._request(GetStats(self._core.next_id()))
+        """The daemon's counters (see ``OffloadClient.stats``)."""
+        token = b""
+        if self._core.welcome is None:
+            token = await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
+        reply = await self._request(GetStats(self._core.next_id(), token))
         return self._core.expect(reply, StatsResult).stats
 
     async def close(self, *, goodbye: bool = True) -> None:
@@ -828,6 +882,12 @@ class AsyncOffloadClient:
                 await task
         self._sock.close(linger=0)
         self._ctx.term()
+        self._core.close_files()
+
+    async def _registered(self, hello: Hello) -> Hello:
+        """``hello`` with a fresh registration token (registering off the loop)."""
+        token = await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
+        return msgspec.structs.replace(hello, token=token)
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():
@@ -839,6 +899,7 @@ class AsyncOffloadClient:
         reply = await self._exchange(request, timeout)
         hello = self._core.hello_again(reply)
         if hello is not None:
+            hello = await self._registered(hello)
             self._core.expect(await self._exchange(hello, timeout), Welcome)
             self._changed.set()  # jobs of the lost session were just marked failed
             reply = await self._exchange(request, timeout)
@@ -873,6 +934,7 @@ class AsyncOffloadClient:
                 if hello is not None:
                     # The daemon does not know us (it restarted): say Hello again now, so
                     # the engine is whole again before the next request.
+                    hello = await self._registered(hello)
                     self._core.expect(await self._exchange(hello), Welcome)
                     self._changed.set()
 

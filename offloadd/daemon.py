@@ -37,8 +37,10 @@ from offloadd.cache.journal import Journal, discard
 from offloadd.endpoint import EndpointClaim, check_tcp_security, ipc_path, restrict_socket
 from offloadd.events import PublisherSet, topic_for
 from offloadd.gate import RequestGate
+from offloadd.limits import Limits, Protection
 from offloadd.metrics import Metrics
 from offloadd.mirrors import Mirrors
+from offloadd.peer import REMOTE, Peer, PeerListener, Registration
 from offloadd.registry import (
     Engine,
     Namespace,
@@ -50,8 +52,10 @@ from offloadd.registry import (
 from offloadd.safety import engine_id_problem, printable
 from offloadd.settings import Settings
 from offloadd.systemd import Notifier
+from offloadd.tenancy import Tenancy, Viewer
 from offloadd.transfer.copies import Copies
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
+from offloadd.transfer.guarded import FileWindow, shrunk
 from offloadd.transfer.handles import HandleError, HandleTable, Import
 from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
 from offloadd.transfer.plan import (
@@ -62,15 +66,17 @@ from offloadd.transfer.plan import (
     group_spans,
 )
 from protocol import PROTOCOL_VERSION
+from protocol.config import OffloadingParallelConfig
 from protocol.errors import ErrorCode
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
-from protocol.handles import CudaIpcHandle
+from protocol.handles import CudaIpcHandle, ShmHandle
 from protocol.messages import (
     Ack,
     Bye,
     Clear,
     DaemonStats,
     EngineReady,
+    EngineState,
     Error,
     GetStats,
     Hello,
@@ -99,13 +105,13 @@ from protocol.messages import (
     encode,
     peek_request_id,
 )
+from protocol.peer import peer_socket_path
 
 if TYPE_CHECKING:
     from zmq.auth.asyncio import AsyncioAuthenticator
 
 logger = logging.getLogger(__name__)
 
-_MAX_KEYS_PER_REQUEST = 1 << 16
 _YIELD_EVERY = 32  # requests handled back to back before the loop runs other callbacks
 
 
@@ -151,6 +157,9 @@ class _SessionState:
     last_seen: float = field(default_factory=time.monotonic)
     spans: dict[int, tuple[Span, ...]] = field(default_factory=dict)  # by group, built lazily
     pidfd: int | None = None  # watched with the loop: readable once the process exited
+    peer: Peer = REMOTE  # who the kernel says the peer is (offloadd.peer)
+    windows: tuple[FileWindow, ...] = ()  # its shared-memory files, reached by descriptor
+    unsealed: tuple[FileWindow, ...] = ()  # those that could shrink: checked before each job
 
 
 @dataclass
@@ -189,6 +198,12 @@ class Daemon:
         self._events: PublisherSet | None = None
         self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
         self.registry = Registry()
+        self._peers: PeerListener | None = None  # the registration socket (ipc:// only)
+        self.tenancy = Tenancy(settings.tenancy)
+        self.limits = Limits(settings.limits)
+        self._protection = Protection(
+            int(settings.cache.capacity * settings.limits.protected_fraction)
+        )
         self._states: dict[str, _SessionState] = {}
         self._jobs_in_flight = 0
         self._idle = asyncio.Event()
@@ -241,9 +256,10 @@ class Daemon:
 
                 opener = CudaIpcOpener()
                 self._importer = ThreadPoolExecutor(1, thread_name_prefix="offloadd-ipc")
+            journal = settings.journal_path()
             self._handles = HandleTable(
-                settings.server.shm_dirs,
-                forbidden=[self._arena.path],
+                # A rank may never make these a region (compared by device and inode).
+                forbidden=[self._arena.path, journal, journal + ".key"],
                 cuda=opener,
                 closer=self._close_import if cuda else None,
             )
@@ -258,12 +274,14 @@ class Daemon:
                     self._copy = CpuCopyEngine()
             self._ctx = zmq.asyncio.Context()
             self._sock = self._bind_control(self._ctx)
+            self._peers = self._start_peers()
             if settings.events.enabled:
                 self._events = PublisherSet(
                     settings.events,
                     self._ctx,
                     socket_mode=settings.server.socket_mode,
                     socket_group=settings.server.socket_group,
+                    buffer_bytes=settings.limits.event_buffer_bytes,
                 )
                 self._events.start()
             if settings.metrics.address:
@@ -313,6 +331,23 @@ class Daemon:
         if path:
             restrict_socket(path, server.socket_mode, server.socket_group)
         return sock
+
+    def _start_peers(self) -> PeerListener | None:
+        """The registration socket beside an ipc control socket (offloadd.peer)."""
+        path = peer_socket_path(self.endpoint)
+        if path is None:
+            return None  # tcp:// and inproc://: no kernel identity, no regions (see _hello)
+        server, limits = self.settings.server, self.settings.limits
+        peers = PeerListener(
+            path,
+            socket_mode=server.socket_mode,
+            socket_group=server.socket_group,
+            max_descriptors=limits.regions_per_session,
+            per_uid=limits.registrations_per_uid,
+            token_seconds=limits.token_seconds,
+        )
+        peers.start(asyncio.get_running_loop())
+        return peers
 
     def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
         import zmq.auth
@@ -436,6 +471,9 @@ class Daemon:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -539,9 +577,9 @@ class Daemon:
     def _dispatch(self, identity: bytes, request: Request) -> Reply | None:
         if isinstance(request, Hello):
             return self._hello(identity, request)
-        if isinstance(request, GetStats):
-            return StatsResult(request.request_id, self.stats())
         state = self._states.get(identity.hex())
+        if isinstance(request, GetStats):
+            return StatsResult(request.request_id, self._visible_stats(identity, request, state))
         if isinstance(request, Ping):
             vouched = self._states.get(request.session) if request.session else state
             if vouched is not None:
@@ -558,9 +596,11 @@ class Daemon:
             case Load():
                 return self._load(state, request)
             case Release():
-                _engine, namespace = self._ready_engine(state)
-                cache = self._require_cache()
-                count = cache.release(namespace.name, request.keys, state.session.session_id)
+                engine, namespace = self._ready_engine(state)
+                self._check_keys(request.keys, engine)
+                owner = state.session.session_id
+                count = self._require_cache().release(namespace.name, request.keys, owner)
+                self._protection.release_pins(owner, namespace.name, request.keys)
                 return Ok(request.request_id, count)
             case Wait():
                 return self._wait(state, request)
@@ -581,6 +621,48 @@ class Daemon:
     # ----------------------------------------------------------------- hello
 
     def _hello(self, identity: bytes, hello: Hello) -> Reply | None:
+        # The token is used up by any Hello that brings it, refused or not.
+        peers = self._peers
+        taken = peers.take(hello.token, identity) if peers is not None else None
+        try:
+            registration = self._admit(identity, hello, taken)
+        except BaseException:
+            if taken is not None:
+                taken.close()
+            raise
+        if self._importer is not None and hello.regions:
+            # CUDA imports block (open, wait for the producer's event): run them on the
+            # import thread and hold this peer's later requests until the Hello is done.
+            loop = asyncio.get_running_loop()
+
+            def imported(future: Future[list[Import]]) -> None:
+                try:
+                    loop.call_soon_threadsafe(
+                        self._hello_imported, identity, hello, registration, future
+                    )
+                except RuntimeError:  # the loop is gone: nothing to answer
+                    registration.close()
+
+            try:
+                submitted = self._importer.submit(self._open_regions, hello, registration)
+            except BaseException:
+                registration.close()
+                raise
+            submitted.add_done_callback(imported)
+            self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
+            return None
+        try:
+            return self._register(
+                identity, hello, self._open_regions(hello, registration), registration
+            )
+        finally:
+            registration.close()  # the table keeps its own descriptors; the session its pidfd
+
+    def _admit(
+        self, identity: bytes, hello: Hello, registration: Registration | None
+    ) -> Registration:
+        """The checks of a Hello before its regions are opened. Returns the registration
+        behind it: who the kernel says the peer is, and the descriptors it passed."""
         if hello.protocol_version != PROTOCOL_VERSION:
             raise _Refused(
                 ErrorCode.UNSUPPORTED_VERSION,
@@ -591,27 +673,51 @@ class Daemon:
         problem = engine_id_problem(hello.config.engine_id)  # it names logs, labels, topics
         if problem:
             raise _Refused(ErrorCode.BAD_REQUEST, problem)
-        if self._importer is not None and hello.regions:
-            # CUDA imports block (open, wait for the producer's event): run them on the
-            # import thread and hold this peer's later requests until the Hello is done.
-            loop = asyncio.get_running_loop()
+        if self._peers is None:
+            # tcp:// (CURVE) and inproc://: no kernel identity. Such peers form one tenant of
+            # their own and bring no memory (the README's Security model).
+            if hello.regions:
+                raise _Refused(
+                    ErrorCode.NOT_PERMITTED,
+                    f"{self.endpoint} is not an ipc:// endpoint: it carries no KV regions "
+                    "(no kernel identity); connect ranks over ipc://",
+                )
+            registration = Registration(b"", identity, REMOTE, [], None, 0.0)
+        if registration is None:
+            raise _Refused(
+                ErrorCode.UNAUTHENTICATED,
+                "Hello without a valid registration token: register on "
+                f"{peer_socket_path(self.endpoint)} first (offloadd.client does); a token is "
+                "good for one Hello from the ZeroMQ identity it was made for, within "
+                f"{self.settings.limits.token_seconds:g}s",
+            )
+        if registration.exited():
+            raise _Refused(ErrorCode.UNAUTHENTICATED, "the process that registered has exited")
+        uid, own = registration.peer.uid, identity.hex()
+        sessions = sum(1 for sid, st in self._states.items() if st.peer.uid == uid and sid != own)
+        problem = self.limits.session_problem(len(hello.regions), sessions)
+        if problem:
+            raise _Refused(ErrorCode.TOO_LARGE, problem)
+        config = hello.config
+        derived = self._derived_topic(config.model.name, config.engine_id, config.parallel)
+        problem = self.tenancy.topic_problem(hello.kv_events_topic, derived)
+        if problem:
+            raise _Refused(ErrorCode.NOT_PERMITTED, problem)
+        return registration
 
-            def imported(future: Future[list[Import]]) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing to answer
-                    loop.call_soon_threadsafe(self._hello_imported, identity, hello, future)
-
-            self._importer.submit(self._open_regions, hello).add_done_callback(imported)
-            self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
-            return None
-        return self._register(identity, hello, self._open_regions(hello))
-
-    def _hello_imported(self, identity: bytes, hello: Hello, future: Future[list[Import]]) -> None:
+    def _hello_imported(
+        self,
+        identity: bytes,
+        hello: Hello,
+        registration: Registration,
+        future: Future[list[Import]],
+    ) -> None:
         """Finish a Hello whose regions were imported off the loop, then its held requests."""
         try:
             if self._handles is None:
                 return  # closed meanwhile; the table's close unmapped everything
             try:
-                reply = self._register(identity, hello, future.result())
+                reply = self._register(identity, hello, future.result(), registration)
             except _Refused as refused:
                 self._protocol_error(identity, hello.request_id, refused.code, str(refused))
             except Exception:
@@ -625,6 +731,7 @@ class Daemon:
                 if reply is not None:
                     self._send(identity, reply)
         finally:
+            registration.close()
             self._gate.open(identity)
             while (frames := self._gate.next(identity)) is not None:
                 if self._sock is not None:  # else the daemon is closing: nobody to answer
@@ -645,11 +752,16 @@ class Daemon:
         except RuntimeError:  # shut down: the daemon is exiting, close here
             run()
 
-    def _register(self, identity: bytes, hello: Hello, imports: list[Import]) -> Reply | None:
+    def _register(
+        self, identity: bytes, hello: Hello, imports: list[Import], registration: Registration
+    ) -> Reply | None:
         """The rest of a Hello once its regions are imported: register, answer Welcome."""
         session_id = identity.hex()
+        peer = registration.peer
         try:
-            outcome = self.registry.hello(session_id, hello)
+            outcome = self.registry.hello(
+                session_id, hello, tenant=self.tenancy.tenant_of(peer), uid=peer.uid
+            )
         except RegistrationError as exc:
             self._release_imports(imports)
             raise _Refused(exc.code, str(exc)) from None
@@ -660,14 +772,24 @@ class Daemon:
             old_state = self._states.get(old.session_id)
             if old_state is not None:
                 self._drop_state(old_state, "replaced by a new Hello")
-        state = _SessionState(identity, outcome.session, imports)
+        windows = [imported.window for imported in imports if imported.window is not None]
+        unsealed = [i.window for i in imports if i.window is not None and not i.sealed]
+        state = _SessionState(
+            identity,
+            outcome.session,
+            imports,
+            peer=peer,
+            windows=tuple(dict.fromkeys(windows)),
+            unsealed=tuple(dict.fromkeys(unsealed)),
+        )
         self._states[session_id] = state
-        self._watch_process(state, hello)
+        self._watch_process(state, registration)
         engine = outcome.engine
         logger.info(
-            "%s connected (pid %d, %d regions, client %r, events topic %r); engine %s",
+            "%s connected (uid %d, pid %d, %d regions, client %r, events topic %r); engine %s",
             outcome.session.describe(),
-            hello.pid,
+            peer.uid,
+            peer.pid,
             len(hello.regions),
             hello.client_name,  # %r: a client's string never forges or splits a log line
             hello.kv_events_topic,
@@ -686,15 +808,12 @@ class Daemon:
         self._report_status()
         return None
 
-    def _watch_process(self, state: _SessionState, hello: Hello) -> None:
-        """Reap the session the moment its process exits, when its pid is ours to watch."""
-        if hello.pid <= 0 or hello.pid_namespace != _own_pid_namespace():
-            return
-        try:
-            pidfd = os.pidfd_open(hello.pid)
-        except (OSError, OverflowError):
-            # Gone, not visible, or no pid at all (above a C int): heartbeats cover it.
-            return
+    def _watch_process(self, state: _SessionState, registration: Registration) -> None:
+        """Reap the session the moment the process that registered exits (the kernel's pid,
+        never the Hello's; a pidfd taken when it registered, so a reused pid is no alias)."""
+        pidfd = registration.take_pidfd()
+        if pidfd is None:
+            return  # not visible from the daemon's pid namespace, or remote: heartbeats
         state.pidfd = pidfd
         asyncio.get_running_loop().add_reader(pidfd, self._process_exited, state)
 
@@ -718,7 +837,7 @@ class Daemon:
                 if state.pidfd is None and state.last_seen < deadline and state.alive:
                     self._end_session(state, f"silent for {timeout:.0f}s")
 
-    def _open_regions(self, hello: Hello) -> list[Import]:
+    def _open_regions(self, hello: Hello, registration: Registration) -> list[Import]:
         handles = self._require_handles()
         # Each engine moves one kind of memory: refuse the other kind here, not per job.
         cuda = self.settings.server.copy_engine == "cuda"
@@ -726,16 +845,21 @@ class Daemon:
             if isinstance(region.handle, CudaIpcHandle) != cuda:
                 raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, _wrong_memory(index, cuda=cuda))
         imports: list[Import] = []
-        for index, region in enumerate(hello.regions):
-            try:
-                imports.append(handles.open(region.handle))
-            except HandleError as exc:
-                self._release_imports(imports)
-                raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
-        # One rank, one GPU: a job's copies run on that device's streams.
-        if len({imported.device for imported in imports}) > 1:
-            self._release_imports(imports)
-            raise _Refused(ErrorCode.BAD_GEOMETRY, "a rank's regions must all be on one device")
+        try:
+            for index, region in enumerate(hello.regions):
+                handle, fd = region.handle, None
+                if isinstance(handle, ShmHandle) and 0 <= handle.fd < len(registration.fds):
+                    fd = registration.fds[handle.fd]
+                try:
+                    imports.append(handles.open(handle, fd))
+                except HandleError as exc:
+                    raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
+            # One rank, one GPU: a job's copies run on that device's streams.
+            if len({imported.device for imported in imports}) > 1:
+                raise _Refused(ErrorCode.BAD_GEOMETRY, "a rank's regions must all be on one device")
+        except BaseException:
+            self._release_imports(imports)  # whatever failed (a mapping, a bug): leak nothing
+            raise
         return imports
 
     def _release_imports(self, imports: Sequence[Import]) -> None:
@@ -753,8 +877,20 @@ class Daemon:
             engine.world_size,
             engine.namespace.name,
         )
-        # Routers learn at once what this node already holds for the engine.
+        # Routers learn at once what this node already holds for the engine (a bounded part:
+        # every engine that becomes ready would queue the whole namespace again otherwise).
         snapshot = self._require_cache().keys_in(engine.namespace.name)
+        most = self.settings.limits.snapshot_keys
+        if len(snapshot) > most:
+            logger.warning(
+                "engine %s dp %d: announcing %d of the %d chunks cached in its namespace "
+                "(limits.snapshot_keys)",
+                engine.key[0],
+                engine.key[1],
+                most,
+                len(snapshot),
+            )
+            snapshot = snapshot[-most:] if most else []
         if snapshot:
             self._publish_to(engine, stored_events(snapshot, raw_hashes=self._raw_hashes(engine)))
         message = EngineReady(engine.state())
@@ -772,6 +908,8 @@ class Daemon:
         if outcome is not None and outcome.was_ready and not outcome.engine.ready:
             # Its mirrors would go stale: they are sent a new snapshot when it is ready again.
             self._require_mirrors().stop_engine(list(outcome.engine.schedulers.values()))
+        if outcome is not None and outcome.engine_dropped:
+            self.metrics.forget_engine(*outcome.engine.key)
         if outcome is not None and outcome.was_ready and not outcome.engine_dropped:
             logger.info(
                 "engine %s dp %d waiting for ranks %s",
@@ -798,6 +936,7 @@ class Daemon:
         self._require_mirrors().stop(session_id)
         cache.release_holds(session_id)
         cache.release_reservations(session_id)
+        self._protection.forget(session_id)
         for waiter in state.waiters:
             if waiter.timer is not None:
                 waiter.timer.cancel()
@@ -821,8 +960,9 @@ class Daemon:
         return engine, engine.namespace
 
     def _check_keys(self, keys: list[bytes], engine: Engine) -> None:
-        if len(keys) > _MAX_KEYS_PER_REQUEST:
-            raise _Refused(ErrorCode.TOO_LARGE, f"more than {_MAX_KEYS_PER_REQUEST} keys")
+        problem = self.limits.keys_problem(keys)
+        if problem:
+            raise _Refused(ErrorCode.TOO_LARGE, problem)
         groups = engine.group_positions
         for key in keys:
             if len(key) < 5:
@@ -840,15 +980,29 @@ class Daemon:
         started = time.perf_counter()
         engine, namespace = self._ready_engine(state)
         self._check_keys(request.keys, engine)
-        lease = request.lease_seconds or self.settings.cache.pin_lease_seconds
-        outcome = self._require_cache().lookup(
+        lease = self.limits.lease(request.lease_seconds, self.settings.cache.pin_lease_seconds)
+        if lease is None:
+            raise _Refused(ErrorCode.BAD_REQUEST, f"lease_seconds={request.lease_seconds!r}")
+        owner = state.session.session_id
+        cache = self._require_cache()
+        outcome = cache.lookup(
             namespace.name,
             request.keys,
-            pin_owner=state.session.session_id if request.pin else None,
+            pin_owner=owner if request.pin else None,
             lease=lease if request.pin else 0.0,
         )
+        pinned = outcome.pinned
+        if pinned:
+            # Pins beyond the engine's budget (limits.protected_fraction) are given back.
+            keys = request.keys[:pinned]
+            refused = self._protection.take_pins(
+                engine.key, owner, namespace.name, keys, _sizes(namespace, keys), lease
+            )
+            if refused:
+                cache.release(namespace.name, refused, owner)
+                pinned -= len(refused)
         self.metrics.lookup_finished(time.perf_counter() - started)
-        return LookupResult(request.request_id, outcome.hits, outcome.pending, outcome.pinned)
+        return LookupResult(request.request_id, outcome.hits, outcome.pending, pinned)
 
     def _worker_job_checks(
         self, state: _SessionState, job_id: int, keys: list[bytes]
@@ -860,7 +1014,15 @@ class Daemon:
         engine, namespace = self._ready_engine(state)
         if job_id in state.jobs:
             raise _Refused(ErrorCode.DUPLICATE_JOB, f"job {job_id} is still running")
+        most = self.settings.limits.jobs_per_session
+        if len(state.jobs) >= most:
+            raise _Refused(
+                ErrorCode.TOO_LARGE, f"{most} jobs in flight already (limits.jobs_per_session)"
+            )
         self._check_keys(keys, engine)
+        problem = shrunk(state.unsealed)  # a file that shrank fails here, never in a copy
+        if problem:
+            raise _Refused(ErrorCode.HANDLE_OPEN_FAILED, problem)
         state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
 
@@ -901,7 +1063,9 @@ class Daemon:
         if job.failed_keys:
             logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
         arena_address = self._require_arena().address
-        moves = Copies()  # planned as arrays: the cuda engine takes them as they are
+        # Planned as arrays (the cuda engine takes them as they are); the rank's files are
+        # reached by descriptor (offloadd.transfer.guarded).
+        moves = Copies(state.windows)
         keys, block_ids = request.keys, request.block_ids
         firsts = _block_offsets(ranges)
         for write in reservation.writes:
@@ -950,7 +1114,7 @@ class Daemon:
         job.entries = reservation.entries
         shard = 0 if namespace.replicated else session.rank
         arena_address = self._require_arena().address
-        moves = Copies()  # planned as arrays: the cuda engine takes them as they are
+        moves = Copies(state.windows)  # as in _store
         block_ids = request.block_ids
         position = 0
         for entry, (sub_block, count) in zip(reservation.entries, ranges, strict=True):
@@ -1169,15 +1333,45 @@ class Daemon:
                 )
         self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
         cache = self._require_cache()
+        owner = state.session.session_id
+        keys = self._within_budget(engine, namespace, request.keys)
         reservation = cache.reserve(
             namespace.name,
-            request.keys,
-            state.session.session_id,
+            keys,
+            owner,
             namespace.shard_sizes_for_key,
             acker=self._acker(state),
         )
         self._chunks_removed(reservation.evicted)
+        reserved = [keys[i] for i in reservation.reserved]
+        self._protection.reserved(
+            engine.key, owner, namespace.name, reserved, _sizes(namespace, reserved)
+        )
         return Reserved(request.request_id, reservation.reserved)
+
+    def _within_budget(
+        self, engine: Engine, namespace: Namespace, keys: list[bytes]
+    ) -> list[bytes]:
+        """The leading ``keys`` whose reservation fits the engine's protected bytes."""
+        protection = self._protection
+        room = protection.room(engine.key)
+        sizes = _sizes(namespace, keys)
+        if sum(sizes) > room:
+            cache = self._require_cache()
+
+            def reserved(name: str, key: bytes) -> bool:
+                entry = cache.get(name, key)
+                return entry is not None and not entry.committed
+
+            protection.prune(engine.key, reserved)  # reservations the cache ended by itself
+            room = protection.room(engine.key)
+        fitted = 0
+        for size in sizes:
+            if size > room:
+                break
+            room -= size
+            fitted += 1
+        return keys[:fitted]
 
     def _update_holds(self, state: _SessionState, request: UpdateHolds) -> Reply:
         engine, namespace = self._scheduler_checks(state)
@@ -1201,9 +1395,19 @@ class Daemon:
             self._check_keys(item.keys, engine)
         for item in release:
             cache.release_hold(owner, item.token, item.keys)
+            self._protection.release_holds(owner, item.token, namespace.name, item.keys)
         held, missing = 0, []
         for item in hold:
             lost = cache.hold(namespace.name, owner, item.token, item.keys)
+            absent = set(lost)
+            taken = [key for key in item.keys if key not in absent]
+            # Holds beyond the engine's budget (limits.protected_fraction) are given back.
+            over = self._protection.take_holds(
+                engine.key, owner, item.token, namespace.name, taken, _sizes(namespace, taken)
+            )
+            if over:
+                cache.release_hold(owner, item.token, over)
+                lost = lost + over
             held += len(item.keys) - len(lost)
             missing.extend(lost)
         if missing:
@@ -1253,6 +1457,7 @@ class Daemon:
     def _clear(self, state: _SessionState, request: Clear) -> Reply:
         engine, namespace = self._ready_engine(state)
         removed = self._require_cache().clear_namespace(namespace.name, acker=self._acker(state))
+        self._protection.cleared(namespace.name)
         if self._journal is not None:
             self._journal.removed(removed)
         keys = [entry.key for entry in removed if entry.committed]
@@ -1291,6 +1496,7 @@ class Daemon:
         if not entries:
             return
         keys = [entry.key for entry in entries]
+        self._protection.committed(namespace.name, keys)  # reservations end when they commit
         self._require_mirrors().changed(namespace.name, keys, [])
         if self._events is None:
             return
@@ -1336,15 +1542,19 @@ class Daemon:
 
     def _topic(self, engine: Engine) -> str:
         first = engine.workers.get(0)
-        if first is not None and first.kv_events_topic:
+        if first is not None and first.kv_events_topic and self.tenancy.settings.client_topics:
             return first.kv_events_topic
+        return self._derived_topic(engine.config.model.name, engine.key[0], engine.config.parallel)
+
+    def _derived_topic(self, model: str, engine_id: str, parallel: OffloadingParallelConfig) -> str:
+        """The topic the daemon's template gives an engine."""
         settings = self.settings.events
         return topic_for(
             settings.topic_template,
             pod=settings.pod_name(),
-            model=engine.config.model.name,
-            engine_id=engine.key[0],
-            dp=engine.key[1],
+            model=model,
+            engine_id=engine_id,
+            dp=parallel.data_parallel_index,
         )
 
     def _publish_to(self, engine: Engine, events: list[KVEvent]) -> None:
@@ -1362,8 +1572,28 @@ class Daemon:
 
     # ----------------------------------------------------------------- stats
 
+    def _visible_stats(
+        self, identity: bytes, request: GetStats, state: _SessionState | None
+    ) -> DaemonStats:
+        """The stats as this sender may see them (``offloadd.tenancy``): its session's or its
+        registration's user decides; an unknown sender sees aggregate counters only."""
+        viewer: Viewer | None = None
+        if state is not None:
+            viewer = self.tenancy.viewer(state.peer)
+        elif request.token and self._peers is not None:
+            registration = self._peers.take(request.token, identity)
+            if registration is not None:
+                viewer = self.tenancy.viewer(registration.peer)
+                registration.close()
+
+        def tenant_of(engine: EngineState) -> str:
+            found = self.registry.engine((engine.engine_id, engine.data_parallel_index))
+            return found.tenant if found is not None else ""
+
+        return self.tenancy.visible_stats(self.stats(), viewer, tenant_of)
+
     def stats(self) -> DaemonStats:
-        """Counters for GetStats."""
+        """Every counter and engine (metrics, admins); GetStats filters it per sender."""
         cache = self._require_cache().stats()
         events = self._events.endpoints_for(0) if self._events is not None else ("", "")
         return DaemonStats(
@@ -1454,11 +1684,9 @@ def _wrong_memory(index: int, *, cuda: bool) -> str:
     )
 
 
-def _own_pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return -1
+def _sizes(namespace: Namespace, keys: Sequence[bytes]) -> list[int]:
+    """Bytes each key's chunk takes (all its shards)."""
+    return [sum(namespace.shard_sizes_for_key(key)) for key in keys]
 
 
 def run(settings: Settings) -> None:

@@ -5,7 +5,8 @@ OffloaddError
 ├── RequestFailed          the daemon answered Error(code, message)
 │   ├── ConfigMismatch     Hello disagrees with the engine (names the field)
 │   ├── InvalidRequest     bad geometry, block ids, lengths, roles, versions
-│   └── NotReady           the engine still waits for ranks
+│   ├── NotReady           the engine still waits for ranks
+│   └── NotPermitted       no valid registration, or another user's engine or session
 └── JobError               a job finished with ok=False, or did not finish in time
 """
 
@@ -49,6 +50,11 @@ class NotReady(RequestFailed):
     """The engine is still waiting for some of its ranks."""
 
 
+class NotPermitted(RequestFailed):
+    """The daemon does not know who sent this (no valid registration), or the sender's user
+    may not touch what it named (another user's engine or session)."""
+
+
 class JobError(OffloaddError):
     """A store or load did not complete successfully (``results`` holds what came back)."""
 
@@ -68,6 +74,8 @@ _BY_CODE: dict[int, type[RequestFailed]] = {
     ErrorCode.WRONG_ROLE: InvalidRequest,
     ErrorCode.TOO_LARGE: InvalidRequest,
     ErrorCode.HANDLE_OPEN_FAILED: InvalidRequest,
+    ErrorCode.UNAUTHENTICATED: NotPermitted,
+    ErrorCode.NOT_PERMITTED: NotPermitted,
 }
 
 

@@ -10,7 +10,8 @@
   +1 per batch, for this publisher's lifetime), is encoded once and sent as
   ``[topic, seq (8 bytes big-endian), payload]`` without blocking. A batch the PUB socket
   refuses is counted in ``dropped`` but still kept for replay. The last ``buffer_steps``
-  batches are kept as ``(topic, seq, payload)``.
+  batches are kept as ``(topic, seq, payload)``, fewer when they would take more than
+  ``buffer_bytes`` (``limits.event_buffer_bytes``; 0: no bound in bytes).
 * The same task answers replay requests: ``[identity, b"", start_seq (8 bytes)]`` gets one
   ``[identity, b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``,
   then the end marker ``[identity, b"", b"", END_SEQ, b""]`` (vLLM >= 0.26). Anything
@@ -173,6 +174,7 @@ class EventPublisher:
         replay_endpoint: str,
         *,
         buffer_steps: int = 10_000,
+        buffer_bytes: int = 0,
         hwm: int = 100_000,
         max_queue: int = 100_000,
         ctx: zmq.asyncio.Context,
@@ -180,6 +182,8 @@ class EventPublisher:
         socket_group: str = "",
     ) -> None:
         self.endpoint = endpoint
+        self._buffer_bytes = buffer_bytes
+        self.buffered_bytes = 0  # topic and payload bytes held for replay
         self._socket_mode = socket_mode
         self._socket_group = socket_group
         self.replay_endpoint = replay_endpoint
@@ -193,7 +197,7 @@ class EventPublisher:
         self._buffer_steps = buffer_steps
         self._ctx = ctx
         self._queue: asyncio.Queue[tuple[str, KVEventBatch]] = asyncio.Queue(max_queue)
-        self._buffer: deque[tuple[bytes, int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[bytes, int, bytes]] = deque()
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -367,7 +371,7 @@ class EventPublisher:
         seq = self.next_seq
         self.next_seq += 1
         topic_bytes = topic.encode()
-        self._buffer.append((topic_bytes, seq, payload))
+        self._keep(topic_bytes, seq, payload)
         frames = (topic_bytes, seq.to_bytes(8, "big"), payload)
         try:
             await self._pub.send_multipart(frames, flags=zmq.DONTWAIT)
@@ -379,6 +383,18 @@ class EventPublisher:
             self._warn_send(logging.ERROR, "KV event seq %d not sent: %s", seq, exc)
         else:
             self.published += 1
+
+    def _keep(self, topic: bytes, seq: int, payload: bytes) -> None:
+        """Buffer a batch for replay, dropping the oldest beyond the step and byte bounds."""
+        buffer = self._buffer
+        buffer.append((topic, seq, payload))
+        self.buffered_bytes += len(topic) + len(payload)
+        limit = self._buffer_bytes
+        while buffer and (
+            len(buffer) > self._buffer_steps or (limit and self.buffered_bytes > limit)
+        ):
+            old_topic, _, old_payload = buffer.popleft()
+            self.buffered_bytes -= len(old_topic) + len(old_payload)
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -445,8 +461,10 @@ class PublisherSet:
         *,
         socket_mode: str = "0660",
         socket_group: str = "",
+        buffer_bytes: int = 0,
     ) -> None:
         self.settings = settings
+        self._buffer_bytes = buffer_bytes
         self._ctx = ctx
         self._socket_mode = socket_mode
         self._socket_group = socket_group
@@ -501,6 +519,7 @@ class PublisherSet:
             offset_endpoint_port(settings.endpoint, key),
             offset_endpoint_port(settings.replay_endpoint, key),
             buffer_steps=settings.buffer_steps,
+            buffer_bytes=self._buffer_bytes,
             hwm=settings.hwm,
             max_queue=settings.max_queue,
             ctx=self._ctx,

@@ -19,9 +19,11 @@ if the loop does not answer within ``snapshot_timeout`` the scrape carries the c
 above and no gauges.
 
 Cardinality: ``engine`` and ``dp`` labels come from the engines that connect, which are few
-per node (one per model replica); a departed engine's counters stay until restart, as
-Prometheus counters should. Each metric family lives in this instance's own
-``CollectorRegistry``, so several daemons (or tests) in one process don't clash.
+per node (one per model replica) at any time; ``forget_engine(engine_id, dp)`` removes an
+engine's label sets when its last session leaves, so a client cycling through engine ids
+cannot grow the scrape (or the daemon) without bound. Each metric family lives in this
+instance's own ``CollectorRegistry``, so several daemons (or tests) in one process don't
+clash.
 
 ``start(address)`` serves ``/metrics`` on ``HOST:PORT`` from a background thread, or on a
 unix socket for ``unix:/PATH`` (created like the control socket: in a directory only the
@@ -149,6 +151,14 @@ class Metrics:
         self._jobs[direction, ok].inc()
         if nbytes:
             self._job_bytes[direction].observe(nbytes)
+
+    def forget_engine(self, engine_id: str, dp: int) -> None:
+        """The engine is gone: drop its label sets."""
+        for direction in DIRECTIONS:
+            if self._copies.pop((direction, engine_id, dp), None) is not None:
+                labels = (direction, engine_id, str(dp))
+                self._bytes.remove(*labels)
+                self._seconds.remove(*labels)
 
     def lookup_finished(self, seconds: float) -> None:
         """A Lookup request was answered after ``seconds``."""

@@ -1,11 +1,15 @@
 """Handshakes -> one shared config per engine, keyed by ``(engine_id, data_parallel_index)``.
 
 Pure logic, no I/O. Contract:
-- ``hello(session_id, hello)`` validates a rank's (or scheduler's) Hello against itself and
-  against the engine it joins. On success it registers the session, replacing any earlier
-  session of the same sender or of the same engine rank, and says whether the engine just
-  became ready. On failure it raises ``RegistrationError`` and changes nothing: an engine that
-  is already registered is never disturbed by a disagreeing rank.
+- ``hello(session_id, hello, tenant=, uid=)`` validates a rank's (or scheduler's) Hello
+  against itself and against the engine it joins. On success it registers the session,
+  replacing any earlier session of the same sender or of the same engine rank, and says
+  whether the engine just became ready. On failure it raises ``RegistrationError`` and
+  changes nothing: an engine that is already registered is never disturbed by a disagreeing
+  rank.
+- ``tenant`` and ``uid`` come from the kernel (``offloadd.tenancy``), never from the Hello. An
+  engine belongs to the tenant of its first session: a Hello of another tenant for it is
+  refused (``NOT_PERMITTED``), and a session is only replaced by a Hello of the same uid.
 - An engine is ready when every rank in ``[0, world_size)`` has a worker session. Its
   namespace (which engines' bytes are interchangeable) is fixed then, because it covers
   every rank's geometry.
@@ -61,6 +65,9 @@ class Session:
     # A scheduler mirroring its namespace's keys (KeysChanged); on a worker: its engine's
     # scheduler does, and publishes the engine's events itself.
     mirror: bool = False
+    # Who the kernel says the peer is (offloadd.tenancy): its tenant and uid.
+    tenant: str = ""
+    uid: int = -1
 
     @property
     def rank(self) -> int:
@@ -106,6 +113,7 @@ class Engine:
     workers: dict[int, Session] = field(default_factory=dict)
     schedulers: dict[str, Session] = field(default_factory=dict)
     namespace: Namespace | None = None
+    tenant: str = ""  # the tenant of its first session; only that tenant's peers join it
 
     @property
     def group_positions(self) -> dict[int, int]:
@@ -205,7 +213,9 @@ class Registry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def hello(self, session_id: str, hello: Hello) -> HelloOutcome:
+    def hello(
+        self, session_id: str, hello: Hello, *, tenant: str = "", uid: int = -1
+    ) -> HelloOutcome:
         """Register ``hello``; raises RegistrationError and changes nothing on bad input."""
         config = hello.config
         key: EngineKey = (config.engine_id, config.parallel.data_parallel_index)
@@ -213,7 +223,20 @@ class Registry:
 
         engine = self._engines.get(key)
         replaced = self._sessions_replaced_by(session_id, hello, engine)
+        for old in replaced:
+            if old.uid != uid:
+                raise RegistrationError(
+                    ErrorCode.NOT_PERMITTED,
+                    f"{old.describe()} belongs to another user: a session is only replaced "
+                    "by a Hello of the same user",
+                )
         peers = [s for s in engine.sessions() if s not in replaced] if engine else []
+        if engine is not None and peers and engine.tenant != tenant:
+            raise RegistrationError(
+                ErrorCode.NOT_PERMITTED,
+                f"engine {key[0]} dp {key[1]} belongs to another user (engine ids are per "
+                "node: pick another)",
+            )
         if peers:
             assert engine is not None
             _check_agreement(engine, peers, hello)
@@ -222,7 +245,7 @@ class Registry:
             self._forget(old)
         engine = self._engines.get(key)
         if engine is None or not peers:
-            engine = Engine(key, config)
+            engine = Engine(key, config, tenant=tenant)
             self._engines[key] = engine
         was_ready = engine.ready
         session = Session(
@@ -237,6 +260,8 @@ class Registry:
             kv_events_topic=hello.kv_events_topic,
             kv_events_raw_hashes=hello.kv_events_raw_hashes,
             mirror=hello.mirror,
+            tenant=tenant,
+            uid=uid,
         )
         self._sessions[session_id] = session
         if hello.role == "worker":
@@ -459,8 +484,10 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
     """The engine's namespace name and per-group shard sizes (engine must be ready).
 
     Engines share chunks when their bytes are interchangeable: same model, dtype, groups,
-    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt.
-    ``extra_config["private_cache"]`` opts an engine out by adding its identity.
+    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt,
+    and only inside one tenant (the kernel's identity of its peers, never a claim of theirs):
+    a user cannot plant chunks another user's engines would load. ``extra_config
+    ["private_cache"]`` opts an engine out by adding its identity and rank 0's uid.
     """
     ranks = [engine.workers[r] for r in range(engine.world_size)]
     # Rank 0's config, not the engine's (whoever said Hello first): under pipeline parallelism
@@ -486,8 +513,11 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
         str(config.kv_cache_layout or extra.get("kv_cache_layout", "")),
         str(extra.get(NAMESPACE_SALT_KEY, "")),
     ]
+    if engine.tenant:
+        identity.append(["tenant", engine.tenant])
     if extra.get(PRIVATE_CACHE_KEY):
         identity.append(list(engine.key))
+        identity.append(["uid", ranks[0].uid])
     digest = hashlib.sha256(msgspec.msgpack.encode(identity)).hexdigest()[:16]
     name = f"{config.model.name}@{digest}"
     writers = ranks[:1] if config.replicated_layout else ranks

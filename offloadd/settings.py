@@ -13,7 +13,8 @@ An empty string has one documented meaning per setting, the same from every sour
   ``server.socket_group`` (the group is left as created), ``server.curve_secret_key_file``
   (no CURVE), ``server.curve_clients_dir`` (with CURVE on loopback: any client key; off
   loopback an allow-list is required);
-* itself: ``events.topic_template`` (the topic ``""``, which every subscriber receives).
+* itself: ``events.topic_template`` (the topic ``""``, which every subscriber receives);
+* no entries: ``tenancy.shared_groups`` (``""`` from the environment, ``[]`` in a file).
 
 Every other setting rejects ``""``.
 
@@ -44,6 +45,7 @@ from typing import IO, Any, Literal, get_args, get_origin
 import msgspec
 
 from offloadd.safety import printable
+from protocol.peer import PEER_SUFFIX
 
 
 class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +134,48 @@ class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT, unix:/PATH; port 0: a free one
 
 
+class TenancySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who shares with whom, by the identity the kernel gives each local peer (SO_PEERCRED).
+
+    By default every uid is a tenant of its own: its engines, sessions, namespaces (cached
+    chunks) and what GetStats shows are its own. ``share_across_uids`` makes every local
+    user one tenant (one trust domain); ``shared_groups`` makes the users whose *primary*
+    group is one of these one tenant per group. Sessions are only ever replaced by the same
+    uid. ``client_topics``: ranks may name their engine's KV-event topic (else the daemon's
+    ``events.topic_template`` decides, and a Hello naming another topic is refused).
+    """
+
+    share_across_uids: bool = False
+    shared_groups: tuple[str, ...] = ()
+    client_topics: bool = False
+
+
+class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Bounds per session, per engine and per user, so that no client can exhaust the daemon.
+
+    ``protected_fraction``: bytes an engine's sessions may keep from eviction (lookup pins,
+    scheduler holds and reservations) as a fraction of ``cache.capacity``; beyond it pins and
+    holds are not taken and reservations are refused. ``max_lease_seconds`` caps a Lookup's
+    pin lease. ``snapshot_keys``: chunks announced (KV events) to an engine that becomes
+    ready in a warm namespace, at most. ``event_buffer_bytes``: the replay buffer of each
+    event publisher, at most (besides ``events.buffer_steps``). ``registrations_per_uid``:
+    registration tokens (and the descriptors they hold) a uid may have waiting for their
+    Hello; unused ones expire after ``token_seconds``.
+    """
+
+    regions_per_session: int = 1024
+    key_bytes: int = 128
+    keys_per_request: int = 1 << 16
+    protected_fraction: float = 0.5
+    max_lease_seconds: float = 300.0
+    jobs_per_session: int = 1024
+    sessions_per_uid: int = 256
+    snapshot_keys: int = 1 << 16
+    event_buffer_bytes: int = 256 << 20
+    registrations_per_uid: int = 64
+    token_seconds: float = 30.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the daemon reads at start."""
 
@@ -140,6 +184,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log: LogSettings = LogSettings()
     events: EventSettings = EventSettings()
     metrics: MetricsSettings = MetricsSettings()
+    tenancy: TenancySettings = TenancySettings()
+    limits: LimitsSettings = LimitsSettings()
 
     def endpoint(self) -> str:
         """The control endpoint, defaulted."""
@@ -255,7 +301,9 @@ _FIELDS: dict[str, dict[str, Any]] = {
     for name, section in _SECTIONS.items()
 }
 # Settings in bytes that also take "8GiB"-style sizes.
-SIZE_SETTINGS = frozenset({("cache", "capacity"), ("server", "max_frame_bytes")})
+SIZE_SETTINGS = frozenset(
+    {("cache", "capacity"), ("server", "max_frame_bytes"), ("limits", "event_buffer_bytes")}
+)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
@@ -442,6 +490,32 @@ def _endpoint_check(empty: str) -> Callable[[str], str]:
     return check
 
 
+def _control_endpoint_problem(text: str) -> str:
+    problem = _endpoint_check("the default ipc socket in the runtime directory")(text)
+    if problem or not text.startswith("ipc://"):
+        return problem
+    if len(text[len("ipc://") :].encode()) + len(PEER_SUFFIX) > _SUN_PATH_MAX:
+        return (
+            f"the path of {text!r} leaves no room for its registration socket "
+            f"(PATH{PEER_SUFFIX}, at most {_SUN_PATH_MAX} bytes): use a shorter path"
+        )
+    return ""
+
+
+def _groups_problem(groups: tuple[str, ...]) -> str:
+    for group in groups:
+        problem = _socket_group_problem(group) if group else "expected group names"
+        if problem:
+            return problem.split(";")[0]
+    return ""
+
+
+def _fraction_problem(value: float) -> str:
+    if math.isfinite(value) and 0 < value <= 1:
+        return ""
+    return f"expected a fraction above 0 and at most 1, got {value!r}"
+
+
 def _absolute_path_problem(path: str) -> str:
     if path and not os.path.isabs(path):
         return f"expected an absolute path, got {path!r}"
@@ -533,7 +607,7 @@ def _at_least(low: float, *, above: bool = False) -> Callable[[float], str]:
 
 # What a field's type cannot say: a message, or "" when the value is fine.
 _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
-    ("server", "endpoint"): _endpoint_check("the default ipc socket in the runtime directory"),
+    ("server", "endpoint"): _control_endpoint_problem,
     ("server", "shm_dirs"): _shm_dirs_problem,
     ("server", "drain_seconds"): _at_least(0),
     ("server", "recent_jobs"): _at_least(1),
@@ -553,6 +627,17 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("events", "max_queue"): _at_least(1),
     ("events", "topic_template"): _topic_template_problem,
     ("metrics", "address"): _address_problem,
+    ("tenancy", "shared_groups"): _groups_problem,
+    ("limits", "regions_per_session"): _at_least(1),
+    ("limits", "key_bytes"): _at_least(5),
+    ("limits", "keys_per_request"): _at_least(1),
+    ("limits", "protected_fraction"): _fraction_problem,
+    ("limits", "max_lease_seconds"): _at_least(0, above=True),
+    ("limits", "jobs_per_session"): _at_least(1),
+    ("limits", "sessions_per_uid"): _at_least(1),
+    ("limits", "snapshot_keys"): _at_least(0),
+    ("limits", "registrations_per_uid"): _at_least(1),
+    ("limits", "token_seconds"): _at_least(0, above=True),
 }
 
 

@@ -21,3 +21,5 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 11  # daemon is draining and takes no new jobs
     INTERNAL = 12  # a bug in the daemon; it keeps serving
     TOO_LARGE = 13  # frame or request above the daemon's limits
+    UNAUTHENTICATED = 14  # Hello without a valid registration token (see protocol.peer)
+    NOT_PERMITTED = 15  # the peer's user may not do this (another user's engine or session)

@@ -11,11 +11,17 @@ import msgspec
 
 
 class ShmHandle(msgspec.Struct, frozen=True, tag="shm"):
-    """A region inside a shared-memory file (``/dev/shm`` or hugetlbfs), for hosts without a GPU."""
+    """A region inside a shared-memory file (tmpfs or a memfd), for hosts without a GPU.
+
+    The daemon never opens ``path`` (it names the file in logs only): the rank passes the
+    file's descriptor over the registration socket (``protocol.peer``) and ``fd`` is its
+    position among the descriptors of that registration. ``-1``: no descriptor, refused.
+    """
 
     path: str
     offset: int
     size: int
+    fd: int = -1
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda"):

@@ -57,6 +57,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     # publishes the engine's KV events itself; the daemon then publishes none for the engine.
     # A worker says so for its engine's scheduler, which may connect after it.
     mirror: bool = False
+    # The one-time token the registration socket handed this peer (``protocol.peer``): it
+    # binds the session to the peer's kernel identity (uid, gid, pid) and to the region
+    # descriptors it passed. On an ipc:// endpoint a Hello without a valid one is refused.
+    token: bytes = b""
 
 
 class Segment(msgspec.Struct, frozen=True, array_like=True):
@@ -144,9 +148,14 @@ class Wait(msgspec.Struct, frozen=True, tag="wait"):
 
 
 class GetStats(msgspec.Struct, frozen=True, tag="stats"):
-    """Ask for the daemon's counters."""
+    """Ask for the daemon's counters.
+
+    A sender without a session may pass a registration ``token`` (``protocol.peer``): the
+    engines listed are those its user may see. Without either, only aggregate counters.
+    """
 
     request_id: int
+    token: bytes = b""
 
 
 class Clear(msgspec.Struct, frozen=True, tag="clear"):

@@ -6,6 +6,10 @@ operations over all of the chunk's regions and blocks at once, instead of one Py
 per copy, and ``offloadd.transfer.batch.move_arrays`` takes its ``table()`` as is. Nothing
 is merged here: the engine merges once, over the whole job.
 
+``windows`` (set by the daemon) lists the rank's shared-memory files in the plan's address
+space (``offloadd.transfer.guarded``): copies touching them are made through the files'
+descriptors, never through a mapping.
+
 Order of the copies: chunk after chunk; inside a chunk, region after region (the group's
 order), block after block: the order ``chunk_copies`` appends triples in, so a shard's bytes
 come out in arena order and neighbours can merge.
@@ -20,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from offloadd.transfer.guarded import FileWindow
     from offloadd.transfer.plan import Span
 
 Table = npt.NDArray[np.int64]
@@ -38,12 +43,13 @@ class _SpanArrays(NamedTuple):
 class Copies(Sequence[Triple]):
     """A job's ``(src, dst, nbytes)`` copies as int64 column blocks; see the module."""
 
-    __slots__ = ("_columns", "_count", "_joined")
+    __slots__ = ("_columns", "_count", "_joined", "windows")
 
-    def __init__(self) -> None:
+    def __init__(self, windows: Sequence[FileWindow] = ()) -> None:
         self._columns: tuple[list[Table], list[Table], list[Table]] = ([], [], [])
         self._count = 0
         self._joined: tuple[Table, Table, Table] | None = None
+        self.windows = tuple(windows)
 
     def add_chunk(
         self,

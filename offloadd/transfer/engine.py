@@ -13,6 +13,9 @@ Contract (every engine: ``cpu`` here, ``cuda`` in ``offloadd.transfer.cuda``):
 - The caller keeps source and destination mapped until the future resolves, and does not
   change ``moves`` after ``submit`` (the engine takes it as it is, without a copy).
 - ``close()`` waits for submitted copies and stops the engine; it is idempotent.
+- The cpu engine copies a ``Copies`` that lists ``windows`` (a rank's shared-memory files)
+  with ``pread``/``pwrite`` on their descriptors (``offloadd.transfer.guarded``): a rank that
+  truncates its file, or leaves holes in a full tmpfs, fails its job, never the daemon.
 The daemon's event loop never copies bytes itself: it only submits and awaits futures.
 """
 
@@ -58,13 +61,19 @@ class CopyEngine(Protocol):
 
 
 def _copy_all(moves: Sequence[Triple], direction: Direction) -> float:
-    # Imported here: batch builds on this module's Direction and Triple.
+    # Imported here: batch and guarded build on this module's Direction and Triple.
     from offloadd.transfer.batch import move_arrays
+    from offloadd.transfer.copies import Copies
+    from offloadd.transfer.guarded import guarded_copy
 
     started = time.perf_counter()
+    # Neighbours contiguous on both sides become one copy (the planner does not merge).
+    arrays = move_arrays(moves, direction)
+    if isinstance(moves, Copies) and moves.windows:
+        guarded_copy(arrays, direction, moves.windows)
+        return time.perf_counter() - started
     memmove = ctypes.memmove
-    # Neighbours contiguous on both sides become one memmove (the planner does not merge).
-    for src, dst, nbytes in move_arrays(moves, direction).triples():
+    for src, dst, nbytes in arrays.triples():
         memmove(dst, src, nbytes)  # releases the GIL while it copies
     return time.perf_counter() - started
 

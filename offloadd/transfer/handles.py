@@ -1,13 +1,21 @@
 """Opening memory handles: one refcounted table of imports per process.
 
-``HandleTable.open(handle)`` maps the memory a handle names and returns an ``Import`` whose
-``address`` is the first byte of the region. Opening the same underlying object twice (the
-same shm file, the same CUDA allocation) reuses the existing mapping; it is unmapped when
-the last user calls ``release``. Copies hold a reference while they run, so a mapping never
+``HandleTable.open(handle, fd)`` imports the memory a handle names and returns an ``Import``
+whose ``address`` is the first byte of the region. Opening the same underlying object twice
+(the same shm file, the same CUDA allocation) reuses the existing import; it is closed when
+the last user calls ``release``. Copies hold a reference while they run, so an import never
 goes away under an in-flight copy.
 
-Shared-memory handles are confined to ``allowed_dirs`` (a rank must not make the daemon map,
-and later write, an arbitrary file) and may never name the daemon's own arena.
+Shared-memory regions come as the descriptor ``fd`` the rank passed over the registration
+socket (``offloadd.peer``); the table never opens a path, so a rank cannot make the daemon
+reach a file with the daemon's rights, only files the rank opened read-write itself. The
+file must be a regular file on tmpfs (``offloadd.transfer.guarded.region_file_problem``) and
+not one of the daemon's own (``forbidden``: the arena, the journal and its key, compared by
+device and inode when a region is opened, so a link or a rename does not hide them). The
+table keeps a duplicate of the descriptor and reserves address space for the file instead of
+mapping it (``Import.window``): the cpu copy engine reaches the bytes with pread/pwrite, so a
+rank that truncates its file or leaves holes in a full tmpfs fails its own jobs and cannot
+SIGBUS the daemon. A memfd is sealed against shrinking when it allows it.
 
 CUDA IPC handles are opened through the ``cuda`` opener the table is built with (see
 ``CudaOpener``; ``offloadd.cuda_ipc.CudaIpcOpener`` in the daemon, a fake in tests). One
@@ -28,16 +36,21 @@ off the event loop. Without it, closes run in the releasing thread.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
+import contextlib
 import os
-import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from offloadd.cuda_ipc import normalize_uuid
+from offloadd.transfer.guarded import (
+    FileWindow,
+    region_file_problem,
+    reserve,
+    sealed_against_shrinking,
+    unreserve,
+)
 from protocol.handles import CudaIpcHandle, MemoryHandle, ShmHandle
 
 
@@ -74,6 +87,8 @@ class _Mapping:
     refs: int
     close: object  # zero-argument callable that unmaps
     device: int = -1
+    window: FileWindow | None = None  # a shared-memory file, reached through its descriptor
+    sealed: bool = False  # a memfd that cannot shrink
 
 
 @dataclass(eq=False)
@@ -86,20 +101,28 @@ class Import:
     _mapping: _Mapping = field(repr=False)
     device: int = -1  # local CUDA device ordinal of a CUDA import; -1 for host memory
 
+    @property
+    def window(self) -> FileWindow | None:
+        """The shared-memory file behind a host region (its bytes are never mapped)."""
+        return self._mapping.window
+
+    @property
+    def sealed(self) -> bool:
+        """A memfd sealed against shrinking: no need to check its size before a job."""
+        return self._mapping.sealed
+
 
 class HandleTable:
     """Process-wide refcounted imports; see the module docstring."""
 
     def __init__(
         self,
-        allowed_dirs: Sequence[str] = ("/dev/shm",),
         forbidden: Sequence[str] = (),
         *,
         cuda: CudaOpener | None = None,
         closer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
-        self._allowed = [os.path.realpath(d) for d in allowed_dirs]
-        self._forbidden = {_file_id(p) for p in forbidden if os.path.exists(p)}
+        self._forbidden = tuple(forbidden)
         self._cuda = cuda
         self._closer = closer
         self._mappings: dict[tuple[object, ...], _Mapping] = {}
@@ -110,8 +133,12 @@ class HandleTable:
         with self._lock:
             return len(self._mappings)
 
-    def open(self, handle: MemoryHandle) -> Import:
-        """Map ``handle`` (or reuse its mapping); raises HandleError."""
+    def open(self, handle: MemoryHandle, fd: int | None = None) -> Import:
+        """Import ``handle`` (or reuse its import); raises HandleError.
+
+        ``fd``: the descriptor of a ``ShmHandle``'s file, as the rank passed it (the table
+        keeps a duplicate; the caller still closes its own).
+        """
         # Handles are opened before the registry checks geometry: never hand out an address
         # before the mapping.
         if handle.offset < 0 or handle.size < 0:
@@ -120,7 +147,7 @@ class HandleTable:
             )
         match handle:
             case ShmHandle():
-                mapping = self._open_shm(handle)
+                mapping = self._open_shm(handle, fd)
             case CudaIpcHandle():
                 mapping = self._open_cuda(handle)
         if handle.offset + handle.size > mapping.size:
@@ -151,47 +178,58 @@ class HandleTable:
         for mapping in mappings:
             self._unref(mapping)
 
-    def _open_shm(self, handle: ShmHandle) -> _Mapping:
-        if "\x00" in handle.path:
-            raise HandleError("the path contains a NUL byte")
-        path = os.path.realpath(handle.path)
-        if not any(
-            os.path.dirname(path) == d or path.startswith(d + os.sep) for d in self._allowed
-        ):
-            raise HandleError(f"{handle.path} is outside the shared-memory dirs {self._allowed}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise HandleError(f"cannot open {handle.path}: {exc.strerror}") from exc
+    def _open_shm(self, handle: ShmHandle, fd: int | None) -> _Mapping:
+        name = repr(handle.path[:200])
+        if fd is None:
+            raise HandleError(
+                f"{name}: shared-memory regions reach the daemon as file descriptors over its "
+                "registration socket (offloadd.client passes them); the daemon opens no path"
+            )
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise HandleError(f"{handle.path} is not a regular file")
-            key = ("shm", info.st_dev, info.st_ino)
-            if (info.st_dev, info.st_ino) in self._forbidden:
-                raise HandleError(f"{handle.path} is the daemon's own arena")
-            with self._lock:
-                existing = self._mappings.get(key)
-                if existing is not None:
-                    existing.refs += 1
-                    return existing
-            if info.st_size == 0:
-                raise HandleError(f"{handle.path} is empty")
-            mm = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        # A ctypes view gives the mapping's address; it must be dropped before unmapping.
-        view = (ctypes.c_char * info.st_size).from_buffer(mm)
-        holder = [view]
+        except OSError as exc:
+            raise HandleError(f"{name}: bad descriptor: {exc.strerror}") from None
+        problem = region_file_problem(fd, info)
+        if problem:
+            raise HandleError(f"{name} {problem}")
+        if (info.st_dev, info.st_ino) in self._daemon_files():
+            raise HandleError(f"{name} is one of the daemon's own files (its arena or journal)")
+        if info.st_size == 0:
+            raise HandleError(f"{name} is empty")
+        key = ("shm", info.st_dev, info.st_ino)
+        with self._lock:
+            existing = self._mappings.get(key)
+            if existing is not None:
+                existing.refs += 1
+                return existing
+        kept = os.dup(fd)  # the rank's descriptor is closed when its registration ends
+        try:
+            sealed = sealed_against_shrinking(kept)
+            size = os.fstat(kept).st_size
+            base = reserve(size)
+        except OSError as exc:
+            os.close(kept)
+            raise HandleError(f"{name}: {exc.strerror or exc}") from None
 
-        def unmap() -> None:
-            holder.clear()
-            mm.close()
+        def close() -> None:
+            unreserve(base, size)
+            with contextlib.suppress(OSError):
+                os.close(kept)
 
-        mapping = self._insert(_Mapping(key, info.st_size, ctypes.addressof(view), 1, unmap))
-        if mapping.close is not unmap:  # mapped meanwhile by another thread: keep that one
-            unmap()
+        window = FileWindow(base, size, kept)
+        mapping = self._insert(_Mapping(key, size, base, 1, close, window=window, sealed=sealed))
+        if mapping.close is not close:  # imported meanwhile by another thread: keep that one
+            close()
         return mapping
+
+    def _daemon_files(self) -> set[tuple[int, int]]:
+        """(device, inode) of the daemon's own files now (a compacted journal is a new one)."""
+        found = set()
+        for path in self._forbidden:
+            with contextlib.suppress(OSError):
+                info = os.stat(path)
+                found.add((info.st_dev, info.st_ino))
+        return found
 
     def _open_cuda(self, handle: CudaIpcHandle) -> _Mapping:
         if self._cuda is None:
@@ -256,8 +294,3 @@ class HandleTable:
             close()
         else:
             self._closer(close)
-
-
-def _file_id(path: str) -> tuple[int, int]:
-    info = os.stat(path)
-    return info.st_dev, info.st_ino

@@ -18,8 +18,9 @@ def daemon_factory() -> Iterator[DaemonFactory]:
         capacity: int = 64 << 20,
         copy_engine: CopyEngine | None = None,
         session_timeout: float = 30.0,
+        **settings: object,
     ) -> DaemonThread:
-        daemon = DaemonThread(capacity, copy_engine, session_timeout).start()
+        daemon = DaemonThread(capacity, copy_engine, session_timeout, **settings).start()
         started.append(daemon)
         return daemon
 

@@ -18,17 +18,21 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from offloadd.client import OffloadClient
 from offloadd.daemon import Daemon
 from offloadd.errors import DaemonUnavailable
+from offloadd.peer import register
 from offloadd.settings import (
     CacheSettings,
     EventSettings,
+    LimitsSettings,
     MetricsSettings,
     ServerSettings,
     Settings,
+    TenancySettings,
 )
 from offloadd.shm import SharedKVTensor
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
@@ -39,6 +43,7 @@ from protocol.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from protocol.messages import Hello
 
 
 class DaemonThread:
@@ -49,6 +54,9 @@ class DaemonThread:
         capacity: int = 64 << 20,
         copy_engine: CopyEngine | None = None,
         session_timeout: float = 30.0,
+        *,
+        limits: LimitsSettings | None = None,
+        tenancy: TenancySettings | None = None,
         **server: object,
     ) -> None:
         self.workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
@@ -68,6 +76,8 @@ class DaemonThread:
                 pod="test-pod",
             ),
             metrics=MetricsSettings(address=""),
+            limits=limits or LimitsSettings(),
+            tenancy=tenancy or TenancySettings(),
         )
         self.events_endpoint = self.settings.events.endpoint
         self.replay_endpoint = self.settings.events.replay_endpoint
@@ -192,6 +202,14 @@ def make_config(
             is_parallelism_agnostic=True,
         ),
     )
+
+
+def with_token(endpoint: str, identity: bytes, hello: Hello, fds: Sequence[int] = ()) -> Hello:
+    """``hello`` with a fresh registration token for the ZeroMQ routing id ``identity``, for
+    tests that speak the wire themselves (``offloadd.client`` registers by itself)."""
+    registered = register(endpoint, identity, fds)
+    assert registered is not None, f"{endpoint} has no registration socket"
+    return msgspec.structs.replace(hello, token=registered.token)
 
 
 def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:

@@ -11,7 +11,7 @@ import socket
 import stat
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,13 @@ from offloadd.endpoint import EndpointClaim, EndpointRefused, check_tcp_security
 from offloadd.errors import DaemonUnavailable, InvalidRequest
 from offloadd.metrics import Metrics, MetricsError
 from offloadd.safety import engine_id_problem
-from offloadd.settings import EventSettings, Settings, SettingsError, load_settings
+from offloadd.settings import (
+    EventSettings,
+    Settings,
+    SettingsError,
+    TenancySettings,
+    load_settings,
+)
 from offloadd.shm import SharedKVTensor
 from tests.integration.harness import LAYERS, DaemonThread, make_config
 
@@ -213,8 +219,9 @@ def test_engine_ids_outside_the_safe_alphabet_are_refused_at_hello(
 
 
 def test_client_strings_are_escaped_in_the_daemons_log(
-    daemon: DaemonThread, caplog: pytest.LogCaptureFixture
+    daemon_factory: Callable[..., DaemonThread], caplog: pytest.LogCaptureFixture
 ) -> None:
+    daemon = daemon_factory(tenancy=TenancySettings(client_topics=True))
     caplog.set_level(logging.INFO, logger="offloadd.daemon")
     name = "vllm\n2026-01-01 00:00:00,000 INFO offloadd.daemon: forged"
     topic = "kv\r\x1b[2Jtopic"

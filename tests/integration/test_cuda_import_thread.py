@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -35,7 +36,7 @@ from protocol.messages import (
     decode_reply,
     encode,
 )
-from tests.integration.harness import LAYERS, DaemonThread, chain_keys, make_config
+from tests.integration.harness import LAYERS, DaemonThread, chain_keys, make_config, with_token
 from tests.integration.test_engine_refusal import RefusingEngine
 
 BLOCKS = 64
@@ -84,12 +85,17 @@ def cuda_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DaemonThread,
 
 class Peer:
     def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.identity = uuid.uuid4().bytes
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
         self.sock.connect(endpoint)
 
     def send(self, message: Any) -> None:
+        if isinstance(message, Hello):  # registered first, as offloadd.client does
+            message = with_token(self.endpoint, self.identity, message)
         self.sock.send(encode(message))
 
     def recv(self, timeout: float = 10.0) -> Reply:

@@ -7,6 +7,7 @@ import torch
 
 from offloadd.client import OffloadClient
 from offloadd.errors import JobError
+from offloadd.settings import LimitsSettings
 from tests.integration.harness import (
     DaemonThread,
     GatedCopyEngine,
@@ -166,7 +167,9 @@ def test_capacity_evicts_least_recent_never_pinned_or_loading(
 ) -> None:
     chunk_bytes = BPC * 4096 * 3  # one rank's shard
     n = 8
-    daemon = daemon_factory(capacity=n * chunk_bytes * 2)  # type: ignore[operator]
+    # Pinning everything is what this test is about: the engine may protect the whole arena.
+    everything = LimitsSettings(protected_fraction=1.0)
+    daemon = daemon_factory(capacity=n * chunk_bytes * 2, limits=everything)  # type: ignore[operator]
     engine = _engine(daemon.endpoint, ranks, num_blocks=512)
     client = engine[0].client
     assert client is not None

@@ -39,6 +39,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from offloadd.peer import register
 from offloadd.shm import SharedKVTensor
 from protocol import PROTOCOL_VERSION
 from protocol.config import OffloadingConfig, OffloadingGroupConfig
@@ -187,9 +188,12 @@ class Frames:
         max_frame_bytes: int,
         rank: FuzzRankSetup | None = None,
         valid_engine_id: str = "engine-a",
+        seal: Callable[[Hello], Hello] | None = None,
     ) -> None:
         self.region = region  # a real shm file: Hellos naming it get as far as geometry
         self.rank = rank
+        # Registers a Hello about to be sent as it is (its files' descriptors and a token).
+        self.seal = seal
         self.max_frame_bytes = max_frame_bytes
         self.valid_engine_id = valid_engine_id
         self.keys = rank.keys if rank is not None else chain_keys(8, salt=b"fuzz-unregistered")
@@ -222,7 +226,7 @@ class Frames:
     def template(self, rng: random.Random) -> bytes:
         """A well-formed request this socket might send (before mutation or truncation)."""
         if rng.random() < 0.2:
-            return encode(self.hello(rng))
+            return encode(self.hello(rng, sealed=False))
         if self.rank is None:
             return encode(self.before_hello(rng))
         return encode(self.rank_request(rng))
@@ -279,11 +283,13 @@ class Frames:
         weights = [m[0] for m in makers]
         return rng.choices([m[1] for m in makers], weights)[0]()
 
-    def hello(self, rng: random.Random) -> Hello:
+    def hello(self, rng: random.Random, *, sealed: bool = True) -> Hello:
         """A Hello that must be refused, or (from a registered rank) its own Hello again."""
         if self.rank is not None and rng.random() < 0.1:
-            return self._hello(rng.randrange(1, 1 << 32), self.rank.config, self.rank.regions)
-        return self.absurd(rng)
+            hello = self._hello(rng.randrange(1, 1 << 32), self.rank.config, self.rank.regions)
+        else:
+            hello = self.absurd(rng)
+        return self.seal(hello) if sealed and self.seal is not None else hello
 
     def absurd(self, rng: random.Random) -> Hello:
         rid = rng.randrange(1, 1 << 32)
@@ -442,8 +448,10 @@ class Frames:
             # A namespace salt nested just short of what the decoder refuses.
             config = make_config(engine_id=f"fz-deep-{rng.randrange(1 << 20)}", tp=1)
             hello = self._hello(hello.request_id, config, (self.region,))
+            if self.seal is not None:
+                hello = self.seal(hello)
             return [_with_deep_salt(hello, rng.randrange(850, 1000))]
-        return [encode(hello)]
+        return [encode(self.seal(hello) if self.seal is not None else hello)]
 
     def oversized(self, rng: random.Random) -> list[bytes]:
         return [b"\x00" * (self.max_frame_bytes + 1 + rng.randrange(4096))]
@@ -476,23 +484,59 @@ class Tally:
         self.stalled = self.stalled or other.stalled
 
 
-def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+def _dealer(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, identity: bytes = b""
+) -> zmq.Socket[bytes]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    sock.setsockopt(zmq.ROUTING_ID, identity or uuid.uuid4().bytes)
     sock.connect(endpoint)
     return sock
 
 
 class ControlPeer:
-    """A DEALER on the control socket that pipelines messages and accounts for replies."""
+    """A DEALER on the control socket that pipelines messages and accounts for replies.
+
+    ``seal(hello)`` registers a Hello as ``offloadd.client`` would: the files of the test's
+    own shared-memory regions it names (``/dev/shm/od-test*``) go over the registration
+    socket, numbered into the handles, and the token into the Hello. Other paths get no
+    descriptor (the daemon must refuse them without opening anything).
+    """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
-        self.sock = _dealer(ctx, endpoint)
+        self.endpoint = endpoint
+        self.identity = uuid.uuid4().bytes
+        self.sock = _dealer(ctx, endpoint, self.identity)
+        self.files: dict[str, int] = {}
         self.tally = Tally()
         self._in_flight: list[str] = []  # kinds, in send order
         self.replies: deque[Reply] = deque(maxlen=64)  # the latest
+
+    def seal(self, hello: Hello) -> Hello:
+        order: dict[str, int] = {}
+        regions = []
+        for region in hello.regions:
+            handle = region.handle
+            if isinstance(handle, ShmHandle) and self._file(handle.path) is not None:
+                index = order.setdefault(handle.path, len(order))
+                region = msgspec.structs.replace(
+                    region, handle=msgspec.structs.replace(handle, fd=index)
+                )
+            regions.append(region)
+        registered = register(self.endpoint, self.identity, [self.files[p] for p in order])
+        assert registered is not None
+        return msgspec.structs.replace(hello, regions=tuple(regions), token=registered.token)
+
+    def _file(self, path: str) -> int | None:
+        if path not in self.files:
+            if not path.startswith("/dev/shm/od-test") or "\x00" in path:
+                return None
+            try:
+                self.files[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                return None
+        return self.files[path]
 
     def register(self, setup: FuzzRankSetup) -> Reply:
         """Say Hello as a one-rank engine; wait until it is ready unless it was refused."""
@@ -506,7 +550,7 @@ class ControlPeer:
             pid_namespace=_OWN_PID_NS,
             client_name="fuzz-rank",
         )
-        self.sock.send(encode(hello))
+        self.sock.send(encode(self.seal(hello)))
         got: list[Reply] = []
         deadline = time.monotonic() + 10
         while not got or (isinstance(got[0], Welcome) and not isinstance(got[-1], EngineReady)):
@@ -563,6 +607,9 @@ class ControlPeer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        for fd in self.files.values():
+            os.close(fd)
+        self.files.clear()
 
 
 class ControlDriver:
@@ -716,7 +763,9 @@ def run_fuzzers(plan: FuzzPlan) -> FuzzOutcome:
             if index >= UNREGISTERED_SENDERS:
                 setup, refused = _register_fuzz_rank(peer, index, files)
                 refused_registrations += refused
-            frames = Frames(region, max_frame_bytes=plan.max_frame_bytes, rank=setup)
+            frames = Frames(
+                region, max_frame_bytes=plan.max_frame_bytes, rank=setup, seal=peer.seal
+            )
             count = plan.control_messages // senders
             drivers.append(ControlDriver(peer, frames, count, plan.seed + index))
         for index in range(2):
@@ -733,7 +782,10 @@ def run_fuzzers(plan: FuzzPlan) -> FuzzOutcome:
         )
     finally:
         for driver in drivers:
-            driver.sock.close(linger=0)
+            if isinstance(driver, ControlDriver):
+                driver.peer.close()
+            else:
+                driver.sock.close(linger=0)
         ctx.destroy(linger=0)
         for kv in files:
             kv.close()
@@ -919,9 +971,13 @@ def _scratch_region(shm_files: list[SharedKVTensor]) -> KVRegion:
 
 
 def _stats(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> DaemonStats:
-    sock = _dealer(ctx, endpoint)
+    """Every engine too: registered as the test's user (root or the daemon's: an admin)."""
+    identity = uuid.uuid4().bytes
+    sock = _dealer(ctx, endpoint, identity)
     try:
-        sock.send(encode(GetStats(1)))
+        registered = register(endpoint, identity)
+        assert registered is not None
+        sock.send(encode(GetStats(1, registered.token)))
         assert sock.poll(10_000), "the daemon does not answer stats"
         reply = decode_reply(sock.recv())
         assert isinstance(reply, StatsResult), reply
@@ -1180,6 +1236,8 @@ def test_frame_above_the_socket_limit_drops_only_that_connection(
 
 
 def _ask(peer: ControlPeer, message: Request | bytes, expect: int = 1) -> list[Reply]:
+    if isinstance(message, Hello):
+        message = peer.seal(message)
     peer.send("focused", [message if isinstance(message, bytes) else encode(message)])
     peer.settle(time.monotonic() + 10)
     assert not peer.tally.stalled, peer.tally.stalled
@@ -1225,7 +1283,8 @@ def test_hostile_hello_fields_get_a_clear_error_and_leak_nothing(
             replies = []
             for depth in range(940, 1000):
                 named = msgspec.structs.replace(config, engine_id=f"hostile-deep-{depth}")
-                got = _ask(peer, _with_deep_salt(hello(1000 + depth, named, kv.region), depth))
+                sealed = peer.seal(hello(1000 + depth, named, kv.region))
+                got = _ask(peer, _with_deep_salt(sealed, depth))
                 replies.append(got[-1])
                 if isinstance(got[-1], Welcome):  # accepted: say goodbye before the next one
                     _ask(peer, Bye(2000 + depth))
@@ -1281,7 +1340,7 @@ def test_a_wait_pending_when_its_session_ends_is_still_answered(
             peer.send("bye", [encode(Bye(12))])
         else:
             hello = Hello(12, PROTOCOL_VERSION, "worker", setup.config, setup.regions)
-            peer.send("hello", [encode(hello)])
+            peer.send("hello", [encode(peer.seal(hello))])
         peer.settle(time.monotonic() + 10)  # before the copy is let go
         assert not peer.tally.stalled, peer.tally.stalled
         (result,) = [r for r in peer.replies if getattr(r, "request_id", None) == 11]

@@ -14,6 +14,7 @@ import pytest
 
 from offloadd.client import OffloadClient
 from offloadd.errors import InvalidRequest
+from offloadd.settings import LimitsSettings
 from protocol.messages import HoldKeys, KeysChanged, Segment
 from tests.integration.harness import (
     DaemonThread,
@@ -171,7 +172,10 @@ def test_segments_store_partial_chunks_and_load_mid_chunk(daemon: DaemonThread) 
 
 def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
     # Room for 4 keys: engine A's fifth key evicts one that engine B still mirrors.
-    d = DaemonThread(capacity=4 * KEY_FOOTPRINT).start()
+    # A tiny arena the engines may reserve whole (limits.protected_fraction).
+    d = DaemonThread(
+        capacity=4 * KEY_FOOTPRINT, limits=LimitsSettings(protected_fraction=1.0)
+    ).start()
     ra, rb = rank(d.endpoint, seed=5, engine_id="a"), rank(d.endpoint, seed=5, engine_id="b")
     sa, sb = scheduler(d.endpoint, engine_id="a"), scheduler(d.endpoint, engine_id="b")
     try:

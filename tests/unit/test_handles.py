@@ -1,9 +1,10 @@
-"""offloadd.transfer.handles: the refcounted import table, on real files in /dev/shm."""
+"""offloadd.transfer.handles: the refcounted import table, on descriptors of real files."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -12,7 +13,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from offloadd.transfer.handles import HandleError, HandleTable
+from offloadd.transfer.batch import move_arrays
+from offloadd.transfer.engine import Direction
+from offloadd.transfer.guarded import guarded_copy
+from offloadd.transfer.handles import HandleError, HandleTable, Import
 from protocol.handles import CudaIpcHandle, ShmHandle
 
 SHM = "/dev/shm"
@@ -47,23 +51,49 @@ def shm_path() -> Iterator[MakePath]:
 
 
 @pytest.fixture
+def fds() -> Iterator[Callable[..., int]]:
+    """Descriptors opened for a test (closed afterwards), as a rank would open them."""
+    opened: list[int] = []
+
+    def open_(path: str, flags: int = os.O_RDWR) -> int:
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        opened.append(fd)
+        return fd
+
+    yield open_
+    for fd in opened:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+@pytest.fixture
 def table() -> Iterator[HandleTable]:
-    handles = HandleTable(allowed_dirs=(SHM,))
+    handles = HandleTable()
     yield handles
     handles.close()
 
 
-@pytest.fixture
-def outside_dir() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="od-h-", dir="/tmp")
-    yield directory
-    shutil.rmtree(directory)
+def _handle(path: str, offset: int = 0, size: int = SIZE) -> ShmHandle:
+    return ShmHandle(path=path, offset=offset, size=size, fd=0)
 
 
-def test_opening_one_file_twice_shares_one_mapping(table: HandleTable, shm_path: MakePath) -> None:
+def _read_through(imported: Import, offset: int, count: int) -> bytes:
+    """``count`` bytes at ``offset`` of the region, the way a store reads them."""
+    buffer = ctypes.create_string_buffer(count)
+    arrays = move_arrays(
+        [(imported.address + offset, ctypes.addressof(buffer), count)], Direction.STORE
+    )
+    assert imported.window is not None
+    guarded_copy(arrays, Direction.STORE, [imported.window])
+    return buffer.raw
+
+
+def test_one_file_twice_shares_one_import(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
+) -> None:
     path = shm_path()
-    first = table.open(ShmHandle(path=path, offset=0, size=4096))
-    second = table.open(ShmHandle(path=path, offset=4096, size=4096))
+    first = table.open(_handle(path, 0, 4096), fds(path))
+    second = table.open(_handle(path, 4096, 4096), fds(path))
     assert len(table) == 1
     assert second.address == first.address + 4096
     assert (first.size, second.size) == (4096, 4096)
@@ -73,14 +103,14 @@ def test_opening_one_file_twice_shares_one_mapping(table: HandleTable, shm_path:
     assert len(table) == 0
 
 
-def test_same_file_through_another_name_shares_the_mapping(
-    table: HandleTable, shm_path: MakePath
+def test_same_file_through_another_name_shares_the_import(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
 ) -> None:
     path = shm_path()
     alias = shm_path(None)
     os.link(path, alias)
-    a = table.open(ShmHandle(path=path, offset=0, size=SIZE))
-    b = table.open(ShmHandle(path=alias, offset=0, size=SIZE))
+    a = table.open(_handle(path), fds(path))
+    b = table.open(_handle(alias), fds(alias))
     assert len(table) == 1
     assert a.address == b.address
     table.release(a)
@@ -88,10 +118,11 @@ def test_same_file_through_another_name_shares_the_mapping(
     assert len(table) == 0
 
 
-def test_retain_keeps_the_mapping_until_the_last_release(
-    table: HandleTable, shm_path: MakePath
+def test_retain_keeps_the_import_until_the_last_release(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
 ) -> None:
-    imported = table.open(ShmHandle(path=shm_path(), offset=0, size=SIZE))
+    path = shm_path()
+    imported = table.open(_handle(path), fds(path))
     table.retain(imported)  # e.g. a copy in flight
     table.release(imported)
     assert len(table) == 1
@@ -99,110 +130,99 @@ def test_retain_keeps_the_mapping_until_the_last_release(
     assert len(table) == 0
 
 
-def test_bytes_written_at_the_address_are_in_the_file_and_back(
-    table: HandleTable, shm_path: MakePath
+def test_the_table_keeps_its_own_descriptor_and_closes_it(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
 ) -> None:
     path = shm_path()
-    imported = table.open(ShmHandle(path=path, offset=100, size=1000))
-    ctypes.memmove(imported.address + 5, b"through the mapping", 19)
-    with open(path, "rb") as f:
-        f.seek(105)
-        assert f.read(19) == b"through the mapping"
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, b"through the file", 600)
-    finally:
-        os.close(fd)
-    assert ctypes.string_at(imported.address + 500, 16) == b"through the file"
+    given = fds(path)
+    imported = table.open(_handle(path, 100, 1000), given)
+    os.close(given)  # the registration closes the rank's descriptor after the Hello
+    os.pwrite(fds(path), b"written by the rank", 105)
+    assert _read_through(imported, 5, 19) == b"written by the rank"
+    window = imported.window
+    assert window is not None and window.fd != given
+    table.release(imported)
+    with pytest.raises(OSError) as closed:
+        os.fstat(window.fd)
+    assert closed.value.errno == errno.EBADF
+
+
+def test_the_file_is_never_mapped(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
+) -> None:
+    path = shm_path()
+    imported = table.open(_handle(path), fds(path))
+    with open("/proc/self/maps") as file:
+        maps = file.read()
+    assert path not in maps  # reached through pread/pwrite on the descriptor only
+    start = f"{imported.address:x}-"
+    line = next(line for line in maps.splitlines() if line.startswith(start))
+    assert line.split()[1].startswith("---")  # reserved address space, no access at all
     table.release(imported)
 
 
-def test_close_unmaps_everything(table: HandleTable, shm_path: MakePath) -> None:
-    table.open(ShmHandle(path=shm_path(), offset=0, size=SIZE))
-    imported = table.open(ShmHandle(path=shm_path(), offset=0, size=SIZE))
+def test_close_releases_everything(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
+) -> None:
+    one, two = shm_path(), shm_path()
+    table.open(_handle(one), fds(one))
+    imported = table.open(_handle(two), fds(two))
     table.retain(imported)
     assert len(table) == 2
     table.close()
     assert len(table) == 0
 
 
-def test_path_outside_the_allowed_dirs_is_refused(table: HandleTable, outside_dir: str) -> None:
-    path = os.path.join(outside_dir, "kv")
-    with open(path, "wb") as f:
-        f.truncate(SIZE)
-    with pytest.raises(HandleError, match="outside the shared-memory dirs"):
-        table.open(ShmHandle(path=path, offset=0, size=SIZE))
+def test_a_path_without_a_descriptor_is_refused(table: HandleTable, shm_path: MakePath) -> None:
+    with pytest.raises(HandleError, match=r"file descriptors .* opens no path"):
+        table.open(ShmHandle(path=shm_path(), offset=0, size=SIZE))
     assert len(table) == 0
 
 
-def test_dot_dot_out_of_the_allowed_dir_is_refused(table: HandleTable, outside_dir: str) -> None:
-    path = os.path.join(outside_dir, "kv")
-    with open(path, "wb") as f:
-        f.truncate(SIZE)
-    sneaky = os.path.join(SHM, "..", "..", os.path.relpath(path, "/"))
-    assert os.path.exists(sneaky)
-    with pytest.raises(HandleError, match="outside"):
-        table.open(ShmHandle(path=sneaky, offset=0, size=SIZE))
+def test_a_file_not_on_tmpfs_is_refused(table: HandleTable, fds: Callable[..., int]) -> None:
+    directory = tempfile.mkdtemp(prefix="od-h-", dir="/var/tmp")
+    try:
+        path = os.path.join(directory, "kv")
+        with open(path, "wb") as f:
+            f.truncate(SIZE)
+        with pytest.raises(HandleError, match="not on tmpfs"):
+            table.open(_handle(path), fds(path))
+    finally:
+        shutil.rmtree(directory)
+    assert len(table) == 0
 
 
-def test_a_sibling_dir_sharing_the_prefix_is_not_allowed(outside_dir: str) -> None:
-    allowed = os.path.join(outside_dir, "shm")
-    sibling = os.path.join(outside_dir, "shm-evil")
-    os.mkdir(allowed)
-    os.mkdir(sibling)
-    path = os.path.join(sibling, "kv")
-    with open(path, "wb") as f:
-        f.truncate(SIZE)
-    handles = HandleTable(allowed_dirs=(allowed,))
-    with pytest.raises(HandleError, match="outside"):
-        handles.open(ShmHandle(path=path, offset=0, size=SIZE))
-    # A file in a subdirectory of an allowed dir is fine.
-    os.mkdir(os.path.join(allowed, "sub"))
-    inside = os.path.join(allowed, "sub", "kv")
-    with open(inside, "wb") as f:
-        f.truncate(SIZE)
-    imported = handles.open(ShmHandle(path=inside, offset=0, size=SIZE))
-    handles.release(imported)
-    assert len(handles) == 0
-
-
-def test_symlink_out_of_the_allowed_dir_is_refused(
-    table: HandleTable, shm_path: MakePath, outside_dir: str
+def test_a_read_only_descriptor_is_refused(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
 ) -> None:
-    target = os.path.join(outside_dir, "secret")
-    with open(target, "wb") as f:
-        f.truncate(SIZE)
-    link = shm_path(None)
-    os.symlink(target, link)
-    with pytest.raises(HandleError):
-        table.open(ShmHandle(path=link, offset=0, size=SIZE))
+    path = shm_path()
+    with pytest.raises(HandleError, match="read-write"):
+        table.open(_handle(path), fds(path, os.O_RDONLY))
     assert len(table) == 0
 
 
-def test_directory_is_refused(table: HandleTable, shm_path: MakePath) -> None:
+def test_a_directory_or_a_fifo_is_refused(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
+) -> None:
     directory = shm_path(None)
     os.mkdir(directory)
-    with pytest.raises(HandleError):
-        table.open(ShmHandle(path=directory, offset=0, size=1))
-    assert len(table) == 0
-
-
-def test_fifo_is_refused_as_not_a_regular_file(table: HandleTable, shm_path: MakePath) -> None:
+    with pytest.raises(HandleError, match="not a regular file"):
+        table.open(_handle(directory, 0, 1), fds(directory, os.O_RDONLY))
     fifo = shm_path(None)
     os.mkfifo(fifo)
     with pytest.raises(HandleError, match="not a regular file"):
-        table.open(ShmHandle(path=fifo, offset=0, size=1))
+        table.open(_handle(fifo, 0, 1), fds(fifo, os.O_RDWR | os.O_NONBLOCK))
     assert len(table) == 0
 
 
-def test_missing_file_is_refused(table: HandleTable, shm_path: MakePath) -> None:
-    with pytest.raises(HandleError, match="cannot open"):
-        table.open(ShmHandle(path=shm_path(None), offset=0, size=1))
-
-
-def test_empty_file_is_refused(table: HandleTable, shm_path: MakePath) -> None:
+def test_a_bad_descriptor_and_an_empty_file_are_refused(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
+) -> None:
+    with pytest.raises(HandleError, match="bad descriptor"):
+        table.open(_handle(shm_path()), 10_000)
+    empty = shm_path(0)
     with pytest.raises(HandleError, match="empty"):
-        table.open(ShmHandle(path=shm_path(0), offset=0, size=0))
+        table.open(_handle(empty, 0, 0), fds(empty))
     assert len(table) == 0
 
 
@@ -211,20 +231,21 @@ def test_empty_file_is_refused(table: HandleTable, shm_path: MakePath) -> None:
     [(0, SIZE + 1), (SIZE, 1), (SIZE - 10, 11), (SIZE * 4, 0)],
 )
 def test_region_past_the_end_of_the_file_is_refused(
-    table: HandleTable, shm_path: MakePath, offset: int, size: int
-) -> None:
-    with pytest.raises(HandleError, match="outside"):
-        table.open(ShmHandle(path=shm_path(), offset=offset, size=size))
-    assert len(table) == 0  # the mapping made for the check is not leaked
-
-
-def test_region_past_the_end_keeps_an_existing_mapping_counted_right(
-    table: HandleTable, shm_path: MakePath
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int], offset: int, size: int
 ) -> None:
     path = shm_path()
-    good = table.open(ShmHandle(path=path, offset=0, size=SIZE))
+    with pytest.raises(HandleError, match="outside"):
+        table.open(_handle(path, offset, size), fds(path))
+    assert len(table) == 0  # the import made for the check is not leaked
+
+
+def test_region_past_the_end_keeps_an_existing_import_counted_right(
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int]
+) -> None:
+    path = shm_path()
+    good = table.open(_handle(path), fds(path))
     with pytest.raises(HandleError):
-        table.open(ShmHandle(path=path, offset=1, size=SIZE))
+        table.open(_handle(path, 1, SIZE), fds(path))
     assert len(table) == 1
     table.release(good)
     assert len(table) == 0
@@ -232,29 +253,51 @@ def test_region_past_the_end_keeps_an_existing_mapping_counted_right(
 
 @pytest.mark.parametrize(("offset", "size"), [(-4096, 4096), (-1, 1), (100, -50)])
 def test_negative_offset_or_size_is_refused(
-    table: HandleTable, shm_path: MakePath, offset: int, size: int
+    table: HandleTable, shm_path: MakePath, fds: Callable[..., int], offset: int, size: int
 ) -> None:
     # Handles are opened before the registry checks geometry: the table itself must never
-    # hand out an address before the mapping.
+    # hand out an address before the import.
+    path = shm_path()
     with pytest.raises(HandleError, match="negative"):
-        table.open(ShmHandle(path=shm_path(), offset=offset, size=size))
+        table.open(_handle(path, offset, size), fds(path))
     assert len(table) == 0
 
 
-def test_the_arena_is_refused_under_any_name(shm_path: MakePath) -> None:
-    arena = shm_path()
+def test_the_daemons_files_are_refused_under_any_name(
+    shm_path: MakePath, fds: Callable[..., int]
+) -> None:
+    arena, journal = shm_path(), shm_path()
     alias = shm_path(None)
     os.link(arena, alias)
     link = shm_path(None)
     os.symlink(arena, link)
-    handles = HandleTable(allowed_dirs=(SHM,), forbidden=[arena])
-    for name in (arena, alias, link):
-        with pytest.raises(HandleError, match="arena"):
-            handles.open(ShmHandle(path=name, offset=0, size=SIZE))
+    handles = HandleTable(forbidden=[arena, journal])
+    for name in (arena, alias, link, journal):  # the rank opens a link: its fd is the arena's
+        with pytest.raises(HandleError, match="daemon's own files"):
+            handles.open(_handle(name), fds(name))
+    # A journal rewritten under the same name is a new inode: still refused.
+    replacement = shm_path()
+    os.rename(replacement, journal)
+    with pytest.raises(HandleError, match="daemon's own files"):
+        handles.open(_handle(journal), fds(journal))
     assert len(handles) == 0
-    # Other files are still fine.
-    imported = handles.open(ShmHandle(path=shm_path(), offset=0, size=SIZE))
+    other = shm_path()
+    imported = handles.open(_handle(other), fds(other))  # other files are still fine
     handles.release(imported)
+
+
+def test_a_memfd_is_sealed_against_shrinking(table: HandleTable) -> None:
+    memfd = os.memfd_create("od-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(memfd, SIZE)
+        imported = table.open(_handle("memfd:od-test"), memfd)
+        assert imported.sealed
+        with pytest.raises(PermissionError):
+            os.ftruncate(memfd, SIZE // 2)
+        os.ftruncate(memfd, SIZE * 2)  # growing is still fine
+        table.release(imported)
+    finally:
+        os.close(memfd)
 
 
 def test_cuda_ipc_handles_are_refused_with_a_clear_message(table: HandleTable) -> None:

@@ -71,6 +71,7 @@ def one(unit: dict[str, dict[str, list[str]]], section: str, key: str) -> str:
         ("User", "offloadd"),
         ("Group", "offloadd-clients"),
         ("LimitMEMLOCK", "infinity"),
+        ("LimitNOFILE", "65536"),
         ("RemoveIPC", "no"),
         ("NoNewPrivileges", "yes"),
         ("ProtectSystem", "strict"),

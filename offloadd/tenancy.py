@@ -1,0 +1,102 @@
+"""Who a peer is and what it may touch: identities from the kernel, tenants from settings.
+
+Pure logic, no I/O (group names are resolved once, when ``Tenancy`` is built). Contract:
+
+- ``offloadd.peer.Peer`` is what the kernel says about a local peer when it registers
+  (``SO_PEERCRED``: uid, gid, pid in the daemon's pid namespace). ``REMOTE`` stands for a
+  peer on a ``tcp://`` control endpoint, which has no kernel identity (CURVE authenticates
+  its key, not a user): such peers form one tenant of their own and register no regions.
+- ``Tenancy.tenant_of(peer)`` names the peer's tenant: ``u<uid>`` by default,
+  ``g<gid>`` when its primary group is one of ``tenancy.shared_groups``, ``*`` for every
+  local peer with ``tenancy.share_across_uids``, ``remote`` for ``REMOTE``. Engines,
+  namespaces and what GetStats lists are per tenant (the registry hashes the tenant into
+  the namespace, see ``offloadd.registry.namespace_of``); a session is only ever replaced
+  by a peer of the same uid.
+- ``is_admin(peer)``: root and the daemon's own user see every engine in GetStats.
+- ``topic_problem(asked, derived)``: why a Hello's ``kv_events_topic`` is refused ("" when
+  it is fine): with ``tenancy.client_topics = false`` only the daemon's own topic (or none).
+- ``visible_stats(stats, viewer)``: ``DaemonStats`` as ``viewer`` may see it: every engine
+  for an admin, the engines of its tenant for a known peer, none for an unknown one
+  (aggregate counters only).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from offloadd.peer import REMOTE, Peer
+from offloadd.settings import TenancySettings
+from protocol.messages import DaemonStats, EngineState
+
+__all__ = ["REMOTE", "Peer", "Tenancy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Viewer:
+    """Who asks for stats: their tenant, and whether they may see everything."""
+
+    tenant: str
+    admin: bool = False
+
+
+class Tenancy:
+    """Tenants from ``TenancySettings``; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: TenancySettings,
+        *,
+        daemon_uid: int | None = None,
+        gid_of: Callable[[str], int] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
+        lookup = gid_of or (lambda name: grp.getgrnam(name).gr_gid)
+        self._shared_gids = frozenset(lookup(name) for name in settings.shared_groups)
+
+    def tenant_of(self, peer: Peer) -> str:
+        """The tenant ``peer`` belongs to."""
+        if peer.remote:
+            return "remote"
+        if self.settings.share_across_uids:
+            return "*"
+        if peer.gid in self._shared_gids:
+            return f"g{peer.gid}"
+        return f"u{peer.uid}"
+
+    def is_admin(self, peer: Peer) -> bool:
+        """Root or the daemon's user: may see every engine."""
+        return not peer.remote and peer.uid in (0, self._daemon_uid)
+
+    def viewer(self, peer: Peer) -> Viewer:
+        """``peer`` as a reader of stats."""
+        return Viewer(self.tenant_of(peer), self.is_admin(peer))
+
+    def topic_problem(self, asked: str, derived: str) -> str:
+        """Why a Hello may not publish its engine's events under ``asked`` ("" if it may)."""
+        if not asked or asked == derived or self.settings.client_topics:
+            return ""
+        return (
+            f"kv_events_topic {asked[:64]!r}: the daemon publishes under its own topics "
+            f"(events.topic_template gives {derived!r}); tenancy.client_topics = true lets "
+            "ranks choose"
+        )
+
+    @staticmethod
+    def visible_stats(
+        stats: DaemonStats, viewer: Viewer | None, tenant_of_engine: Callable[[EngineState], str]
+    ) -> DaemonStats:
+        """``stats`` with only the engines ``viewer`` may see (none when it is unknown)."""
+        if viewer is not None and viewer.admin:
+            return stats
+        engines = (
+            [engine for engine in stats.engines if tenant_of_engine(engine) == viewer.tenant]
+            if viewer is not None
+            else []
+        )
+        return msgspec.structs.replace(stats, engines=engines)

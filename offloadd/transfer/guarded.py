@@ -1,0 +1,188 @@
+"""A rank's shared-memory file, reached through its descriptor and never through a mapping.
+
+Why: a rank controls its own file. Through a mapping, a copy faults with SIGBUS, which kills
+the daemon, when the rank truncates the file under it, or when a load writes into a hole of
+a full tmpfs (a sparse file, or one whose pages the rank punched out). ``pread``/``pwrite``
+on the descriptor return an error instead, and the job fails. The daemon therefore never
+maps a rank's file: it reserves address space for it instead (``reserve``, ``PROT_NONE``,
+so any access by mistake faults at once in tests rather than silently), plans copies with
+those addresses like any other, and the cpu copy engine turns each copy touching such a
+window into one ``pread`` (store) or ``pwrite`` (load) at the matching file offset
+(``guarded_copy``). ``offloadd bench --only guarded`` measures it against ``memmove``
+through a mapping.
+
+Contract:
+- ``region_file_problem(fd)``: why a descriptor a peer passed cannot hold KV regions ("" when
+  it can): a regular file on tmpfs (files in ``/dev/shm``, memfds), opened read-write.
+- ``reserve(size)`` / ``unreserve(address, size)``: address space no byte ever lives in.
+- ``FileWindow(address, size, fd)``: bytes ``[address, address + size)`` of the plan are
+  bytes ``[0, size)`` of the file behind ``fd``.
+- ``guarded_copy(arrays, direction, windows)``: performs a job's merged copies; on a store
+  the source, on a load the destination, of every copy lies inside one window (the planner
+  checked the spans against the window sizes). Raises ``OSError`` naming the file problem
+  (a file that shrank: a short read; no space left: ENOSPC) after copying what it could;
+  the caller fails the job and commits nothing of it.
+- ``shrunk(windows)``: a window whose file is now shorter than when it was registered (the
+  daemon refuses a job then, before reserving anything; sealed memfds cannot shrink).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import stat
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from offloadd.transfer.engine import Direction
+
+if TYPE_CHECKING:
+    from offloadd.transfer.batch import MoveArrays
+
+TMPFS_MAGIC = 0x01021994
+_PROT_NONE = 0
+_MAP_PRIVATE = 0x02
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_pread = _libc.pread64
+_pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
+_pread.restype = ctypes.c_ssize_t
+_pwrite = _libc.pwrite64
+_pwrite.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
+_pwrite.restype = ctypes.c_ssize_t
+_mmap = _libc.mmap
+_mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int64,
+)
+_mmap.restype = ctypes.c_void_p
+_munmap = _libc.munmap
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_munmap.restype = ctypes.c_int
+_fstatfs = _libc.fstatfs
+_fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_fstatfs.restype = ctypes.c_int
+
+
+class FileWindow(NamedTuple):
+    """Plan addresses ``[address, address + size)`` are the file's bytes ``[0, size)``."""
+
+    address: int
+    size: int
+    fd: int
+
+
+def filesystem_type(fd: int) -> int:
+    """``f_type`` of ``fstatfs(fd)`` (the first field of ``struct statfs`` on Linux)."""
+    buffer = ctypes.create_string_buffer(256)  # larger than struct statfs on every ABI
+    if _fstatfs(fd, buffer) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def region_file_problem(fd: int, info: os.stat_result | None = None) -> str:
+    """Why the descriptor ``fd`` cannot hold KV regions ("" when it can)."""
+    try:
+        info = info or os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "is not a regular file"
+        if filesystem_type(fd) != TMPFS_MAGIC:
+            return (
+                "is not on tmpfs: KV regions are shared-memory files (in /dev/shm, or memfds); "
+                "hugetlbfs and disk files are not supported"
+            )
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            return "was not opened read-write (loads write into it)"
+    except OSError as exc:
+        return f"cannot be inspected: {exc.strerror}"
+    return ""
+
+
+def sealed_against_shrinking(fd: int) -> bool:
+    """Whether ``fd`` is a memfd sealed with ``F_SEAL_SHRINK`` (adding the seal if it can)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not seals & fcntl.F_SEAL_SHRINK and not seals & fcntl.F_SEAL_SEAL:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return bool(seals & fcntl.F_SEAL_SHRINK)
+
+
+def reserve(size: int) -> int:
+    """``size`` bytes of address space with no access at all; raises OSError."""
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+    address = _mmap(None, size, _PROT_NONE, flags, -1, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot reserve {size} bytes of address space: {os.strerror(code)}")
+    return int(address)
+
+
+def unreserve(address: int, size: int) -> None:
+    """Give back what ``reserve`` returned."""
+    _munmap(address, size)
+
+
+def shrunk(windows: Sequence[FileWindow]) -> str:
+    """Why a window's file cannot be copied now ("" when every one is whole)."""
+    for window in windows:
+        try:
+            size = os.fstat(window.fd).st_size
+        except OSError as exc:
+            return f"a region file cannot be inspected: {exc.strerror}"
+        if size < window.size:
+            return (
+                f"a region file shrank from {window.size} to {size} bytes since it was "
+                "registered: say Hello again with a whole file"
+            )
+    return ""
+
+
+def guarded_copy(arrays: MoveArrays, direction: Direction, windows: Sequence[FileWindow]) -> None:
+    """Perform ``arrays`` with pread/pwrite on the windows' files; see the module docstring."""
+    count = len(arrays)
+    if not count:
+        return
+    store = direction is Direction.STORE
+    ordered = sorted(windows)
+    bases = np.array([w.address for w in ordered], np.uint64)
+    ends = np.array([w.address + w.size for w in ordered], np.uint64)
+    client = arrays.srcs if store else arrays.dsts
+    host = arrays.dsts if store else arrays.srcs
+    which = np.searchsorted(bases, client, side="right").astype(np.int64) - 1
+    if (which < 0).any() or (client + arrays.sizes > ends[np.maximum(which, 0)]).any():
+        raise ValueError("a copy reaches outside the rank's registered files")
+    offsets = (client - bases[which]).tolist()
+    fds = [ordered[i].fd for i in which.tolist()]
+    call = _pread if store else _pwrite
+    for fd, offset, address, nbytes in zip(
+        fds, offsets, host.tolist(), arrays.sizes.tolist(), strict=True
+    ):
+        done = 0
+        while done < nbytes:
+            moved = call(fd, address + done, nbytes - done, offset + done)
+            if moved > 0:
+                done += moved
+                continue
+            if moved == 0:
+                raise OSError(
+                    errno.EIO,
+                    f"a region file ended at byte {offset + done}: it shrank under the copy",
+                )
+            code = ctypes.get_errno()
+            if code != errno.EINTR:
+                raise OSError(code, f"region file: {os.strerror(code)}")
