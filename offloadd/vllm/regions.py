@@ -12,18 +12,23 @@ once and a tensor shared by groups with different page sizes becomes one region 
 CUDA tensors are exported as CUDA IPC handles. A CPU tensor must live in a shared file mapping
 (a file in ``/dev/shm``, as vLLM's CPU backend tests and offloadd's own tests allocate them):
 its file and offset are found in ``/proc/self/maps``. Anything else is refused with a message
-saying how to fix it.
+saying how to fix it. The daemon opens no path: ``open_region_files`` opens each such file
+here, in the rank that owns it, checks that it is the very file mapped (device and inode, so
+a file put in its place under the same name is not), and the client passes the descriptors
+(``OffloadClient.connect(..., files=...)``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import KVRegion, ShmHandle, region_problem
 
-__all__ = ["NotShareable", "kv_regions", "shared_file_of"]
+__all__ = ["NotShareable", "kv_regions", "open_region_files", "shared_file_of"]
 
 FIX_CPU_TENSOR = (
     "offloadd reads a CPU KV cache through shared memory: allocate it on a MAP_SHARED file "
@@ -65,6 +70,51 @@ def shared_file_of(address: int, length: int, maps: str | None = None) -> tuple[
             )
         return path, int(fields[2], 16) + (address - start)
     raise NotShareable(f"KV memory at {address:#x} is not mapped; {FIX_CPU_TENSOR}")
+
+
+def _mapped_files(maps: str) -> dict[str, set[tuple[int, int, int]]]:
+    """Path -> {(device major, minor, inode)} of every file mapping in ``maps``."""
+    found: dict[str, set[tuple[int, int, int]]] = {}
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            major, _, minor = fields[3].partition(":")
+            found.setdefault(fields[5].strip(), set()).add(
+                (int(major, 16), int(minor, 16), int(fields[4]))
+            )
+    return found
+
+
+def open_region_files(regions: Sequence[KVRegion], maps: str | None = None) -> dict[str, int]:
+    """Descriptors (read-write, the rank's own) of the files behind the shared-memory
+    regions, by path, each checked to be the file this process maps; raises NotShareable."""
+    if maps is None:
+        with open("/proc/self/maps") as file:
+            maps = file.read()
+    mapped = _mapped_files(maps)
+    opened: dict[str, int] = {}
+    try:
+        for region in regions:
+            handle = region.handle
+            if not isinstance(handle, ShmHandle) or handle.path in opened:
+                continue
+            try:
+                fd = os.open(handle.path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise NotShareable(f"cannot open {handle.path}: {exc.strerror}") from None
+            opened[handle.path] = fd
+            info = os.fstat(fd)
+            identity = (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)
+            if identity not in mapped.get(handle.path, set()):
+                raise NotShareable(
+                    f"{handle.path} is no longer the file this process maps (replaced?)"
+                )
+    except BaseException:
+        for fd in opened.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+    return opened
 
 
 def kv_regions(kv_caches: Any, groups: Sequence[OffloadingGroupConfig]) -> list[KVRegion]:

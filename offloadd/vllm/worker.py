@@ -16,6 +16,7 @@ forward pass has finished writing when vLLM submits).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from vllm.v1.kv_offload.base import (
 
 from offloadd.client import OffloadClient
 from offloadd.errors import DaemonUnavailable, JobError, OffloaddError
-from offloadd.vllm.regions import kv_regions
+from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
 from protocol.handles import KVRegion
@@ -99,6 +100,9 @@ class OffloaddWorker(OffloadingWorker):
         self._bpc = config.cache.blocks_per_chunk
         self._group_ids = config.group_ids()
         self._regions: list[KVRegion] = kv_regions(kv_caches, config.groups)
+        # CPU tensors: their files, opened here (the rank owns them) and passed to the daemon
+        # as descriptors; kept for a reconnect.
+        self._files = open_region_files(self._regions)
         self._cuda = any(t.tensor.is_cuda for t in kv_caches.tensors)
         self._device = next((t.tensor.device for t in kv_caches.tensors if t.tensor.is_cuda), None)
         self._load_timeout = load_timeout
@@ -210,6 +214,9 @@ class OffloaddWorker(OffloadingWorker):
         client, self._client = self._client, None
         if client is not None:
             client.close()
+        files, self._files = self._files, {}
+        for fd in files.values():
+            os.close(fd)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -227,6 +234,7 @@ class OffloaddWorker(OffloadingWorker):
             name=f"vllm rank {self._config.parallel.rank}",
             mirror=True,  # this engine's scheduler publishes its events
             timeout=timeout,
+            files=self._files,
         )
 
     def _connect_later(self) -> None:

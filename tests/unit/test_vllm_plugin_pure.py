@@ -12,9 +12,9 @@ import torch
 
 from offloadd.transfer.plan import group_layouts
 from offloadd.vllm.mirror import KeyMirror
-from offloadd.vllm.regions import NotShareable, kv_regions, shared_file_of
+from offloadd.vllm.regions import NotShareable, kv_regions, open_region_files, shared_file_of
 from protocol.config import OffloadingGroupConfig
-from protocol.handles import ShmHandle
+from protocol.handles import KVRegion, ShmHandle
 from protocol.messages import KeysChanged
 
 K = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(6)]
@@ -71,6 +71,33 @@ def test_shared_file_of_a_dev_shm_tensor() -> None:
             tensor = torch.frombuffer(mapping, dtype=torch.int8).view(3, 4096)
             found, offset = shared_file_of(tensor[1].data_ptr(), 4096)
             assert (found, offset) == (path, 4096)
+            del tensor
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_the_rank_opens_its_own_mapped_files_and_no_impostor() -> None:
+    fd, path = tempfile.mkstemp(prefix="od-test-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, 2 * 4096)
+        with mmap.mmap(fd, 2 * 4096, mmap.MAP_SHARED) as mapping:
+            tensor = torch.frombuffer(mapping, dtype=torch.int8).view(2, 4096)
+            found, offset = shared_file_of(tensor.data_ptr(), 2 * 4096)
+            region = KVRegion(ShmHandle(found, offset, 2 * 4096), 2, 4096, 4096, ("a",))
+            files = open_region_files([region, region])
+            try:
+                assert list(files) == [path]
+                assert os.fstat(files[path]).st_ino == os.fstat(fd).st_ino
+            finally:
+                for opened in files.values():
+                    os.close(opened)
+            # Another file put in its place under the same name is not the mapped one.
+            os.unlink(path)
+            with open(path, "wb") as impostor:
+                impostor.truncate(2 * 4096)
+            with pytest.raises(NotShareable, match="no longer the file"):
+                open_region_files([region])
             del tensor
     finally:
         os.close(fd)
