@@ -264,13 +264,13 @@ class Journal:
         """Replay ``path`` for ``arena`` and verify the chunks' bytes; see the module docstring.
 
         Raises JournalError when the journal's directory or key is unsafe or unusable, or
-        when it lies inside ``shm_dirs`` (where ranks name files for the daemon to map).
+        when it lies inside ``shm_dirs`` (where the ranks keep their KV files).
         """
         for shm_dir in shm_dirs:
             if _within(path, shm_dir):
                 raise JournalError(
-                    f"cache.journal {path} is inside server.shm_dirs ({shm_dir}), where ranks "
-                    "name files for the daemon to map: keep it elsewhere"
+                    f"cache.journal {path} is inside server.shm_dirs ({shm_dir}), where the ranks "
+                    "keep their KV files: keep it elsewhere"
                 )
         directory = os.path.dirname(os.path.abspath(path))
         try:

@@ -207,9 +207,11 @@ class HandleTable:
             sealed = sealed_against_shrinking(kept)
             size = os.fstat(kept).st_size
             base = reserve(size)
-        except OSError as exc:
+        except BaseException as exc:
             os.close(kept)
-            raise HandleError(f"{name}: {exc.strerror or exc}") from None
+            if isinstance(exc, OSError):
+                raise HandleError(f"{name}: {exc.strerror or exc}") from None
+            raise
 
         def close() -> None:
             unreserve(base, size)

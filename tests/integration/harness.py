@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -36,14 +35,30 @@ from offloadd.settings import (
 )
 from offloadd.shm import SharedKVTensor
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
-from protocol.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from protocol.config import OffloadingConfig
 from protocol.messages import Hello
+from tests.integration.configs import (
+    LAYERS,
+    TOKENS_PER_BLOCK,
+    chain_keys,
+    chunk_block_ids,
+    make_config,
+)
+
+__all__ = [
+    "LAYERS",
+    "TOKENS_PER_BLOCK",
+    "DaemonThread",
+    "GatedCopyEngine",
+    "Rank",
+    "ServeProcess",
+    "chain_keys",
+    "chunk_block_ids",
+    "make_config",
+    "make_rank",
+    "shm_leftovers",
+    "with_token",
+]
 
 
 class DaemonThread:
@@ -162,63 +177,12 @@ class GatedCopyEngine:
         self.inner.close()
 
 
-LAYERS = ("layer.0", "layer.1", "layer.2")
-TOKENS_PER_BLOCK = 16
-
-
-def make_config(
-    *,
-    engine_id: str = "engine-a",
-    dp: int = 0,
-    rank: int = 0,
-    tp: int = 2,
-    model: str = "test/model",
-    dtype: str = "bfloat16",
-    blocks_per_chunk: int = 2,
-    bytes_per_block: int = 0,
-    tokens_per_hash: int = TOKENS_PER_BLOCK,
-    extra: dict[str, object] | None = None,
-    events: bool = False,
-) -> OffloadingConfig:
-    """A one-group config shaped like build_offloading_config's output."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=LAYERS),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=events,
-        extra_config=dict(extra or {}),
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name=model, dtype=dtype),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk
-        ),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=dp,
-            is_parallelism_agnostic=True,
-        ),
-    )
-
-
 def with_token(endpoint: str, identity: bytes, hello: Hello, fds: Sequence[int] = ()) -> Hello:
     """``hello`` with a fresh registration token for the ZeroMQ routing id ``identity``, for
     tests that speak the wire themselves (``offloadd.client`` registers by itself)."""
     registered = register(endpoint, identity, fds)
     assert registered is not None, f"{endpoint} has no registration socket"
     return msgspec.structs.replace(hello, token=registered.token)
-
-
-def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:
-    """Chained 32-byte hashes + u32be group, like vLLM's OffloadKeys."""
-    keys, parent = [], salt
-    for index in range(count):
-        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
-        keys.append(parent + group.to_bytes(4, "big"))
-    return keys
 
 
 @dataclass
@@ -272,11 +236,6 @@ def make_rank(
             rank.close()  # a refused Hello must not leave its tensors in /dev/shm
             raise
     return rank
-
-
-def chunk_block_ids(chunks: Sequence[int], blocks_per_chunk: int, base: int = 0) -> list[int]:
-    """Block ids of chunk i: base + i*bpc ... base + i*bpc + bpc - 1."""
-    return [base + c * blocks_per_chunk + j for c in chunks for j in range(blocks_per_chunk)]
 
 
 def shm_leftovers() -> list[str]:

@@ -1,0 +1,769 @@
+"""Trust nothing a client says (issue 15): each attack as it was found, against a real daemon
+(and a real second Unix user where it needs one), is refused or survived, and no wrong byte is
+served.
+
+1. Confused deputy: the daemon opened a region's PATH with its own rights.
+2. Any client could kill the daemon with SIGBUS: truncate a registered file, or leave holes
+   in a full tmpfs, then send a Store or Load.
+4. Identity was self-declared: a Hello replaced another user's session; namespaces, events
+   topics and GetStats trusted what the client said.
+5. No bounds per client: a Hello's pid, pins and leases, errors in the middle of a Hello,
+   key sizes, jobs, regions, sessions and registrations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+import torch
+import zmq
+from prometheus_client import generate_latest
+
+import offloadd.peer
+import offloadd.transfer.handles
+from offloadd.client import OffloadClient
+from offloadd.errors import (
+    InvalidRequest,
+    JobError,
+    NotPermitted,
+    OffloaddError,
+    RequestFailed,
+)
+from offloadd.peer import register
+from offloadd.settings import LimitsSettings, TenancySettings
+from offloadd.shm import SharedKVTensor
+from protocol import PROTOCOL_VERSION
+from protocol.errors import ErrorCode
+from protocol.handles import KVRegion, ShmHandle
+from protocol.messages import (
+    Error,
+    GetStats,
+    Hello,
+    Reply,
+    Request,
+    StatsResult,
+    Store,
+    Welcome,
+    decode_reply,
+    encode,
+)
+from tests.integration.harness import (
+    DaemonThread,
+    GatedCopyEngine,
+    Rank,
+    ServeProcess,
+    chain_keys,
+    chunk_block_ids,
+    make_config,
+    make_rank,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARED_GROUP = "odtrust-shared"
+USER_NAMES = ("odtrust-a", "odtrust-b")
+PAGE = 4096
+BPC = 2
+
+DaemonFactory = Callable[..., DaemonThread]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class RawPeer:
+    """A DEALER with a known routing id, for Hellos and requests the client would not send."""
+
+    def __init__(self, endpoint: str, identity: bytes | None = None) -> None:
+        self.endpoint = endpoint
+        self.identity = identity or uuid.uuid4().bytes
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        self.sock.connect(endpoint)
+
+    def token(self, fds: list[int] | None = None) -> bytes:
+        registered = register(self.endpoint, self.identity, fds or [])
+        assert registered is not None
+        return registered.token
+
+    def ask(self, request: Request) -> Reply:
+        self.sock.send(encode(request))
+        while True:
+            assert self.sock.poll(10_000), "the daemon did not answer"
+            reply = decode_reply(self.sock.recv())
+            if getattr(reply, "request_id", None) == request.request_id:
+                return reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _admin_stats(endpoint: str) -> list[str]:
+    """Engine ids as root (an admin) sees them."""
+    with OffloadClient(endpoint, heartbeat=0) as client:
+        return sorted(engine.engine_id for engine in client.stats().engines)
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="od-trust-", dir="/tmp")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- two Unix users
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int  # primary group
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, User]]:
+    """Two real users, each with its own primary group, both in SHARED_GROUP (which may reach
+    the daemon's socket). Made with useradd for this module, removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("making two Unix users (useradd) needs root")
+    if shutil.which("useradd") is None:
+        pytest.skip("no useradd on this host")
+    made_group, made_users = False, []
+    try:
+        grp.getgrnam(SHARED_GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", SHARED_GROUP], check=True)
+        made_group = True
+    try:
+        for name in USER_NAMES:
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                subprocess.run(
+                    ["useradd", "--system", "--user-group", "--no-create-home",
+                     "--shell", "/usr/sbin/nologin", "--groups", SHARED_GROUP, name],
+                    check=True,
+                )  # fmt: skip
+                made_users.append(name)
+        yield {
+            name: User(name, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
+            for name in USER_NAMES
+        }
+    finally:
+        for name in made_users:
+            subprocess.run(["userdel", name], check=False)
+        if made_group:
+            subprocess.run(["groupdel", SHARED_GROUP], check=False)
+
+
+@pytest.fixture
+def shared_dir(users: dict[str, User]) -> Iterator[str]:
+    """A socket directory root owns and SHARED_GROUP may enter (as /run/offloadd is)."""
+    directory = tempfile.mkdtemp(prefix="od-trust-", dir="/tmp")
+    os.chown(directory, 0, grp.getgrnam(SHARED_GROUP).gr_gid)
+    os.chmod(directory, 0o750)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_daemon(shared_dir: str) -> Iterator[Callable[..., DaemonThread]]:
+    """Daemons (as root) whose sockets SHARED_GROUP may use."""
+    started: list[DaemonThread] = []
+
+    def start(**settings: object) -> DaemonThread:
+        name = f"d{len(started)}.sock"
+        daemon = DaemonThread(
+            endpoint=f"ipc://{shared_dir}/{name}", socket_group=SHARED_GROUP, **settings
+        ).start()
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+
+
+def _as_user(
+    user: User, endpoint: str, *options: str, group: int | None = None
+) -> subprocess.Popen[str]:
+    """peer_process as ``user`` (its primary group, or ``group``), in SHARED_GROUP too."""
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    identity = ["--user", str(user.uid), "--group", str(user.gid if group is None else group)]
+    identity += ["--groups", str(shared)]
+    command = [sys.executable, "-m", "tests.integration.peer_process", endpoint, *identity]
+    env = {"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    return subprocess.Popen(
+        [*command, *options],
+        env={**env, "PYTHONDONTWRITEBYTECODE": "1"},
+        cwd="/tmp",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_as(user: User, endpoint: str, *options: str, group: int | None = None) -> dict[str, object]:
+    """Run peer_process as ``user``; its JSON report."""
+    process = _as_user(user, endpoint, *options, group=group)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    report: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+    assert report["uid"] == user.uid
+    return report
+
+
+@contextlib.contextmanager
+def held_as(
+    user: User, endpoint: str, *options: str, group: int | None = None
+) -> Iterator[dict[str, object]]:
+    """peer_process as ``user`` keeping its session until the block ends."""
+    process = _as_user(user, endpoint, *options, "--hold", group=group)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line, process.stderr.read() if process.stderr else "no report"
+        yield json.loads(line)
+    finally:
+        process.communicate(timeout=60)
+
+
+# ---------------------------------------------------------------- 1. confused deputy
+
+
+def test_another_users_0600_file_is_out_of_reach(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    victim = f"/dev/shm/od-test-victim-{uuid.uuid4().hex[:8]}"
+    secret = os.urandom(PAGE)
+    fd = os.open(victim, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.pwrite(fd, secret, 0)
+        os.fchown(fd, a.uid, a.gid)
+        # B cannot open A's file; naming its path gets B nothing: the daemon, root here,
+        # opens no path for anybody.
+        report = run_as(b, daemon.endpoint, "--open", victim, "--path-hello", victim)
+        assert report["opened"] == "Permission denied"
+        assert report["path_hello"] == ErrorCode.HANDLE_OPEN_FAILED
+        # Not even root's own client can make the daemon open a path for it.
+        from tests.integration.peer_process import _path_hello
+
+        assert _path_hello(daemon.endpoint, victim) == ErrorCode.HANDLE_OPEN_FAILED
+        with OffloadClient(daemon.endpoint, heartbeat=0) as viewer:
+            assert viewer.stats().imports == 0
+        assert os.pread(fd, PAGE, 0) == secret
+    finally:
+        os.close(fd)
+        os.unlink(victim)
+
+
+def test_the_daemons_own_files_cannot_be_regions(workdir: str) -> None:
+    # A journal on tmpfs (outside shm_dirs), so that only the device-and-inode check stands
+    # between a rank and it; the rank here is root, who could open anything.
+    state = tempfile.mkdtemp(prefix="od-test-state-", dir="/dev/shm")
+    daemon = DaemonThread()
+    cache = msgspec.structs.replace(
+        daemon.settings.cache, persist=True, journal=f"{state}/d.journal"
+    )
+    server = msgspec.structs.replace(daemon.settings.server, shm_dirs=(f"{workdir}/shm",))
+    daemon.settings = msgspec.structs.replace(daemon.settings, cache=cache, server=server)
+    daemon.start()
+    link = f"/dev/shm/od-test-link-{uuid.uuid4().hex[:8]}"
+    try:
+        os.symlink(daemon.arena_path, link)
+        config = make_config(tp=1, bytes_per_block=0)
+        for path in (daemon.arena_path, link, f"{state}/d.journal", f"{state}/d.journal.key"):
+            region = KVRegion(ShmHandle(path, 0, 32), 1, 32, 32, ("layer.0",))
+            with pytest.raises(InvalidRequest, match="daemon's own files"):
+                OffloadClient.connect(daemon.endpoint, config, [region], heartbeat=0)
+        with OffloadClient(daemon.endpoint, heartbeat=0) as viewer:
+            assert viewer.stats().imports == 0
+    finally:
+        daemon.stop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(link)
+        shutil.rmtree(state, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(daemon.arena_path)
+
+
+# ---------------------------------------------------------------- 2. SIGBUS
+
+
+def _store(rank: Rank, keys: list[bytes], chunks: range, job: int = 1) -> None:
+    assert rank.client is not None
+    rank.client.store(job, keys, chunk_block_ids(chunks, BPC))
+    rank.client.wait([job], 10)
+
+
+def test_a_rank_truncating_its_file_fails_its_own_jobs_not_the_daemon(workdir: str) -> None:
+    server = ServeProcess(workdir, f"/dev/shm/od-test-trust-{uuid.uuid4().hex[:12]}")
+    ranks: list[Rank] = []
+    try:
+        server.start()
+        truncating = make_rank(server.endpoint, tp=1, engine_id="truncating")
+        bystander = make_rank(server.endpoint, tp=1, engine_id="bystander", model="test/other")
+        ranks += [truncating, bystander]
+        truncating.fill(1)
+        bystander.fill(2)
+        keys = chain_keys(4, b"truncating")
+        _store(truncating, keys, range(4))
+        before = [pages.clone() for pages in truncating.pages(chunk_block_ids(range(4), BPC))]
+        full = os.stat(truncating.tensors[0].path).st_size
+        # Nothing in this process touches the mapping while the file is short (that would
+        # fault here): the daemon must neither.
+        os.truncate(truncating.tensors[0].path, 8 * PAGE)
+        assert truncating.client is not None
+        with pytest.raises(InvalidRequest, match="shrank"):
+            truncating.client.store(2, chain_keys(2, b"more"), chunk_block_ids(range(2), BPC))
+        with pytest.raises(InvalidRequest, match="shrank"):
+            truncating.client.load(3, keys, chunk_block_ids(range(4), BPC, 100))
+        # Everyone else is served as before.
+        other = chain_keys(4, b"bystander")
+        _store(bystander, other, range(4))
+        assert bystander.client is not None
+        bystander.client.load(4, other, chunk_block_ids(range(4), BPC, 100))
+        bystander.client.wait([4], 10)
+        assert server.process is not None and server.process.poll() is None
+        # The file whole again: the chunks stored before come back byte for byte.
+        os.truncate(truncating.tensors[0].path, full)
+        truncating.client.load(5, keys, chunk_block_ids(range(4), BPC, 100))
+        truncating.client.wait([5], 10)
+        after = truncating.pages(chunk_block_ids(range(4), BPC, 100))
+        for got, want in zip(after, before, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        for rank in ranks:
+            rank.close()
+        server.cleanup()
+
+
+def test_a_file_truncated_under_a_running_copy_fails_that_job(
+    daemon_factory: DaemonFactory, ranks: list[Rank]
+) -> None:
+    gated = GatedCopyEngine()
+    daemon = daemon_factory(copy_engine=gated)
+    rank = make_rank(daemon.endpoint, tp=1)
+    ranks.append(rank)
+    rank.fill(3)
+    assert rank.client is not None
+    keys = chain_keys(4, b"under-a-copy")
+    path = rank.tensors[1].path
+    full = os.stat(path).st_size
+    gated.gate.clear()
+    rank.client.store(1, keys, chunk_block_ids(range(4), BPC))  # checked whole, then cut
+    assert gated.started.acquire(timeout=10)
+    os.truncate(path, 0)
+    gated.gate.set()
+    with pytest.raises(JobError) as failed:
+        rank.client.wait([1], 10)
+    assert "shrank" in failed.value.results[0].error
+    assert rank.client.lookup(keys).hits == 0  # nothing it half-read was committed
+    # This very process (the daemon's) is alive; the rank's file whole again, it stores.
+    os.truncate(path, full)
+    _store(rank, chain_keys(1, b"whole"), range(1))
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[str]:
+    """A 256 KiB tmpfs of its own, filled up by the test (never /dev/shm, which is shared)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    directory = tempfile.mkdtemp(prefix="od-tmpfs-", dir="/tmp")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", directory],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        os.rmdir(directory)
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield directory
+    subprocess.run(["umount", directory], check=False)
+    os.rmdir(directory)
+
+
+def _fill(directory: str) -> None:
+    fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\xff" * PAGE)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_sparse_region_on_a_full_tmpfs(
+    small_tmpfs: str, workdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = ServeProcess(workdir, f"/dev/shm/od-test-trust-{uuid.uuid4().hex[:12]}")
+    files: list[SharedKVTensor] = []
+    try:
+        server.start()
+        files += [
+            SharedKVTensor.create(16, PAGE, [layer], directory=small_tmpfs, prefix="od-test")
+            for layer in ("layer.0", "layer.1", "layer.2")
+        ]  # sparse: nothing touched them
+        _fill(small_tmpfs)
+        config = make_config(tp=1, bytes_per_block=3 * PAGE)
+        regions = [kv.region for kv in files]
+        # The client gives its regions pages before registering: refused here, with ENOSPC.
+        with pytest.raises(OffloaddError, match="No space left"):
+            OffloadClient.connect(server.endpoint, config, regions, heartbeat=0)
+        # A client that skips that: the daemon takes the sparse file, and its copies into
+        # the holes fail the job instead of faulting.
+        monkeypatch.setattr(offloadd.peer, "_allocate", lambda fd, path, end: None)
+        with OffloadClient.connect(server.endpoint, config, regions, heartbeat=0) as client:
+            keys = chain_keys(2, b"sparse")
+            client.store(1, keys, chunk_block_ids(range(2), BPC))  # holes read as zeros
+            client.wait([1], 10)
+            client.load(2, keys, chunk_block_ids(range(2), BPC, 4))
+            with pytest.raises(JobError) as failed:
+                client.wait([2], 10)
+            assert "No space left" in failed.value.results[0].error
+            assert client.lookup(keys).hits == 2  # the cache itself is fine
+        assert server.process is not None and server.process.poll() is None
+    finally:
+        for kv in files:
+            with contextlib.suppress(BufferError):
+                kv.close()
+        server.cleanup()
+
+
+# ---------------------------------------------------------------- 4. identity
+
+
+def test_a_hello_cannot_take_over_another_users_engine(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--tp", "2", "--rank", "0") as held:
+        assert held.get("connected"), held
+        # Same engine id and rank: once this replaced A's live session.
+        report = run_as(b, daemon.endpoint, "--engine", "victim", "--tp", "2", "--rank", "0")
+        assert str(report["error"]).startswith("NotPermitted"), report
+        # Another rank of it: joining another user's engine is refused as well.
+        report = run_as(b, daemon.endpoint, "--engine", "victim", "--tp", "2", "--rank", "1")
+        assert "belongs to another user" in str(report["error"]), report
+        # A's session is untouched: still rank 0 of its engine, still one session.
+        with OffloadClient(daemon.endpoint, heartbeat=0) as viewer:
+            stats = viewer.stats()
+        (victim,) = [e for e in stats.engines if e.engine_id == "victim"]
+        assert victim.ranks_present == [0] and stats.sessions == 1
+
+
+def test_chunks_are_shared_within_a_user_only_unless_configured(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared_gid = grp.getgrnam(SHARED_GROUP).gr_gid
+    for tenancy, group, shared in (
+        (TenancySettings(), None, False),
+        (TenancySettings(share_across_uids=True), None, True),
+        (TenancySettings(shared_groups=(SHARED_GROUP,)), shared_gid, True),
+        (TenancySettings(shared_groups=(SHARED_GROUP,)), None, False),  # not their primary
+    ):
+        daemon = shared_daemon(tenancy=tenancy)
+        # B plants chunks under a guessable key in what would be a shared namespace.
+        planted = run_as(
+            b, daemon.endpoint, "--engine", "b-engine", "--store", "planted", group=group
+        )
+        assert planted["stored"] == 4
+        # A, same model and layout, looks them up.
+        seen = run_as(
+            a, daemon.endpoint, "--engine", "a-engine", "--lookup", "planted", group=group
+        )
+        assert seen["hits"] == (4 if shared else 0), (tenancy, seen)
+        assert (seen["namespace"] == planted["namespace"]) is shared
+        # Within one user, engines of one model share as before.
+        again = run_as(
+            b, daemon.endpoint, "--engine", "b-again", "--lookup", "planted", group=group
+        )
+        assert again["hits"] == 4
+
+
+def test_getstats_shows_each_peer_what_it_may_see(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    with (
+        held_as(a, daemon.endpoint, "--engine", "a-engine") as held_a,
+        held_as(b, daemon.endpoint, "--engine", "b-engine") as held_b,
+    ):
+        assert held_a.get("connected") and held_b.get("connected")
+        assert run_as(b, daemon.endpoint, "--stats")["engines"] == ["b-engine"]
+        assert run_as(a, daemon.endpoint, "--stats")["engines"] == ["a-engine"]
+        assert _admin_stats(daemon.endpoint) == ["a-engine", "b-engine"]  # root
+        # Without a session or a registration: aggregate counters, no engine.
+        peer = RawPeer(daemon.endpoint)
+        try:
+            reply = peer.ask(GetStats(7))
+        finally:
+            peer.close()
+        assert isinstance(reply, StatsResult)
+        assert reply.stats.engines == [] and reply.stats.sessions == 2
+
+
+def test_private_cache_is_private_per_user_too(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    # Even with every user in one tenant, private_cache hashes the kernel's uid: B naming
+    # A's engine id elsewhere (another daemon, a restart) never lands in A's namespace.
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    daemon = shared_daemon(tenancy=TenancySettings(share_across_uids=True))
+    first = run_as(a, daemon.endpoint, "--engine", "same-id", "--private", "--store", "p")
+    second = run_as(b, daemon.endpoint, "--engine", "same-id", "--private", "--lookup", "p")
+    assert first["stored"] == 4 and second["hits"] == 0
+    assert first["namespace"] != second["namespace"]
+
+
+def test_hello_tokens_are_one_time_and_bound_to_their_sender(daemon: DaemonThread) -> None:
+    sender, other = RawPeer(daemon.endpoint), RawPeer(daemon.endpoint)
+    try:
+        hello = Hello(1, PROTOCOL_VERSION, "scheduler", make_config(engine_id="tokens", tp=1))
+        refused = sender.ask(hello)
+        assert isinstance(refused, Error) and refused.code == ErrorCode.UNAUTHENTICATED
+        token = sender.token()
+        stolen = other.ask(msgspec.structs.replace(hello, token=token))
+        assert isinstance(stolen, Error) and stolen.code == ErrorCode.UNAUTHENTICATED
+        replayed = sender.ask(msgspec.structs.replace(hello, token=token))  # burned above
+        assert isinstance(replayed, Error) and replayed.code == ErrorCode.UNAUTHENTICATED
+        fresh = sender.token()
+        assert isinstance(sender.ask(msgspec.structs.replace(hello, token=fresh)), Welcome)
+        again = sender.ask(msgspec.structs.replace(hello, request_id=2, token=fresh))
+        assert isinstance(again, Error) and again.code == ErrorCode.UNAUTHENTICATED
+    finally:
+        sender.close()
+        other.close()
+
+
+def test_events_go_out_under_the_daemons_topics(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory()
+    config = make_config(tp=1, events=True)
+    elsewhere = "kv@some-other-pod@test/model"
+    with pytest.raises(NotPermitted, match="its own topics"):
+        OffloadClient.connect(
+            daemon.endpoint, config, role="scheduler", events_topic=elsewhere, heartbeat=0
+        )
+    # The topic the template gives is fine to name; with tenancy.client_topics, any.
+    with OffloadClient.connect(
+        daemon.endpoint, config, role="scheduler", events_topic="kv@test-pod@test/model"
+    ):
+        pass
+    free = daemon_factory(tenancy=TenancySettings(client_topics=True))
+    with OffloadClient.connect(
+        free.endpoint, config, role="scheduler", events_topic=elsewhere, heartbeat=0
+    ):
+        pass
+
+
+# ---------------------------------------------------------------- 5. bounds
+
+
+def test_the_kernels_pid_is_watched_not_the_hellos(daemon: DaemonThread) -> None:
+    # pid 1 never exits: a session that claimed it was never reaped.
+    command = [
+        sys.executable, "-m", "tests.integration.peer_process", daemon.endpoint,
+        "--engine", "pid-liar", "--claim-pid", "1", "--hold",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        report = json.loads(process.stdout.readline())
+        assert report["connected"]
+        assert _admin_stats(daemon.endpoint) == ["pid-liar"]
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        _until(lambda: _admin_stats(daemon.endpoint) == [], "reaping the killed rank")
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=10)
+        for leftover in os.listdir("/dev/shm"):
+            if leftover.startswith(f"od-test-{process.pid}-"):
+                os.unlink(f"/dev/shm/{leftover}")
+
+
+@pytest.mark.parametrize("failure", ["mapping", "bug"])
+def test_an_error_in_the_middle_of_a_hello_leaks_nothing(
+    daemon: DaemonThread, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    real = offloadd.transfer.handles.reserve
+    calls = []
+
+    def second_fails(size: int) -> int:
+        calls.append(size)
+        if len(calls) == 2:
+            if failure == "mapping":
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            raise RuntimeError("a bug while opening a region")
+        return real(size)
+
+    monkeypatch.setattr(offloadd.transfer.handles, "reserve", second_fails)
+    expected = InvalidRequest if failure == "mapping" else RequestFailed
+    with pytest.raises(expected, match="Cannot allocate" if failure == "mapping" else "INTERNAL"):
+        make_rank(daemon.endpoint, tp=1, engine_id="half-opened")
+    assert len(calls) == 2
+    with OffloadClient(daemon.endpoint, heartbeat=0) as viewer:
+        stats = viewer.stats()
+    assert stats.imports == 0 and stats.sessions == 0
+    # Every descriptor it passed, and the one kept for the first region, is closed again.
+    assert _open_kv_files() == []
+
+
+def _open_kv_files() -> list[str]:
+    """Test KV files this process (daemon thread included) still has open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/dev/shm/od-test"):
+                found.append(target)
+    return found
+
+
+def test_pins_and_leases_are_bounded_per_engine(
+    daemon_factory: DaemonFactory, ranks: list[Rank]
+) -> None:
+    chunk = BPC * PAGE * 3  # one tp=1 rank's chunk: three layers
+    daemon = daemon_factory(capacity=8 * chunk)  # protected_fraction 0.5: 4 chunks per engine
+    greedy = make_rank(daemon.endpoint, tp=1, engine_id="greedy")
+    other = make_rank(daemon.endpoint, tp=1, engine_id="other", model="test/other")
+    ranks += [greedy, other]
+    greedy.fill(5)
+    other.fill(6)
+    keys = chain_keys(8, b"greedy")
+    _store(greedy, keys, range(8))
+    assert greedy.client is not None
+    pinned = greedy.client.lookup(keys, pin=True, lease=1e12)
+    assert (pinned.hits, pinned.pinned) == (8, 4)
+    # Another engine still finds room: the unpinned half is evicted, the pinned half stays.
+    theirs = chain_keys(4, b"other")
+    _store(other, theirs, range(4))
+    assert other.client is not None
+    assert other.client.lookup(theirs).hits == 4
+    assert greedy.client.lookup(keys[:4]).hits == 4
+    with pytest.raises(InvalidRequest, match="lease_seconds"):
+        greedy.client.lookup(keys, pin=True, lease=float("nan"))
+
+
+def test_long_keys_are_refused_before_they_are_kept(
+    daemon: DaemonThread, ranks: list[Rank]
+) -> None:
+    rank = make_rank(daemon.endpoint, tp=1)
+    ranks.append(rank)
+    assert rank.client is not None
+    long_key = os.urandom(8188) + (0).to_bytes(4, "big")  # 8 KiB
+    with pytest.raises(InvalidRequest, match="key_bytes"):
+        rank.client.store(1, [long_key], [0, 1])
+    with pytest.raises(InvalidRequest, match="key_bytes"):
+        rank.client.lookup([long_key], pin=True)
+    assert rank.client.stats().entries == 0
+
+
+def test_regions_jobs_sessions_and_registrations_are_bounded(
+    daemon_factory: DaemonFactory, ranks: list[Rank]
+) -> None:
+    few = daemon_factory(
+        limits=LimitsSettings(regions_per_session=2, sessions_per_uid=2, registrations_per_uid=2)
+    )
+    with pytest.raises(InvalidRequest, match="regions_per_session"):
+        make_rank(few.endpoint, tp=1)  # three regions
+    config = make_config(tp=1)
+    with (
+        OffloadClient.connect(few.endpoint, config, role="scheduler", heartbeat=0),
+        OffloadClient.connect(few.endpoint, config, role="scheduler", heartbeat=0),
+        pytest.raises(InvalidRequest, match="sessions_per_uid"),
+    ):
+        OffloadClient.connect(few.endpoint, config, role="scheduler", heartbeat=0)
+    identity = uuid.uuid4().bytes
+    for _ in range(2):
+        register(few.endpoint, identity)  # tokens never used: they hold what they carry
+    with pytest.raises(InvalidRequest, match="registrations_per_uid"):
+        register(few.endpoint, identity)
+
+    gated = GatedCopyEngine()
+    busy = daemon_factory(copy_engine=gated, limits=LimitsSettings(jobs_per_session=1))
+    rank = make_rank(busy.endpoint, tp=1)
+    ranks.append(rank)
+    assert rank.client is not None
+    gated.gate.clear()
+    rank.client.store(1, chain_keys(1, b"one"), [0, 1])
+    with pytest.raises(InvalidRequest, match="jobs_per_session"):
+        rank.client.store(2, chain_keys(1, b"two"), [2, 3])
+    gated.gate.set()
+    rank.client.wait([1], 10)
+    _store(rank, chain_keys(1, b"two"), range(1, 2))
+
+
+def test_a_departed_engines_metrics_labels_are_pruned(
+    daemon: DaemonThread, ranks: list[Rank]
+) -> None:
+    assert daemon.daemon is not None
+    rank = make_rank(daemon.endpoint, tp=1, engine_id="come-and-go")
+    _store(rank, chain_keys(1, b"labels"), range(1))
+
+    def scraped() -> str:
+        assert daemon.daemon is not None
+        return generate_latest(daemon.daemon.metrics.registry).decode()
+
+    assert 'engine="come-and-go"' in scraped()
+    rank.close()  # Bye: the engine's last session ends
+    assert 'engine="come-and-go"' not in scraped()
+
+
+def test_a_raw_store_from_a_raw_registration_is_judged_like_any_other(
+    daemon: DaemonThread,
+) -> None:
+    # A hand-made registration passing its own file works end to end: the client library
+    # is a convenience, not a trust boundary.
+    kv = SharedKVTensor.create(16, PAGE, ["layer.0"], prefix="od-test")
+    peer = RawPeer(daemon.endpoint)
+    fd = os.open(kv.path, os.O_RDWR)
+    try:
+        region = msgspec.structs.replace(kv.region, handle=ShmHandle(kv.path, 0, 16 * PAGE, 0))
+        config = make_config(engine_id="raw", tp=1, bytes_per_block=PAGE)
+        config = msgspec.structs.replace(
+            config, groups=(msgspec.structs.replace(config.groups[0], layer_names=("layer.0",)),)
+        )
+        hello = Hello(1, PROTOCOL_VERSION, "worker", config, (region,), token=peer.token([fd]))
+        assert isinstance(peer.ask(hello), Welcome)
+        reply = peer.ask(Store(2, 1, chain_keys(1, b"raw"), [0, 1]))
+        assert not isinstance(reply, Error), reply
+    finally:
+        os.close(fd)
+        peer.close()
+        kv.close()
