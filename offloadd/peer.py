@@ -127,6 +127,7 @@ class _Connection:
     timer: asyncio.TimerHandle | None = None
     register: Register | None = None
     fds: list[int] = field(default_factory=list)
+    refused: bool = False  # answered: what still comes is read and dropped until it hangs up
 
 
 class PeerListener:
@@ -242,6 +243,12 @@ class PeerListener:
         if not data:  # the peer hung up
             self._drop(connection)
             return
+        if connection.refused:
+            # Refused early, while the peer still sends: read its messages to the end, so it
+            # gets to read the refusal instead of a reset connection.
+            _close_all(connection.fds, None)
+            connection.fds = []
+            return
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
             self._refuse(connection, ErrorCode.TOO_LARGE, "message or descriptors cut short")
             return
@@ -310,9 +317,12 @@ class PeerListener:
 
     def _refuse(self, connection: _Connection, code: ErrorCode, message: str) -> None:
         logger.debug("registration of uid %d refused: %s", connection.peer.uid, message)
-        self._reply(connection, RegisterRefused(int(code), message))
+        with contextlib.suppress(OSError):  # a peer that left loses its answer
+            connection.sock.send(encode_peer(RegisterRefused(int(code), message)))
+        _close_all(connection.fds, connection.pidfd)
+        connection.fds, connection.pidfd, connection.refused = [], None, True
 
-    def _reply(self, connection: _Connection, message: Registered | RegisterRefused) -> None:
+    def _reply(self, connection: _Connection, message: Registered) -> None:
         with contextlib.suppress(OSError):  # a peer that left loses its answer
             connection.sock.send(encode_peer(message))
         self._drop(connection)

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from offloadd.settings import EventSettings
+from offloadd.settings import EventSettings, LimitsSettings
 from offloadd.subscriber import Received, Subscriber
 from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_for_wire
 from tests.integration.harness import DaemonThread, Rank, chain_keys, chunk_block_ids, make_rank
@@ -189,6 +189,45 @@ async def test_joining_engine_gets_snapshot_and_clear_is_announced(
     assert not cleared(3, AllBlocksCleared)
     assert a[0].client is not None
     assert a[0].client.lookup(keys).hits == 0
+
+
+@pytest.mark.asyncio
+async def test_the_snapshot_for_a_joining_engine_is_bounded(
+    daemon_factory: object, ranks: list[Rank]
+) -> None:
+    daemon = daemon_factory(limits=LimitsSettings(snapshot_keys=2))  # type: ignore[operator]
+    subscriber = Subscriber(daemon.events_endpoint, daemon.replay_endpoint)
+    subscriber.connect()
+    stream = Stream(subscriber)
+    task = asyncio.create_task(stream.pump())
+    try:
+        a = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-a", 0)
+        keys = chain_keys(5)
+        await asyncio.to_thread(_store, a, keys, list(range(5)), 1)
+        await stream.until(lambda: len(stream.events(TOPIC_A, BlockStored)) == 5)
+        # Every engine that becomes ready would queue its whole namespace: only the newest
+        # limits.snapshot_keys are announced (the daemon logs how many it left out).
+        await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-b", 3)
+        assert a[0].client is not None
+        await asyncio.to_thread(a[0].client.clear)  # after the snapshot, on the same stream
+
+        def at_dp3(kind: type) -> list[int | bytes]:
+            return [
+                h
+                for r in stream.batches
+                if r.batch.data_parallel_rank == 3
+                for e in r.batch.events
+                if isinstance(e, kind)
+                for h in e.block_hashes
+            ]
+
+        await stream.until(lambda: len(at_dp3(BlockRemoved)) == 5)
+        assert at_dp3(BlockStored) == _hashes(keys[-2:])
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        subscriber.close()
 
 
 @pytest.mark.asyncio

@@ -359,6 +359,34 @@ async def test_replay_reply_frames_and_end_marker(
             req.close(linger=0)
 
 
+@pytest.mark.asyncio
+async def test_the_replay_buffer_is_bounded_in_bytes(
+    ctx: zmq.asyncio.Context, endpoints: tuple[str, str]
+) -> None:
+    pub_ep, replay_ep = endpoints
+    limit = 64 << 10  # limits.event_buffer_bytes: a few big batches, not buffer_steps of them
+    async with EventPublisher(pub_ep, replay_ep, buffer_bytes=limit, ctx=ctx) as publisher:
+        for n in range(40):
+            publisher.publish("t", make_batch(n, tokens=4096))  # about 16 KiB each
+        await wait_until(lambda: publisher.published == 40)
+        assert 0 < publisher.buffered_bytes <= limit
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay_ep)
+        try:
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            seqs = []
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), TIMEOUT)
+                if frames[2] == END_SEQ:
+                    break
+                seqs.append(int.from_bytes(frames[2], "big"))
+        finally:
+            dealer.close(linger=0)
+        # The newest batches, consecutive up to the last one, within the bound.
+        assert seqs and seqs == list(range(seqs[0], 40)) and len(seqs) < 10
+
+
 def _random_frames(rng: random.Random) -> list[bytes]:
     def frame() -> bytes:
         size = rng.choice([0, 0, 1, 7, 8, 8, 9, rng.randrange(64)])

@@ -1,0 +1,227 @@
+"""The pure parts of issue 15: tenants from the kernel's identity, limits, protected bytes,
+and the registry's rules about who may join or replace what."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from offloadd.limits import Limits, Protection
+from offloadd.peer import REMOTE, Peer
+from offloadd.registry import RegistrationError, Registry
+from offloadd.settings import LimitsSettings, TenancySettings
+from offloadd.tenancy import Tenancy, Viewer
+from protocol.errors import ErrorCode
+from protocol.messages import DaemonStats, EngineState
+from tests.unit.test_registry import hello
+
+A, B = Peer(1001, 1001, 10), Peer(1002, 1002, 20)
+GROUPS = {"shared": 500}
+
+
+def tenancy(**settings: object) -> Tenancy:
+    return Tenancy(
+        TenancySettings(**settings),  # type: ignore[arg-type]
+        daemon_uid=999,
+        gid_of=GROUPS.__getitem__,
+    )
+
+
+# ---------------------------------------------------------------- tenancy
+
+
+def test_every_uid_is_its_own_tenant_by_default() -> None:
+    plain = tenancy()
+    assert plain.tenant_of(A) == "u1001" != plain.tenant_of(B)
+    assert plain.tenant_of(REMOTE) == "remote"
+    assert (
+        tenancy(share_across_uids=True).tenant_of(A)
+        == "*"
+        == tenancy(share_across_uids=True).tenant_of(B)
+    )
+    assert tenancy(share_across_uids=True).tenant_of(REMOTE) == "remote"
+
+
+def test_a_shared_group_counts_by_the_primary_gid() -> None:
+    grouped = tenancy(shared_groups=("shared",))
+    assert grouped.tenant_of(Peer(1001, 500, 1)) == "g500" == grouped.tenant_of(Peer(1002, 500, 2))
+    assert grouped.tenant_of(Peer(1003, 1003, 3)) == "u1003"
+
+
+def test_root_and_the_daemons_user_are_admins() -> None:
+    plain = tenancy()
+    assert plain.is_admin(Peer(0, 0, 1)) and plain.is_admin(Peer(999, 999, 1))
+    assert not plain.is_admin(A) and not plain.is_admin(REMOTE)
+
+
+def test_client_topics_only_when_allowed() -> None:
+    assert tenancy().topic_problem("", "kv@pod@m") == ""
+    assert tenancy().topic_problem("kv@pod@m", "kv@pod@m") == ""
+    assert "client_topics" in tenancy().topic_problem("kv@other@m", "kv@pod@m")
+    assert tenancy(client_topics=True).topic_problem("kv@other@m", "kv@pod@m") == ""
+
+
+def _stats(*engines: str) -> DaemonStats:
+    return DaemonStats(
+        uptime_seconds=1.0, capacity_bytes=1, used_bytes=0, entries=0, committed_entries=0,
+        lookups=0, hits=0, misses=0, stores_refused=0, evictions=0, bytes_stored=0,
+        bytes_loaded=0, protocol_errors=0, sessions=len(engines),
+        engines=[EngineState(e, 0, 1, True, [0]) for e in engines],
+    )  # fmt: skip
+
+
+def test_stats_list_the_engines_a_viewer_may_see() -> None:
+    owners = {"a1": "u1001", "a2": "u1001", "b1": "u1002"}
+
+    def tenant_of(engine: EngineState) -> str:
+        return owners[engine.engine_id]
+
+    stats = _stats("a1", "a2", "b1")
+
+    def seen(viewer: Viewer | None) -> list[str]:
+        return [e.engine_id for e in Tenancy.visible_stats(stats, viewer, tenant_of).engines]
+
+    assert seen(Viewer("u1001")) == ["a1", "a2"]
+    assert seen(Viewer("u1002")) == ["b1"]
+    assert seen(Viewer("u1003", admin=True)) == ["a1", "a2", "b1"]
+    assert seen(None) == []
+    assert Tenancy.visible_stats(stats, None, tenant_of).sessions == 3  # aggregates stay
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_keys_are_bounded_in_number_and_length() -> None:
+    limits = Limits(LimitsSettings(key_bytes=40, keys_per_request=3))
+    assert limits.keys_problem([b"k" * 40] * 3) == ""
+    assert "key_bytes" in limits.keys_problem([b"k" * 41])
+    assert "keys_per_request" in limits.keys_problem([b"k"] * 4)
+
+
+def test_leases_are_capped_and_must_be_numbers() -> None:
+    limits = Limits(LimitsSettings(max_lease_seconds=60))
+    assert limits.lease(0.0, 30.0) == 30.0  # the default
+    assert limits.lease(1e12, 30.0) == 60.0
+    assert limits.lease(math.inf, 30.0) == 60.0
+    assert limits.lease(math.nan, 30.0) is None
+    assert limits.lease(-1.0, 30.0) is None
+
+
+def test_regions_and_sessions_per_user() -> None:
+    limits = Limits(LimitsSettings(regions_per_session=2, sessions_per_uid=2))
+    assert limits.session_problem(2, 1) == ""
+    assert "regions_per_session" in limits.session_problem(3, 0)
+    assert "sessions_per_uid" in limits.session_problem(1, 2)
+
+
+# ---------------------------------------------------------------- protected bytes
+
+ENGINE, OTHER = ("e", 0), ("f", 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pins_beyond_the_budget_are_refused_and_leases_end() -> None:
+    clock = Clock()
+    protection = Protection(100, clock=clock)
+    refused = protection.take_pins(ENGINE, "s1", "ns", [b"a", b"b", b"c"], [40, 40, 40], 10)
+    assert refused == [b"c"] and protection.used(ENGINE) == 80
+    # Pinning again what it holds costs nothing (the lease is extended).
+    assert protection.take_pins(ENGINE, "s1", "ns", [b"a", b"b"], [40, 40], 20) == []
+    assert protection.used(OTHER) == 0  # per engine
+    clock.now += 15  # past the first lease, within the second
+    assert protection.used(ENGINE) == 80
+    clock.now += 10
+    assert protection.used(ENGINE) == 0
+    assert protection.take_pins(ENGINE, "s1", "ns", [b"c"], [40], 10) == []
+
+
+def test_released_pins_and_a_cleared_namespace_give_the_room_back() -> None:
+    protection = Protection(100, clock=Clock())
+    protection.take_pins(ENGINE, "s1", "ns", [b"a", b"b"], [40, 40], 10)
+    protection.release_pins("s1", "ns", [b"a"])
+    assert protection.used(ENGINE) == 40
+    protection.cleared("ns")
+    assert protection.used(ENGINE) == 0
+
+
+def test_holds_count_like_the_cache_and_are_bounded() -> None:
+    protection = Protection(100, clock=Clock())
+    assert protection.take_holds(ENGINE, "s", "t1", "ns", [b"a", b"a"], [60, 60]) == []
+    assert protection.used(ENGINE) == 60  # one entry, held twice
+    assert protection.take_holds(ENGINE, "s", "t2", "ns", [b"b"], [60]) == [b"b"]
+    protection.release_holds("s", "t1", "ns", [b"a"])
+    assert protection.used(ENGINE) == 60  # one hold left
+    protection.release_holds("s", "t1", "ns", [b"a"])
+    assert protection.used(ENGINE) == 0
+
+
+def test_reservations_end_on_commit_prune_or_the_sessions_end() -> None:
+    protection = Protection(100, clock=Clock())
+    assert protection.room(ENGINE) == 100
+    protection.reserved(ENGINE, "sched", "ns", [b"a", b"b"], [30, 30])
+    assert protection.room(ENGINE) == 40
+    protection.committed("ns", [b"a"])
+    assert protection.room(ENGINE) == 70
+    protection.prune(ENGINE, lambda namespace, key: False)  # the cache dropped it itself
+    assert protection.room(ENGINE) == 100
+    protection.reserved(ENGINE, "sched", "ns", [b"c"], [30])
+    protection.take_pins(ENGINE, "sched", "ns", [b"d"], [30], 10)
+    protection.forget("sched")
+    assert protection.room(ENGINE) == 100
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_a_session_is_replaced_only_by_the_same_uid() -> None:
+    registry = Registry()
+    registry.hello("s0", hello(rank=0, world_size=2), tenant="*", uid=1001)
+    # Same tenant (every user shares), another uid: the rank is not taken over.
+    with pytest.raises(RegistrationError) as refused:
+        registry.hello("s9", hello(rank=0, world_size=2), tenant="*", uid=1002)
+    assert refused.value.code == ErrorCode.NOT_PERMITTED
+    # Nor is a session replaced by its routing id alone.
+    with pytest.raises(RegistrationError):
+        registry.hello("s0", hello(rank=1, world_size=2), tenant="*", uid=1002)
+    # Another uid of the tenant may be another rank of the engine; the owner may replace.
+    registry.hello("s1", hello(rank=1, world_size=2), tenant="*", uid=1002)
+    outcome = registry.hello("s5", hello(rank=0, world_size=2), tenant="*", uid=1001)
+    assert [old.session_id for old in outcome.replaced] == ["s0"]
+
+
+def test_an_engine_belongs_to_its_tenant() -> None:
+    registry = Registry()
+    registry.hello("s0", hello(rank=0, world_size=2), tenant="u1001", uid=1001)
+    with pytest.raises(RegistrationError, match="belongs to another user") as refused:
+        registry.hello("s1", hello(rank=1, world_size=2), tenant="u1002", uid=1002)
+    assert refused.value.code == ErrorCode.NOT_PERMITTED
+    scheduler = hello(role="scheduler", world_size=2)
+    with pytest.raises(RegistrationError, match="belongs to another user"):
+        registry.hello("s2", scheduler, tenant="u1002", uid=1002)
+
+
+def _namespace(tenant: str, uid: int, engine_id: str, *, private: bool = False) -> str:
+    registry = Registry()
+    extra = {"private_cache": True} if private else None
+    outcome = registry.hello(
+        "s", hello(rank=0, world_size=1, engine_id=engine_id, extra=extra), tenant=tenant, uid=uid
+    )
+    assert outcome.engine.namespace is not None
+    return outcome.engine.namespace.name
+
+
+def test_namespaces_are_per_tenant_and_private_ones_per_uid() -> None:
+    assert _namespace("u1001", 1001, "e1") == _namespace("u1001", 1001, "e2")
+    assert _namespace("u1001", 1001, "e1") != _namespace("u1002", 1002, "e1")
+    assert _namespace("*", 1001, "e1") == _namespace("*", 1002, "e2")
+    private = _namespace("*", 1001, "e1", private=True)
+    assert private != _namespace("*", 1002, "e1", private=True)
+    assert private != _namespace("*", 1001, "e2", private=True)
