@@ -1,14 +1,22 @@
 """Shared-memory KV tensors: what a rank on a host without a GPU registers with the daemon.
 
 ``SharedKVTensor.create`` makes a file in ``/dev/shm`` holding ``num_blocks`` blocks of
-``block_stride`` bytes, maps it, and describes it as a ``KVRegion`` with an ``ShmHandle``.
-``tensor`` is a uint8 torch view of shape ``(num_blocks, block_stride)`` over the same pages
-the daemon maps, so bytes written by either side are seen by the other.
+``block_stride`` bytes, maps it, and describes it as a ``KVRegion`` with an ``ShmHandle``;
+``SharedKVTensor.memfd`` makes a memfd sealed against shrinking instead (no name in any
+directory; pass ``files`` to ``OffloadClient.connect``). ``tensor`` is a uint8 torch view of
+shape ``(num_blocks, block_stride)`` over the pages the daemon reads and writes, so bytes
+written by either side are seen by the other.
+
+Either way the client hands the daemon the file's descriptor (``offloadd.peer``), never its
+name. The daemon copies a /dev/shm file's bytes with pread/pwrite on that descriptor (a file
+its owner could truncate must never be mapped by the daemon) and maps a sealed memfd, which
+cannot shrink: ``offloadd bench --only guarded`` says what the difference costs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import uuid
@@ -29,14 +37,20 @@ class SharedKVTensor:
         block_stride: int,
         page_size: int,
         layer_names: Sequence[str],
+        *,
+        memfd: int | None = None,
     ) -> None:
         size = max(1, num_blocks * block_stride)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        if memfd is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        else:
+            self._mmap = mmap.mmap(memfd, size, mmap.MAP_SHARED)
+        self._memfd = memfd
         self.path = path
         self.region = KVRegion(
             handle=ShmHandle(path=path, offset=0, size=num_blocks * block_stride),
@@ -63,6 +77,34 @@ class SharedKVTensor:
         path = os.path.join(directory, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         return cls(path, num_blocks, block_stride or page_size, page_size, layer_names)
 
+    @classmethod
+    def memfd(
+        cls,
+        num_blocks: int,
+        page_size: int,
+        layer_names: Sequence[str],
+        *,
+        block_stride: int | None = None,
+        name: str = "offloadd-kv",
+    ) -> SharedKVTensor:
+        """A fresh zero-filled region in a memfd sealed against shrinking (see ``files``)."""
+        stride = block_stride or page_size
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, max(1, num_blocks * stride))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            label = f"memfd:{name}-{uuid.uuid4().hex[:12]}"
+            return cls(label, num_blocks, stride, page_size, layer_names, memfd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def files(self) -> dict[str, int]:
+        """``{path: descriptor}`` for ``OffloadClient.connect(files=...)`` (memfds only: a
+        file in a directory is opened by the client itself)."""
+        return {self.path: self._memfd} if self._memfd is not None else {}
+
     def pages(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The unpadded pages of ``block_ids`` (a copy), for comparisons."""
         index = torch.tensor(list(block_ids), dtype=torch.long)
@@ -77,6 +119,10 @@ class SharedKVTensor:
         # A caller may still hold a view; the mapping then goes when that view does.
         with contextlib.suppress(BufferError):
             self._mmap.close()
+        if self._memfd is not None:
+            os.close(self._memfd)
+            self._memfd = None
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

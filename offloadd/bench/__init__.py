@@ -6,7 +6,8 @@ in the same run (``docs/design.md``, section 11). Not part of ``pytest``.
 Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1MiB``):
 
 - ``shm``: store/load throughput through a daemon subprocess vs a plain in-process copy of
-  the same moves (``shm_store_<size>``, ``shm_load_<size>``, ``..._4ranks``).
+  the same moves (``shm_store_<size>``, ``shm_load_<size>``, ``..._4ranks``), the ranks'
+  memory in /dev/shm files; ``memfd``: the same with sealed memfds (``memfd_store_<size>``...).
 - ``lookup``: lookup round-trip p50/p99 and lookups per second (1 and 8 clients) vs a bare
   ZeroMQ DEALER/ROUTER echo of the same payload in the same kind of process.
 - ``handshake``: 8 ranks from first Hello to engine ready vs 8 bare echo round trips.
@@ -18,6 +19,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
   vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed).
 - ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
+- ``guarded``: GB/s of copies through a rank file's descriptor (pread/pwrite, what the cpu
+  engine does) vs memmove through a mapping of the same file (``guarded_store_<page>``,
+  ``guarded_load_<page>``).
 - ``cuda_marshal``: CPU cost per copy of a 128k-copy cuda store job, planning and the batched
   call's marshalling with the driver call stubbed (no GPU), vs the previous path.
 
@@ -57,6 +61,12 @@ def _shm(ctx: Context) -> list[Result]:
     return datapath.run(ctx)
 
 
+def _memfd(ctx: Context) -> list[Result]:
+    from offloadd.bench import datapath
+
+    return datapath.run(ctx, kind="memfd")
+
+
 def _lookup(ctx: Context) -> list[Result]:
     from offloadd.bench import control
 
@@ -93,6 +103,12 @@ def _checksum(ctx: Context) -> list[Result]:
     return integrity.run(ctx)
 
 
+def _guarded(ctx: Context) -> list[Result]:
+    from offloadd.bench import guarded
+
+    return guarded.run(ctx)
+
+
 def _cuda_marshal(ctx: Context) -> list[Result]:
     from offloadd.bench import cuda_marshal
 
@@ -101,6 +117,7 @@ def _cuda_marshal(ctx: Context) -> list[Result]:
 
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
+    Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
     Group("handshake", ("handshake_*",), _handshake),
     Group(
@@ -111,6 +128,7 @@ GROUPS = (
     Group("events", ("events_per_s",), _events),
     Group("vllm", ("vllm_*",), _vllm),
     Group("checksum", ("checksum_*",), _checksum),
+    Group("guarded", ("guarded_*",), _guarded),
     Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
 )
 

@@ -2,7 +2,9 @@
 
 The daemon runs in a subprocess (``offloadd.bench._servers daemon``), as in production: its event
 loop and copy threads do not share a GIL with the ranks. The ranks are real ``OffloadClient``s
-on real ``SharedKVTensor``-style files in /dev/shm, one thread each, speaking over ipc://.
+on real ``SharedKVTensor``-style files in /dev/shm, one thread each, speaking over ipc://
+(``shm_*``: the daemon reaches such files with pread/pwrite on their descriptors), or on
+memfds sealed against shrinking (``memfd_*``: the daemon maps those).
 
 Geometry: each rank registers ``LAYERS`` regions (one per layer); a chunk is
 ``BLOCKS_PER_CHUNK`` blocks, so a rank's shard of a chunk is ``LAYERS * BLOCKS_PER_CHUNK``
@@ -64,9 +66,9 @@ SEED = 1234
 Triple = tuple[int, int, int]
 
 
-def result_names(shard: int, ranks: int) -> tuple[str, str]:
+def result_names(shard: int, ranks: int, kind: str = "shm") -> tuple[str, str]:
     suffix = size_name(shard) + ("" if ranks == 1 else f"_{ranks}ranks")
-    return f"shm_store_{suffix}", f"shm_load_{suffix}"
+    return f"{kind}_store_{suffix}", f"{kind}_load_{suffix}"
 
 
 def engine_config(engine_id: str, rank: int, tp: int, page: int) -> OffloadingConfig:
@@ -104,18 +106,19 @@ def chunk_keys(count: int, salt: bytes) -> list[bytes]:
 class RankMemory:
     """One rank's layer files, filled once with random bytes, and a reference copy."""
 
-    def __init__(self, ctx: Context, rank: int, bytes_per_layer: int) -> None:
+    def __init__(self, ctx: Context, rank: int, bytes_per_layer: int, memfd: bool = False) -> None:
         self.files: list[SharedKVTensor] = []
         self.reference: list[torch.Tensor] = []
         generator = torch.Generator().manual_seed(SEED + rank)
         try:
             for layer in range(LAYERS):
-                kv = SharedKVTensor.create(
-                    bytes_per_layer // 4096,
-                    4096,
-                    [f"model.layers.{layer}.attn"],
-                    prefix=f"{ctx.scratch.shm_prefix}-kv",
-                )
+                names = [f"model.layers.{layer}.attn"]
+                if memfd:
+                    kv = SharedKVTensor.memfd(bytes_per_layer // 4096, 4096, names)
+                else:
+                    kv = SharedKVTensor.create(
+                        bytes_per_layer // 4096, 4096, names, prefix=f"{ctx.scratch.shm_prefix}-kv"
+                    )
                 self.files.append(kv)
                 flat = kv.tensor.view(-1)
                 flat.copy_(
@@ -131,6 +134,10 @@ class RankMemory:
 
     def address(self, layer: int) -> int:
         return int(self.flat(layer).data_ptr())
+
+    def files_by_path(self) -> dict[str, int]:
+        """Descriptors the client passes as they are (memfds have no path to open)."""
+        return {path: fd for kv in self.files for path, fd in kv.files.items()}
 
     def regions(self, page: int, num_blocks: int) -> list[KVRegion]:
         return [
@@ -222,7 +229,13 @@ class Ranks:
                 config = engine_config(engine_id, rank, layout.ranks, layout.page)
                 regions = memory[rank].regions(layout.page, layout.num_blocks)
                 self.clients.append(
-                    OffloadClient.connect(endpoint, config, regions, name=f"bench rank {rank}")
+                    OffloadClient.connect(
+                        endpoint,
+                        config,
+                        regions,
+                        name=f"bench rank {rank}",
+                        files=memory[rank].files_by_path(),
+                    )
                 )
             for client in self.clients:
                 client.wait_ready(30)
@@ -289,16 +302,17 @@ def per_rank(shard: int, ranks: int) -> int:
     return max(BYTES_PER_REP // ranks, 8 * shard)
 
 
-def _configs(ctx: Context) -> Iterator[tuple[int, int]]:
+def _configs(ctx: Context, kind: str) -> Iterator[tuple[int, int]]:
     for ranks in RANK_COUNTS:
         for shard in SHARD_SIZES:
-            if any(ctx.wanted(name) for name in result_names(shard, ranks)):
+            if any(ctx.wanted(name) for name in result_names(shard, ranks, kind)):
                 yield shard, ranks
 
 
-def run(ctx: Context) -> list[Result]:
-    """``shm_store_<size>[_4ranks]`` and ``shm_load_<size>[_4ranks]``."""
-    configs = list(_configs(ctx))
+def run(ctx: Context, kind: str = "shm") -> list[Result]:
+    """``<kind>_store_<size>[_4ranks]`` and ``<kind>_load_<size>[_4ranks]``; ``kind`` is
+    ``shm`` (files in /dev/shm) or ``memfd`` (sealed memfds)."""
+    configs = list(_configs(ctx, kind))
     if not configs:
         return []
     reps = 9 if ctx.quick else 21
@@ -309,7 +323,7 @@ def run(ctx: Context) -> list[Result]:
         for rank in range(max_ranks):
             size = max(per_rank(shard, n) for shard, n in configs if n > rank)
             ctx.progress(f"shm: filling {size >> 20} MiB of memory for rank {rank}")
-            memory.append(RankMemory(ctx, rank, size // LAYERS))
+            memory.append(RankMemory(ctx, rank, size // LAYERS, memfd=kind == "memfd"))
         for ranks in sorted({r for _, r in configs}):
             capacity = ranks * max(per_rank(shard, n) for shard, n in configs if n == ranks)
             capacity += 8 * MiB
@@ -321,7 +335,7 @@ def run(ctx: Context) -> list[Result]:
                 for shard, count in configs:
                     if count == ranks:
                         results += _measure(
-                            ctx, endpoint, server, shard, ranks, reps, memory, baseline_arena
+                            ctx, endpoint, server, shard, ranks, reps, memory, baseline_arena, kind
                         )
     finally:
         for rank_memory in memory:
@@ -374,11 +388,12 @@ def _measure(
     reps: int,
     memory: Sequence[RankMemory],
     arena: Arena,
+    kind: str = "shm",
 ) -> list[Result]:
     layout = Layout.build(shard, ranks, per_rank(shard, ranks))
     store_moves = layout.baseline_moves(memory, arena.address)
     load_moves = [(dst, src, n) for src, dst, n in store_moves]
-    store_name, load_name = result_names(shard, ranks)
+    store_name, load_name = result_names(shard, ranks, kind)
     ctx.progress(
         f"shm {size_name(shard)} x{ranks} ranks: {layout.chunks} chunks/rank in "
         f"{len(layout.jobs)} jobs, {len(store_moves)} page copies, {reps} reps"
@@ -421,6 +436,7 @@ def _measure(
         "reps": reps,
         "daemon": "subprocess",
         "baseline": "ctypes.memmove of the same moves, one thread, same shm files",
+        "rank_memory": "sealed memfds (mapped)" if kind == "memfd" else "/dev/shm files (fd)",
     }
     if shard >= 1 << 20:
         params["goal"] = "ratio >= 0.8"

@@ -13,9 +13,10 @@ Contract (every engine: ``cpu`` here, ``cuda`` in ``offloadd.transfer.cuda``):
 - The caller keeps source and destination mapped until the future resolves, and does not
   change ``moves`` after ``submit`` (the engine takes it as it is, without a copy).
 - ``close()`` waits for submitted copies and stops the engine; it is idempotent.
-- The cpu engine copies a ``Copies`` that lists ``windows`` (a rank's shared-memory files)
-  with ``pread``/``pwrite`` on their descriptors (``offloadd.transfer.guarded``): a rank that
-  truncates its file, or leaves holes in a full tmpfs, fails its job, never the daemon.
+- The cpu engine copies what a ``Copies`` lists in its ``windows`` (a rank's shared-memory
+  files that are not mapped) with ``pread``/``pwrite`` on their descriptors
+  (``offloadd.transfer.guarded``): a rank that truncates its file, or leaves holes in a full
+  tmpfs, fails its job, never the daemon.
 The daemon's event loop never copies bytes itself: it only submits and awaits futures.
 """
 

@@ -4,10 +4,11 @@ Why: a rank controls its own file. Through a mapping, a copy faults with SIGBUS,
 the daemon, when the rank truncates the file under it, or when a load writes into a hole of
 a full tmpfs (a sparse file, or one whose pages the rank punched out). ``pread``/``pwrite``
 on the descriptor return an error instead, and the job fails. The daemon therefore never
-maps a rank's file: it reserves address space for it instead (``reserve``, ``PROT_NONE``,
-so any access by mistake faults at once in tests rather than silently), plans copies with
-those addresses like any other, and the cpu copy engine turns each copy touching such a
-window into one ``pread`` (store) or ``pwrite`` (load) at the matching file offset
+maps such a file (only memfds sealed against shrinking, which cannot fault: see
+``offloadd.transfer.handles``): it reserves address space for it instead (``reserve``,
+``PROT_NONE``, so any access by mistake faults at once in tests rather than silently), plans
+copies with those addresses like any other, and the cpu copy engine turns each copy touching
+such a window into one ``pread`` (store) or ``pwrite`` (load) at the matching file offset
 (``guarded_copy``). ``offloadd bench --only guarded`` measures it against ``memmove``
 through a mapping.
 
@@ -17,11 +18,12 @@ Contract:
 - ``reserve(size)`` / ``unreserve(address, size)``: address space no byte ever lives in.
 - ``FileWindow(address, size, fd)``: bytes ``[address, address + size)`` of the plan are
   bytes ``[0, size)`` of the file behind ``fd``.
-- ``guarded_copy(arrays, direction, windows)``: performs a job's merged copies; on a store
-  the source, on a load the destination, of every copy lies inside one window (the planner
-  checked the spans against the window sizes). Raises ``OSError`` naming the file problem
-  (a file that shrank: a short read; no space left: ENOSPC) after copying what it could;
-  the caller fails the job and commits nothing of it.
+- ``guarded_copy(arrays, direction, windows)``: performs a job's merged copies. A copy whose
+  rank side (the source of a store, the destination of a load) starts in a window goes
+  through that file's descriptor and must end inside it; any other is a plain memmove (the
+  rank's memory is mapped: a sealed memfd, see ``offloadd.transfer.handles``). Raises
+  ``OSError`` naming the file problem (a file that shrank: a short read; no space left:
+  ENOSPC) after copying what it could; the caller fails the job and commits nothing of it.
 - ``shrunk(windows)``: a window whose file is now shorter than when it was registered (the
   daemon refuses a job then, before reserving anything; sealed memfds cannot shrink).
 """
@@ -153,7 +155,8 @@ def shrunk(windows: Sequence[FileWindow]) -> str:
 
 
 def guarded_copy(arrays: MoveArrays, direction: Direction, windows: Sequence[FileWindow]) -> None:
-    """Perform ``arrays`` with pread/pwrite on the windows' files; see the module docstring."""
+    """Perform ``arrays``: copies whose rank side lies in a window with pread/pwrite on its
+    file, the others (mapped memory) with memmove; see the module docstring."""
     count = len(arrays)
     if not count:
         return
@@ -164,14 +167,27 @@ def guarded_copy(arrays: MoveArrays, direction: Direction, windows: Sequence[Fil
     client = arrays.srcs if store else arrays.dsts
     host = arrays.dsts if store else arrays.srcs
     which = np.searchsorted(bases, client, side="right").astype(np.int64) - 1
-    if (which < 0).any() or (client + arrays.sizes > ends[np.maximum(which, 0)]).any():
-        raise ValueError("a copy reaches outside the rank's registered files")
-    offsets = (client - bases[which]).tolist()
-    fds = [ordered[i].fd for i in which.tolist()]
+    inside = which >= 0
+    inside[inside] = client[inside] < ends[which[inside]]
+    if (client[inside] + arrays.sizes[inside] > ends[which[inside]]).any():
+        raise ValueError("a copy reaches outside the rank's registered file")
+    memmove = ctypes.memmove
     call = _pread if store else _pwrite
-    for fd, offset, address, nbytes in zip(
-        fds, offsets, host.tolist(), arrays.sizes.tolist(), strict=True
+    fds = [w.fd for w in ordered]
+    for window, address, rank_side, nbytes in zip(
+        np.where(inside, which, -1).tolist(),
+        host.tolist(),
+        client.tolist(),
+        arrays.sizes.tolist(),
+        strict=True,
     ):
+        if window < 0:
+            if store:
+                memmove(address, rank_side, nbytes)
+            else:
+                memmove(rank_side, address, nbytes)
+            continue
+        fd, offset = fds[window], rank_side - ordered[window].address
         done = 0
         while done < nbytes:
             moved = call(fd, address + done, nbytes - done, offset + done)

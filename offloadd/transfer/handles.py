@@ -11,11 +11,15 @@ socket (``offloadd.peer``); the table never opens a path, so a rank cannot make 
 reach a file with the daemon's rights, only files the rank opened read-write itself. The
 file must be a regular file on tmpfs (``offloadd.transfer.guarded.region_file_problem``) and
 not one of the daemon's own (``forbidden``: the arena, the journal and its key, compared by
-device and inode when a region is opened, so a link or a rename does not hide them). The
-table keeps a duplicate of the descriptor and reserves address space for the file instead of
-mapping it (``Import.window``): the cpu copy engine reaches the bytes with pread/pwrite, so a
-rank that truncates its file or leaves holes in a full tmpfs fails its own jobs and cannot
-SIGBUS the daemon. A memfd is sealed against shrinking when it allows it.
+device and inode when a region is opened, so a link or a rename does not hide them).
+
+A file the rank could shrink, or leave holes in on a full tmpfs, would SIGBUS the daemon
+through a mapping. So the table maps only memfds sealed against shrinking (it adds the seal
+when the memfd allows it): they live on the kernel's own tmpfs, which has no size limit, so a
+fault in them is always served. Any other file is never mapped: the table keeps a duplicate
+of its descriptor and reserves address space for it (``Import.window``), and the cpu copy
+engine reaches its bytes with pread/pwrite (``offloadd.transfer.guarded``), so a rank that
+truncates it or leaves holes in a full tmpfs fails its own jobs, not the daemon.
 
 CUDA IPC handles are opened through the ``cuda`` opener the table is built with (see
 ``CudaOpener``; ``offloadd.cuda_ipc.CudaIpcOpener`` in the daemon, a fake in tests). One
@@ -37,6 +41,8 @@ off the event loop. Without it, closes run in the releasing thread.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -202,9 +208,38 @@ class HandleTable:
             if existing is not None:
                 existing.refs += 1
                 return existing
+        if sealed_against_shrinking(fd):
+            mapping = self._map_sealed(fd, name, key)
+        else:
+            mapping = self._reserve_window(fd, name, key)
+        return mapping
+
+    def _map_sealed(self, fd: int, name: str, key: tuple[object, ...]) -> _Mapping:
+        """A memfd that cannot shrink, on the kernel's own unlimited tmpfs: a fault in its
+        mapping can always be served (never SIGBUS), so copies go through the mapping."""
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        except OSError as exc:
+            raise HandleError(f"{name}: {exc.strerror or exc}") from None
+        # A ctypes view gives the mapping's address; it must be dropped before unmapping.
+        view = (ctypes.c_char * size).from_buffer(mm)
+        holder = [view]
+
+        def unmap() -> None:
+            holder.clear()
+            mm.close()
+
+        mapping = _Mapping(key, size, ctypes.addressof(view), 1, unmap, sealed=True)
+        mapping = self._insert(mapping)
+        if mapping.close is not unmap:  # imported meanwhile by another thread: keep that one
+            unmap()
+        return mapping
+
+    def _reserve_window(self, fd: int, name: str, key: tuple[object, ...]) -> _Mapping:
+        """Any other tmpfs file: address space only; its bytes are reached by descriptor."""
         kept = os.dup(fd)  # the rank's descriptor is closed when its registration ends
         try:
-            sealed = sealed_against_shrinking(kept)
             size = os.fstat(kept).st_size
             base = reserve(size)
         except BaseException as exc:
@@ -219,7 +254,7 @@ class HandleTable:
                 os.close(kept)
 
         window = FileWindow(base, size, kept)
-        mapping = self._insert(_Mapping(key, size, base, 1, close, window=window, sealed=sealed))
+        mapping = self._insert(_Mapping(key, size, base, 1, close, window=window))
         if mapping.close is not close:  # imported meanwhile by another thread: keep that one
             close()
         return mapping

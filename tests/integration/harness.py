@@ -218,20 +218,26 @@ def make_rank(
     page: int = 4096,
     stride: int | None = None,
     connect: bool = True,
+    memfd: bool = False,
     **config_args: object,
 ) -> Rank:
-    """Regions for each layer of LAYERS, filled later; connects unless told not to."""
+    """Regions for each layer of LAYERS (files in /dev/shm, or sealed memfds), filled later;
+    connects unless told not to."""
     stride = stride or page
     tensors = [
-        SharedKVTensor.create(num_blocks, page, [layer], block_stride=stride, prefix="od-test")
+        SharedKVTensor.memfd(num_blocks, page, [layer], block_stride=stride)
+        if memfd
+        else SharedKVTensor.create(num_blocks, page, [layer], block_stride=stride, prefix="od-test")
         for layer in LAYERS
     ]
     config = make_config(bytes_per_block=stride * len(LAYERS), **config_args)  # type: ignore[arg-type]
     rank = Rank(tensors, config)
     if connect:
         assert endpoint is not None
+        files = {path: fd for kv in tensors for path, fd in kv.files.items()}
+        regions = [kv.region for kv in tensors]
         try:
-            rank.client = OffloadClient.connect(endpoint, config, [kv.region for kv in tensors])
+            rank.client = OffloadClient.connect(endpoint, config, regions, files=files)
         except BaseException:
             rank.close()  # a refused Hello must not leave its tensors in /dev/shm
             raise

@@ -261,3 +261,25 @@ def test_sync_client_context_manager_and_stats_without_hello(daemon: DaemonThrea
         assert stats.sessions == 0
         assert stats.capacity_bytes == daemon.settings.cache.capacity
     client.close()  # idempotent
+
+
+@pytest.mark.parametrize("memfd", [False, True], ids=["dev-shm-files", "sealed-memfds"])
+def test_both_kinds_of_region_file_move_bytes_exactly(
+    daemon: DaemonThread, ranks: list[Rank], memfd: bool
+) -> None:
+    # Files in /dev/shm are reached by descriptor (pread/pwrite), sealed memfds through a
+    # mapping: the same bytes either way.
+    engine = [make_rank(daemon.endpoint, rank=r, tp=2, memfd=memfd) for r in range(2)]
+    ranks.extend(engine)
+    for seed, rank in enumerate(engine):
+        rank.fill(40 + seed)
+    keys = chain_keys(6, salt=b"memfd" if memfd else b"file")
+    _store_all(engine, keys, list(range(6)), job=1)
+    for rank in engine:
+        assert rank.client is not None
+        rank.client.load(2, keys, chunk_block_ids(range(6), BPC, 100))
+        rank.client.wait([2], 10)
+        got = rank.pages(chunk_block_ids(range(6), BPC, 100))
+        want = rank.pages(chunk_block_ids(range(6), BPC))
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)

@@ -286,15 +286,30 @@ def test_the_daemons_files_are_refused_under_any_name(
     handles.release(imported)
 
 
-def test_a_memfd_is_sealed_against_shrinking(table: HandleTable) -> None:
+def test_a_memfd_is_sealed_against_shrinking_and_mapped(table: HandleTable) -> None:
     memfd = os.memfd_create("od-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(memfd, SIZE)
+        os.pwrite(memfd, b"in the memfd", 100)
         imported = table.open(_handle("memfd:od-test"), memfd)
-        assert imported.sealed
+        assert imported.sealed and imported.window is None
         with pytest.raises(PermissionError):
             os.ftruncate(memfd, SIZE // 2)
         os.ftruncate(memfd, SIZE * 2)  # growing is still fine
+        # It cannot shrink and its tmpfs has no size limit: a fault in it is always served,
+        # so copies go through the mapping.
+        assert ctypes.string_at(imported.address + 100, 12) == b"in the memfd"
+        table.release(imported)
+    finally:
+        os.close(memfd)
+
+
+def test_a_memfd_that_cannot_be_sealed_is_reached_by_descriptor(table: HandleTable) -> None:
+    memfd = os.memfd_create("od-test", os.MFD_CLOEXEC)  # born with F_SEAL_SEAL
+    try:
+        os.ftruncate(memfd, SIZE)
+        imported = table.open(_handle("memfd:od-test"), memfd)
+        assert not imported.sealed and imported.window is not None
         table.release(imported)
     finally:
         os.close(memfd)
