@@ -30,10 +30,12 @@ Role = Literal["worker", "scheduler"]
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
-    """First message of a session: who the rank is, its config, and its KV regions.
+    """First message of a session: the rank's config and its KV regions.
 
-    A scheduler sends no regions. Saying Hello again replaces the sender's earlier session
-    (and any other session of the same engine, dp index and rank).
+    Who the sender is comes from its registration (``token``, see ``protocol.peer``), not
+    from this message: ``pid`` and ``pid_namespace`` are informational. A scheduler sends no
+    regions. Saying Hello again replaces the sender's earlier session (and any other session
+    of the same engine, dp index and rank, when it belongs to the same Unix user).
     """
 
     request_id: int
@@ -49,9 +51,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     # default low-64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
     kv_events_topic: str = ""
     kv_events_raw_hashes: bool = False
-    # Inode of the sender's pid namespace (/proc/self/ns/pid): the daemon watches ``pid``
-    # through a pidfd only when it shares that namespace, since elsewhere the number names
-    # some other process.
+    # Inode of the sender's pid namespace (/proc/self/ns/pid). Informational: the daemon
+    # watches the process that registered, as the kernel names it.
     pid_namespace: int = 0
     # A scheduler that keeps a mirror of its namespace's committed keys (KeysChanged) and
     # publishes the engine's KV events itself; the daemon then publishes none for the engine.
