@@ -295,23 +295,28 @@ class Daemon:
     def _bind_control(self, ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
         server = self.settings.server
         sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
-        sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes * 4)
-        if server.curve_secret_key_file:
-            self._start_curve(ctx, sock)
-        path = ipc_path(self.endpoint)
-        # Created with no access for others from the first instant, then set as configured.
-        previous = os.umask(0o177) if path else None
         try:
-            sock.bind(self.endpoint)
-        finally:
-            if previous is not None:
-                os.umask(previous)
-        if path:
-            restrict_socket(path, server.socket_mode, server.socket_group)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
+            sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes * 4)
+            if server.curve_secret_key_file:
+                self._start_curve(ctx, sock)
+            path = ipc_path(self.endpoint)
+            # Created with no access for others from the first instant, then set as configured.
+            previous = os.umask(0o177) if path else None
+            try:
+                sock.bind(self.endpoint)
+            finally:
+                if previous is not None:
+                    os.umask(previous)
+            if path:
+                restrict_socket(path, server.socket_mode, server.socket_group)
+        except BaseException:
+            # Not ours to keep: an open socket would hold the context's term() forever.
+            sock.close(linger=0)
+            raise
         return sock
 
     def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
