@@ -1,0 +1,138 @@
+"""The scheduler-facing requests: Reserve, UpdateHolds and Ack.
+
+A scheduler (role ``scheduler``, vLLM's offloading manager) decides what its ranks store
+and load: it reserves room before its ranks store (``prepare_store``), holds the keys of a
+request it will load under that request's token so they cannot be evicted (a worker's
+``Load(hold=token)`` reads them), and, when it mirrors its namespace's keys
+(``offloadd.mirrors``), acknowledges the changes its mirror applied so that the bytes of
+removed keys may be reused.
+
+Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Error reply):
+- ``reserve``: apply the request's hold changes and ack, then reserve the new keys' shards
+  (evicting if needed, the evictions announced), answer ``Reserved``.
+- ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
+  keys are held, which were not in the cache).
+- ``ack``: the scheduler's mirror applied every change up to ``seq``.
+- ``acker(mirrors, state)``: the requester, when its mirror applies this request's removals
+  before any lookup (FIFO on its socket) and it holds everything it has looked up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from offloadd.announce import Announcer
+from offloadd.cache.index import ChunkCache
+from offloadd.checks import Refused, check_keys, ready_engine
+from offloadd.mirrors import Mirrors
+from offloadd.registry import Engine, Namespace, Registry, group_of_key
+from offloadd.sessions import SessionState
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    Ack,
+    HoldKeys,
+    HoldResult,
+    Ok,
+    Reply,
+    Reserve,
+    Reserved,
+    UpdateHolds,
+)
+
+__all__ = ["Schedulers", "acker"]
+
+# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
+# (and set its level) by that name.
+logger = logging.getLogger("offloadd.daemon")
+
+
+def acker(mirrors: Mirrors, state: SessionState) -> str | None:
+    """The requester, when its mirror applies this request's removals before any lookup
+    (FIFO on its socket) and it holds everything it has looked up: see ``Reserve``."""
+    session_id = state.session.session_id
+    return session_id if mirrors.watching(session_id) else None
+
+
+class Schedulers:
+    """Reserve, UpdateHolds and Ack; see the module docstring."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        cache: ChunkCache,
+        mirrors: Mirrors,
+        announce: Announcer,
+    ) -> None:
+        self.registry = registry
+        self._cache = cache
+        self._mirrors = mirrors
+        self._announce = announce
+
+    def _scheduler_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
+        if state.session.role != "scheduler":
+            raise Refused(ErrorCode.WRONG_ROLE, "only schedulers reserve and hold keys")
+        engine, namespace = ready_engine(self.registry, state.session)
+        return engine, namespace
+
+    def reserve(self, state: SessionState, request: Reserve) -> Reply:
+        """Reserve room for the keys' shards before the ranks store them."""
+        engine, namespace = self._scheduler_checks(state)
+        check_keys(request.keys, engine)
+        for key in request.keys:
+            if 0 in namespace.shard_sizes_for_key(key):
+                raise Refused(
+                    ErrorCode.BAD_REQUEST,
+                    f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
+                )
+        self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
+        cache = self._cache
+        reservation = cache.reserve(
+            namespace.name,
+            request.keys,
+            state.session.session_id,
+            namespace.shard_sizes_for_key,
+            acker=acker(self._mirrors, state),
+        )
+        self._announce.chunks_removed(reservation.evicted)
+        return Reserved(request.request_id, reservation.reserved)
+
+    def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
+        """Hold and release keys under tokens."""
+        engine, namespace = self._scheduler_checks(state)
+        held, missing = self._apply_holds(
+            state, engine, namespace, request.hold, request.release, request.ack
+        )
+        return HoldResult(request.request_id, held, missing)
+
+    def ack(self, state: SessionState, request: Ack) -> Reply:
+        """The session's mirror applied every change up to ``request.seq``."""
+        self._cache.ack(state.session.session_id, request.seq)
+        return Ok(request.request_id)
+
+    def _apply_holds(
+        self,
+        state: SessionState,
+        engine: Engine,
+        namespace: Namespace,
+        hold: list[HoldKeys],
+        release: list[HoldKeys],
+        ack: int,
+    ) -> tuple[int, list[bytes]]:
+        cache = self._cache
+        owner = state.session.session_id
+        for item in (*hold, *release):
+            check_keys(item.keys, engine)
+        for item in release:
+            cache.release_hold(owner, item.token, item.keys)
+        held, missing = 0, []
+        for item in hold:
+            lost = cache.hold(namespace.name, owner, item.token, item.keys)
+            held += len(item.keys) - len(lost)
+            missing.extend(lost)
+        if missing:
+            logger.warning(
+                "%s: %d held keys were not in the cache", state.session.describe(), len(missing)
+            )
+        if ack:
+            cache.ack(owner, ack)
+        return held, missing
