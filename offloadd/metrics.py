@@ -10,6 +10,8 @@ The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
 - ``lookup_finished(seconds)`` per Lookup request: the ``offloadd_lookup_seconds`` histogram.
 - ``protocol_error(code)`` per Error reply, ``code`` the ErrorCode name.
 
+``Counters`` are the daemon's own counts that ``GetStats`` reports beside the cache's.
+
 Everything else is read when Prometheus scrapes: ``snapshot()`` (the daemon's ``stats``)
 gives the cache fill, entries, lookup keys, refused stores, evictions, sessions, engines and
 the copy path (``offloadd_copy_engine_degraded``: 1 when the cuda engine lost batching or
@@ -44,6 +46,7 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.exposition import MetricsHandler
@@ -66,6 +69,16 @@ LOOKUP_SECONDS_BUCKETS = (
 
 class MetricsError(Exception):
     """The metrics endpoint could not be started (bad address, port taken)."""
+
+
+@dataclass
+class Counters:
+    """What the daemon counts itself for ``GetStats`` (the cache keeps its own counts)."""
+
+    protocol_errors: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    jobs_failed: int = 0
 
 
 class Metrics:

@@ -19,7 +19,7 @@ Pure logic, no I/O. Contract:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,10 @@ class Namespace:
     def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
         """Shard sizes of the chunk ``key`` names (its group is the key's last 4 bytes)."""
         return self.shard_sizes[self.group_positions[group_of_key(key)]]
+
+    def chunk_bytes(self, keys: Sequence[bytes]) -> list[int]:
+        """Bytes each key's chunk takes in the arena, all shards together."""
+        return [sum(self.shard_sizes_for_key(key)) for key in keys]
 
 
 @dataclass(eq=False)

@@ -411,14 +411,9 @@ class _Rank:
             chunk_ids = block_ids[first : first + per_job]
             job_id = first_job + job
             if phase == "store":
-                request = self.Store(client._core.next_id(), job_id, chunk_keys, chunk_ids, event)
-            elif event:
-                request = self.Load(
-                    client._core.next_id(), job_id, chunk_keys, chunk_ids, 0, wait_event=event
-                )
+                client.store(job_id, chunk_keys, chunk_ids, wait_event=event)
             else:
-                request = self.Load(client._core.next_id(), job_id, chunk_keys, chunk_ids, 0)
-            client._submit(request)
+                client.load(job_id, chunk_keys, chunk_ids, wait_event=event)
             jobs.append(job_id)
         done: list[Any] = client.wait(jobs, self.timeout)
         return done

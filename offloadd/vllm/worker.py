@@ -270,12 +270,17 @@ class OffloaddWorker(OffloadingWorker):
         for job_id, job in list(self._jobs.items()):
             done = client.finished.get(job_id)
             if done is None:
-                if job.load and now - job.started > self._load_timeout:
+                if now - job.started <= self._load_timeout:
+                    continue
+                if job.load:
                     raise LoadFailed(
                         f"offloadd: load job {job_id} did not finish within "
                         f"{self._load_timeout:.0f}s (daemon at {self._endpoint} gone?)"
                     )
-                continue
+                # A store that never ends (the daemon went away) must not hold the blocks
+                # forever: vLLM gets it back as done, nothing was cached.
+                logger.warning("offloadd: store job %d did not finish; given up", job_id)
+                done = JobDone(job_id, False, [], 0, 0.0, "timed out")
             del self._jobs[job_id]
             self._results.append(self._result(job_id, job, done))
 

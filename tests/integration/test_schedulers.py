@@ -15,8 +15,10 @@ import pytest
 from offloadd.client import OffloadClient
 from offloadd.errors import InvalidRequest
 from offloadd.settings import LimitsSettings
+from protocol.config import OffloadingGroupConfig
 from protocol.messages import HoldKeys, KeysChanged, Segment
 from tests.integration.harness import (
+    LAYERS,
     DaemonThread,
     Rank,
     chain_keys,
@@ -266,5 +268,43 @@ def test_mirror_snapshot_of_a_warm_namespace(daemon: DaemonThread) -> None:
             assert msgspec.structs.asdict(first)["removed"] == []
         finally:
             sched.close()
+    finally:
+        r.close()
+
+
+def test_two_groups_by_group_id_partial_chunks_and_mid_chunk_loads(daemon: DaemonThread) -> None:
+    """Keys name vLLM's group ids (here 0 and 3, not positions 0 and 1); each group's run of
+    blocks may start mid-chunk and end with a partial chunk, on store and on load."""
+    groups = (
+        OffloadingGroupConfig(tokens_per_block=16, layer_names=LAYERS[:2], group_id=0),
+        OffloadingGroupConfig(tokens_per_block=16, layer_names=LAYERS[2:], group_id=3),
+    )
+    r = make_rank(daemon.endpoint, tp=1, page=PAGE, num_blocks=64, connect=False)
+    try:
+        r.config = msgspec.structs.replace(r.config, groups=groups)
+        r.client = OffloadClient.connect(daemon.endpoint, r.config, [kv.region for kv in r.tensors])
+        r.fill(9)
+        full, window = chain_keys(2, b"full", group=0), chain_keys(2, b"swa", group=3)
+        # Group 0: sub-blocks 1..3 (a null first block left out); group 3: a chunk and a half.
+        r.client.store(
+            1, full + window, [1, 2, 3, 10, 11, 12], segments=[Segment(2, 1, 3), Segment(2, 0, 3)]
+        )
+        (done,) = r.client.wait([1])
+        assert done.ok and done.nbytes == (3 * 2 + 3 * 1) * PAGE
+        assert r.client.lookup(full).hits == 2 and r.client.lookup(window).hits == 2
+        with pytest.raises(InvalidRequest, match="names group 1"):
+            r.client.lookup(chain_keys(1, b"x", group=1))
+        # Load from the middle of each group's first chunk.
+        segments = [Segment(2, 1, 3), Segment(2, 1, 2)]
+        r.client.load(2, full + window, [40, 41, 42, 50, 51], segments=segments)
+        r.client.wait([2])
+    except BaseException:
+        r.close()
+        raise
+    try:
+        layer0, layer1, layer2 = r.tensors
+        for kv in (layer0, layer1):
+            assert kv.pages([40, 41, 42]).equal(kv.pages([1, 2, 3]))
+        assert layer2.pages([50, 51]).equal(layer2.pages([11, 12]))
     finally:
         r.close()

@@ -308,3 +308,6 @@ def test_the_daemon_sees_exactly_the_config_vllm_built(
         assert engine.config.groups[0].group_id == vllm_side.groups[0].group_id
         assert engine.config.cache.blocks_per_chunk == 2
         assert engine.config.kv_cache_layout == vllm_side.kv_cache_layout
+        assert daemon.daemon.stats().sessions == 2  # the scheduler and the rank
+    # vLLM's shutdown says Bye for the scheduler and every rank.
+    assert daemon.daemon.stats().sessions == 0

@@ -1,0 +1,221 @@
+"""Who hears of a cache change: the journal, the schedulers' key mirrors, the KV events.
+
+The daemon calls these on its loop right after the cache changed, before it sends anything
+else, so that the journal, the mirrors' ``seq`` and the event stream agree on the order.
+
+Contract of ``Announcer``:
+- ``journal_commits(entries)``: journal chunks that just became visible; those it cannot
+  journal are taken back from the cache at once (never announced, extents freed) and
+  returned; ``journal_failure()`` says why, for the job's error.
+- ``chunks_committed(namespace, entries)``: committed (and journaled) chunks: the mirrors of
+  the namespace and every engine of it that wants events hear of them.
+- ``chunks_removed(entries)``: evicted or removed chunks: journaled before their extents can
+  be reused, then told to the mirrors and engines of their own namespace (entries that never
+  committed were never announced, so their removal is not either).
+- ``cleared(engine, namespace, removed)``: a Clear: ``AllBlocksCleared`` to the clearing
+  engine, ``BlockRemoved`` to the others; returns the committed keys dropped.
+- ``engine_ready(engine)``: routers learn at once what the node already holds for it (at
+  most ``snapshot_keys`` chunks, the most recently used; a warning says how many not).
+- ``derived_topic(model, engine_id, dp)``: the topic ``events.topic_template`` gives an
+  engine; an engine publishes under it (under its Hello's topic only with
+  ``client_topics``).
+- Commits and clears also end the reservations and pins ``protection`` counts
+  (``offloadd.limits``).
+- ``publish_to(engine, events)``: queue events under the engine's topic and dp index; never
+  blocks. Engines without ``enable_kv_cache_events``, and engines whose scheduler mirrors
+  their keys (it publishes their events itself), get none.
+- ``events_closed()``, ``journal_closed()``: the daemon is closing that part; copies that
+  finish later announce nothing through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from offloadd.attribution import in_batches, removed_events, stored_events
+from offloadd.cache.index import ChunkCache, Entry
+from offloadd.cache.journal import Journal
+from offloadd.events import PublisherSet, topic_for
+from offloadd.limits import Protection
+from offloadd.mirrors import Mirrors
+from offloadd.registry import Engine, Namespace, Registry
+from offloadd.settings import EventSettings
+from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
+
+__all__ = ["Announcer"]
+
+# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
+# (and set its level) by that name.
+logger = logging.getLogger("offloadd.daemon")
+
+
+class Announcer:
+    """Journal, mirrors and KV events for each cache change; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: EventSettings,
+        registry: Registry,
+        cache: ChunkCache,
+        mirrors: Mirrors,
+        *,
+        journal: Journal | None,
+        events: PublisherSet | None,
+        protection: Protection | None = None,
+        client_topics: bool = False,
+        snapshot_keys: int = 1 << 16,
+    ) -> None:
+        self.settings = settings
+        self._protection = protection
+        self._client_topics = client_topics
+        self._snapshot_keys = snapshot_keys
+        self.registry = registry
+        self._cache = cache
+        self._mirrors = mirrors
+        self._journal = journal
+        self._events = events
+
+    def events_closed(self) -> None:
+        """Publish nothing more (the daemon is closing the publishers)."""
+        self._events = None
+
+    def journal_closed(self) -> None:
+        """Journal nothing more (the daemon is closing the journal)."""
+        self._journal = None
+
+    def endpoints_for(self, dp: int) -> tuple[str, str]:
+        """Where dp index ``dp``'s KV events are published (``("", "")`` when off)."""
+        return self._events.endpoints_for(dp) if self._events is not None else ("", "")
+
+    def journal_commits(self, entries: list[Entry]) -> list[Entry]:
+        """Journal chunks that just became visible; those it cannot journal are taken back at
+        once (never announced, extents freed) and returned."""
+        if not entries or self._journal is None:
+            return []
+        cache = self._cache
+        lost = self._journal.committed(entries, cache.committed_chunks)
+        for entry in lost:
+            cache.remove(entry.namespace, [entry.key])
+        self._maybe_compact()
+        return lost
+
+    def journal_failure(self) -> str:
+        """Why the journal refuses commits now."""
+        failure = self._journal.failed if self._journal is not None else ""
+        return failure or "its bytes could not be checksummed"
+
+    def chunks_committed(self, namespace: Namespace, entries: list[Entry]) -> None:
+        """Chunks that just became visible (and journaled): every engine of the namespace
+        hears of them."""
+        if not entries:
+            return
+        keys = [entry.key for entry in entries]
+        if self._protection is not None:  # reservations end when their keys commit
+            self._protection.committed(namespace.name, keys)
+        self._mirrors.changed(namespace.name, keys, [])
+        if self._events is None:
+            return
+        for engine in self._event_engines(namespace):
+            self.publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
+
+    def chunks_removed(self, entries: list[Entry]) -> None:
+        """Chunks evicted or removed: journaled before their extents can be reused, and
+        announced in their own namespace (never-committed entries were never announced, so
+        their removal is not either)."""
+        if self._journal is not None:
+            self._journal.removed(entries)
+        by_namespace: dict[str, list[bytes]] = {}
+        for entry in entries:
+            if entry.committed:
+                by_namespace.setdefault(entry.namespace, []).append(entry.key)
+        for name, keys in by_namespace.items():
+            self._mirrors.changed(name, [], keys)
+        if self._events is None:
+            return
+        for name, keys in by_namespace.items():
+            namespace = self.registry.namespace(name)
+            if namespace is None:
+                continue  # no engine of that namespace is connected: nobody to tell
+            for engine in self._event_engines(namespace):
+                self.publish_to(engine, removed_events(keys, raw_hashes=self._raw_hashes(engine)))
+
+    def cleared(self, engine: Engine, namespace: Namespace, removed: list[Entry]) -> list[bytes]:
+        """``engine`` cleared ``namespace``, dropping ``removed``; returns the committed keys."""
+        if self._protection is not None:
+            self._protection.cleared(namespace.name)
+        if self._journal is not None:
+            self._journal.removed(removed)
+        keys = [entry.key for entry in removed if entry.committed]
+        self._mirrors.changed(namespace.name, [], keys)
+        self.publish_to(engine, [AllBlocksCleared()])
+        for other in self._event_engines(namespace):
+            if other is not engine:
+                self.publish_to(other, removed_events(keys, raw_hashes=self._raw_hashes(other)))
+        return keys
+
+    def engine_ready(self, engine: Engine) -> None:
+        """Routers learn at once what this node already holds for the engine (a bounded part:
+        every engine that becomes ready would queue the whole namespace again otherwise)."""
+        assert engine.namespace is not None
+        snapshot = self._cache.keys_in(engine.namespace.name)
+        most = self._snapshot_keys
+        if len(snapshot) > most:
+            logger.warning(
+                "engine %s dp %d: announcing %d of the %d chunks cached in its namespace "
+                "(limits.snapshot_keys)",
+                engine.key[0],
+                engine.key[1],
+                most,
+                len(snapshot),
+            )
+            snapshot = snapshot[-most:] if most else []
+        if snapshot:
+            self.publish_to(engine, stored_events(snapshot, raw_hashes=self._raw_hashes(engine)))
+
+    def _maybe_compact(self) -> None:
+        if self._journal is not None and self._journal.should_compact():
+            self._journal.compact(self._cache.committed_chunks())
+
+    def _event_engines(self, namespace: Namespace) -> list[Engine]:
+        engines = (self.registry.engine(key) for key in sorted(namespace.engines))
+        return [
+            e
+            for e in engines
+            if e is not None and e.config.enable_kv_cache_events and not e.mirrored
+        ]
+
+    @staticmethod
+    def _raw_hashes(engine: Engine) -> bool:
+        first = engine.workers.get(0)
+        return first is not None and first.kv_events_raw_hashes
+
+    def _topic(self, engine: Engine) -> str:
+        first = engine.workers.get(0)
+        if first is not None and first.kv_events_topic and self._client_topics:
+            return first.kv_events_topic
+        return self.derived_topic(engine.config.model.name, engine.key[0], engine.key[1])
+
+    def derived_topic(self, model: str, engine_id: str, dp: int) -> str:
+        """The topic the daemon's template gives an engine."""
+        settings = self.settings
+        return topic_for(
+            settings.topic_template,
+            pod=settings.pod_name(),
+            model=model,
+            engine_id=engine_id,
+            dp=dp,
+        )
+
+    def publish_to(self, engine: Engine, events: list[KVEvent]) -> None:
+        """Queue ``events`` under the engine's topic and dp index; never blocks."""
+        if (
+            self._events is None
+            or not events
+            or not engine.config.enable_kv_cache_events
+            or engine.mirrored  # its scheduler publishes the engine's events itself
+        ):
+            return
+        topic, dp = self._topic(engine), engine.key[1]
+        for chunk in in_batches(events):
+            self._events.publish(topic, dp, KVEventBatch(time.time(), chunk, dp))

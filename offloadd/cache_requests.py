@@ -1,0 +1,331 @@
+"""The requests on the cache: Lookup, Store, Load, Release and Clear.
+
+Each handler checks the request against the session's engine (``offloadd.checks``), asks the
+cache (``ChunkCache``) and answers; a Store or Load reserves its keys in the cache, plans the
+copies between the rank's regions and the arena (``transfer.plan``) and hands the job to
+``Jobs``, which answers ``JobAccepted`` now and ``JobDone`` when the copy ends.
+
+Contract of ``CacheRequests`` (the event loop's thread only; each call handles one request to
+completion, raising ``Refused`` for one the daemon answers with an Error):
+- ``lookup``: the leading committed keys and the pending ones, pinned for a lease on request
+  (the lease cut to ``limits.max_lease_seconds``; pins beyond the engine's share of the
+  capacity, ``offloadd.limits.Protection``, are given back at once and not counted).
+- ``store`` and ``load``: worker ranks of a ready engine only, never while draining, a job id
+  not in flight in the session, at most ``limits.jobs_per_session`` in flight, and only while
+  the rank's files are as large as when it registered (a file that shrank is refused here,
+  never met by a copy); block ids checked against the rank's regions. A Store's refused keys
+  come back in ``JobDone.failed_keys``; a Load of a missing key fails whole. The copies reach
+  the rank's unmapped files through their descriptors (``Copies(state.windows)``).
+- ``release``: drop the session's pins of the keys. ``clear``: drop the engine's namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from offloadd.announce import Announcer
+from offloadd.cache.arena import Arena
+from offloadd.cache.index import ChunkCache, LoadReservation
+from offloadd.checks import Refused, check_keys, ready_engine
+from offloadd.jobs import Job, Jobs
+from offloadd.limits import Limits, Protection
+from offloadd.metrics import Metrics
+from offloadd.mirrors import Mirrors
+from offloadd.registry import Engine, Namespace, Registry, group_of_key
+from offloadd.schedulers import acker
+from offloadd.sessions import SessionState
+from offloadd.settings import Settings
+from offloadd.transfer.copies import Copies
+from offloadd.transfer.engine import Direction
+from offloadd.transfer.guarded import shrunk
+from offloadd.transfer.plan import Span, block_id_problem, chunk_copies, chunk_ranges, group_spans
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    Clear,
+    Load,
+    Lookup,
+    LookupResult,
+    Ok,
+    Release,
+    Reply,
+    Segment,
+    Store,
+)
+
+__all__ = ["CacheRequests"]
+
+# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
+# (and set its level) by that name.
+logger = logging.getLogger("offloadd.daemon")
+
+
+class CacheRequests:
+    """Lookup, Store, Load, Release and Clear; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        cache: ChunkCache,
+        arena: Arena,
+        mirrors: Mirrors,
+        jobs: Jobs,
+        announce: Announcer,
+        *,
+        metrics: Metrics,
+        limits: Limits,
+        protection: Protection,
+    ) -> None:
+        self.settings = settings
+        self._limits = limits
+        self._protection = protection
+        self.registry = registry
+        self._cache = cache
+        self._arena = arena
+        self._mirrors = mirrors
+        self._jobs = jobs
+        self._announce = announce
+        self.metrics = metrics
+
+    def lookup(self, state: SessionState, request: Lookup) -> Reply:
+        """Which leading keys are committed, which are pending; pin the hits if asked."""
+        started = time.perf_counter()
+        engine, namespace = ready_engine(self.registry, state.session)
+        check_keys(request.keys, engine, self._limits)
+        lease = self._limits.lease(request.lease_seconds, self.settings.cache.pin_lease_seconds)
+        if lease is None:
+            raise Refused(ErrorCode.BAD_REQUEST, f"lease_seconds={request.lease_seconds!r}")
+        owner = state.session.session_id
+        outcome = self._cache.lookup(
+            namespace.name,
+            request.keys,
+            pin_owner=owner if request.pin else None,
+            lease=lease if request.pin else 0.0,
+        )
+        pinned = outcome.pinned
+        if pinned:
+            # Pins beyond the engine's budget (limits.protected_fraction) are given back.
+            keys = request.keys[:pinned]
+            refused = self._protection.take_pins(
+                engine.key, owner, namespace.name, keys, namespace.chunk_bytes(keys), lease
+            )
+            if refused:
+                self._cache.release(namespace.name, refused, owner)
+                pinned -= len(refused)
+        self.metrics.lookup_finished(time.perf_counter() - started)
+        return LookupResult(request.request_id, outcome.hits, outcome.pending, pinned)
+
+    def release(self, state: SessionState, request: Release) -> Reply:
+        """Drop the session's pins of ``request.keys``."""
+        engine, namespace = ready_engine(self.registry, state.session)
+        check_keys(request.keys, engine, self._limits)
+        owner = state.session.session_id
+        count = self._cache.release(namespace.name, request.keys, owner)
+        self._protection.release_pins(owner, namespace.name, request.keys)
+        return Ok(request.request_id, count)
+
+    def clear(self, state: SessionState, request: Clear) -> Reply:
+        """Drop every chunk of the session's namespace."""
+        engine, namespace = ready_engine(self.registry, state.session)
+        removed = self._cache.clear_namespace(namespace.name, acker=acker(self._mirrors, state))
+        keys = self._announce.cleared(engine, namespace, removed)
+        logger.info(
+            "%s cleared namespace %s: %d chunks",
+            state.session.describe(),
+            namespace.name,
+            len(keys),
+        )
+        return Ok(request.request_id, len(keys))
+
+    def _worker_job_checks(
+        self, state: SessionState, job_id: int, keys: list[bytes]
+    ) -> tuple[Engine, Namespace]:
+        if self._jobs.draining:
+            raise Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if state.session.role != "worker":
+            raise Refused(ErrorCode.WRONG_ROLE, "only worker ranks store and load")
+        engine, namespace = ready_engine(self.registry, state.session)
+        if job_id in state.jobs:
+            raise Refused(ErrorCode.DUPLICATE_JOB, f"job {job_id} is still running")
+        most = self._limits.settings.jobs_per_session
+        if len(state.jobs) >= most:
+            raise Refused(
+                ErrorCode.TOO_LARGE, f"{most} jobs in flight already (limits.jobs_per_session)"
+            )
+        check_keys(keys, engine, self._limits)
+        problem = shrunk(state.unsealed)  # a file that shrank fails here, never in a copy
+        if problem:
+            raise Refused(ErrorCode.HANDLE_OPEN_FAILED, problem)
+        state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
+        return engine, namespace
+
+    def store(self, state: SessionState, request: Store) -> Reply | None:
+        """Reserve the rank's shard of each key and copy its blocks into the arena."""
+        _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
+        bpc = namespace.blocks_per_chunk
+        if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
+            raise Refused(
+                ErrorCode.BAD_REQUEST,
+                f"{len(request.keys)} keys need {len(request.keys) * bpc} block ids "
+                f"({bpc} per chunk), got {len(request.block_ids)}",
+            )
+        ranges = self._chunk_ranges(request.keys, request.block_ids, bpc, request.segments)
+        self._check_block_ids(state, request.block_ids)
+        for key in request.keys:
+            if 0 in namespace.shard_sizes_for_key(key):
+                raise Refused(
+                    ErrorCode.BAD_REQUEST,
+                    f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
+                )
+        session = state.session
+        job = Job(request.job_id, state, Direction.STORE, request.keys, [], 0)
+        if namespace.replicated and session.rank != 0:
+            # Replicated layout: rank 0's shard is every rank's; the others ack at once.
+            return self._jobs.accept_without_copy(state, request.request_id, job)
+        shard = 0 if namespace.replicated else session.rank
+        cache = self._cache
+        reservation = cache.begin_store(
+            namespace.name,
+            request.keys,
+            shard,
+            namespace.shard_sizes_for_key,
+            allocate=not request.reserved,
+        )
+        self._announce.chunks_removed(reservation.evicted)
+        job.failed_keys = [request.keys[i] for i in reservation.refused]
+        job.writes = reservation.writes
+        if job.failed_keys:
+            logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
+        arena_address = self._arena.address
+        # Planned as arrays (the cuda engine takes them as they are); the rank's files are
+        # reached by descriptor (offloadd.transfer.guarded).
+        moves = Copies(state.windows)
+        keys, block_ids = request.keys, request.block_ids
+        firsts = _block_offsets(ranges)
+        for write in reservation.writes:
+            position = namespace.group_positions[group_of_key(keys[write.index])]
+            spans, shard_bytes = self._spans(state, position, bpc)
+            if shard_bytes > write.size:
+                raise AssertionError("shard plan exceeds its slot")
+            sub_block, count = ranges[write.index]
+            start = firsts[write.index]
+            job.nbytes += chunk_copies(
+                spans,
+                block_ids[start : start + count],
+                arena_address + write.offset,
+                moves,
+                first_sub_block=sub_block,
+            )
+        return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
+
+    def load(self, state: SessionState, request: Load) -> Reply | None:
+        """Copy committed chunks into the rank's blocks: every key, or none."""
+        engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
+        bpc = namespace.blocks_per_chunk
+        skip = request.skip
+        expected = len(request.keys) * bpc - skip
+        if not request.keys or (
+            not request.segments and (not 0 <= skip < bpc or len(request.block_ids) != expected)
+        ):
+            raise Refused(
+                ErrorCode.BAD_REQUEST,
+                f"{len(request.keys)} keys with skip={skip} need {expected} block ids "
+                f"({bpc} per chunk, 0 <= skip < {bpc}), got {len(request.block_ids)}",
+            )
+        ranges = self._chunk_ranges(
+            request.keys, request.block_ids, bpc, request.segments, skip=skip
+        )
+        self._check_block_ids(state, request.block_ids)
+        session = state.session
+        job = Job(request.job_id, state, Direction.LOAD, request.keys, [], 0)
+        cache = self._cache
+        if request.hold:
+            reservation = self._begin_held_load(engine, request.hold, request.keys)
+        else:
+            reservation = cache.begin_load(namespace.name, request.keys)
+        if reservation.missing:
+            job.failed_keys = list(reservation.missing)
+            return self._jobs.accept_without_copy(
+                state, request.request_id, job, "keys not in cache"
+            )
+        job.entries = reservation.entries
+        shard = 0 if namespace.replicated else session.rank
+        arena_address = self._arena.address
+        moves = Copies(state.windows)  # as in store
+        block_ids = request.block_ids
+        position = 0
+        for entry, (sub_block, count) in zip(reservation.entries, ranges, strict=True):
+            group = namespace.group_positions[group_of_key(entry.key)]
+            spans, shard_bytes = self._spans(state, group, bpc)
+            if shard_bytes > entry.sizes[shard]:
+                raise AssertionError("shard plan exceeds its slot")
+            job.nbytes += chunk_copies(
+                spans,
+                block_ids[position : position + count],
+                arena_address + entry.offsets[shard],
+                moves,
+                first_sub_block=sub_block,
+                load=True,
+            )
+            position += count
+        return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
+
+    def _begin_held_load(self, engine: Engine, token: str, keys: list[bytes]) -> LoadReservation:
+        """Read the entries a scheduler of ``engine`` holds under ``token``."""
+        cache = self._cache
+        reservation = LoadReservation([], list(keys))
+        for scheduler in engine.schedulers.values():
+            reservation = cache.begin_load_held(scheduler.session_id, token, keys)
+            if not reservation.missing:
+                break
+        return reservation
+
+    @staticmethod
+    def _chunk_ranges(
+        keys: list[bytes],
+        block_ids: list[int],
+        bpc: int,
+        segments: Sequence[Segment],
+        *,
+        skip: int = 0,
+    ) -> list[tuple[int, int]]:
+        try:
+            return chunk_ranges(
+                len(keys),
+                len(block_ids),
+                bpc,
+                [(s.keys, s.skip, s.blocks) for s in segments],
+                skip=skip,
+            )
+        except ValueError as exc:
+            raise Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+    def _check_block_ids(self, state: SessionState, block_ids: list[int]) -> None:
+        problem = block_id_problem(block_ids, state.session.num_blocks)
+        if problem:
+            raise Refused(ErrorCode.BAD_REQUEST, problem)
+
+    def _spans(self, state: SessionState, group: int, bpc: int) -> tuple[tuple[Span, ...], int]:
+        """The session's resolved spans of ``group`` (built once) and its shard bytes.
+
+        Building them checks every region's geometry against what the daemon really mapped,
+        so block ids validated against ``num_blocks`` can never address outside a region.
+        """
+        layout = state.session.layouts[group]
+        spans = state.spans.get(group)
+        if spans is None:
+            mappings = [(imported.address, imported.size) for imported in state.imports]
+            spans = group_spans(layout, state.session.regions, mappings, blocks_per_chunk=bpc)
+            state.spans[group] = spans
+        return spans, layout.shard_bytes(bpc)
+
+
+def _block_offsets(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """Index of each key's first block id, given each key's ``(sub_block, count)``."""
+    offsets, total = [], 0
+    for _, count in ranges:
+        offsets.append(total)
+        total += count
+    return offsets

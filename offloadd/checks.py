@@ -1,0 +1,62 @@
+"""What every request handler of the daemon checks first. Pure: no sockets, no loop.
+
+- ``Refused(code, message)``: raised inside a handler; the daemon answers the request with
+  ``Error(code, message)``, counts it, and goes on serving everyone else.
+- ``ready_engine(registry, session)``: the session's engine and its namespace, or
+  ``ENGINE_NOT_READY`` naming the ranks the engine still waits for.
+- ``check_keys(keys, engine, limits)``: at most ``limits.keys_per_request`` keys (default
+  ``MAX_KEYS_PER_REQUEST``), none longer than ``limits.key_bytes``, each long enough to hold a
+  hash and a 4-byte group, each naming one of the engine's groups.
+"""
+
+from __future__ import annotations
+
+from offloadd.limits import Limits
+from offloadd.registry import Engine, Namespace, Registry, Session, group_of_key
+from offloadd.settings import LimitsSettings
+from protocol.errors import ErrorCode
+
+__all__ = ["MAX_KEYS_PER_REQUEST", "Refused", "check_keys", "ready_engine"]
+
+MAX_KEYS_PER_REQUEST = LimitsSettings().keys_per_request
+_DEFAULT_LIMITS = Limits(LimitsSettings())
+
+
+class Refused(Exception):
+    """A request that gets an Error reply; raised inside handlers."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def ready_engine(registry: Registry, session: Session) -> tuple[Engine, Namespace]:
+    """The engine of ``session`` and its namespace; Refused while it waits for ranks."""
+    engine = registry.engine(session.engine_key)
+    if engine is None or engine.namespace is None:
+        missing = engine.missing_ranks() if engine else []
+        raise Refused(ErrorCode.ENGINE_NOT_READY, f"engine waits for ranks {missing}")
+    return engine, engine.namespace
+
+
+def check_keys(keys: list[bytes], engine: Engine, limits: Limits | None = None) -> None:
+    """Refuse too many or too long keys, and keys that name no group of ``engine``."""
+    limits = limits or _DEFAULT_LIMITS
+    most = limits.settings.keys_per_request
+    if len(keys) > most:
+        raise Refused(ErrorCode.TOO_LARGE, f"more than {most} keys (limits.keys_per_request)")
+    problem = limits.keys_problem(keys)  # the length of each (it is kept in index and journal)
+    if problem:
+        raise Refused(ErrorCode.TOO_LARGE, problem)
+    groups = engine.group_positions
+    for key in keys:
+        if len(key) < 5:
+            raise Refused(
+                ErrorCode.BAD_REQUEST, f"key {key.hex()} is shorter than hash + 4-byte group"
+            )
+        group = group_of_key(key)
+        if group not in groups:
+            raise Refused(
+                ErrorCode.BAD_REQUEST,
+                f"key {key.hex()} names group {group}, the engine has groups {sorted(groups)}",
+            )

@@ -1,0 +1,207 @@
+"""The control socket: the ROUTER every rank and scheduler talks to.
+
+It binds the daemon's endpoint (an ipc socket is created with no access for others, then
+given ``server.socket_mode`` and ``server.socket_group``; CURVE when configured), receives
+one request per frame, checks the framing (one frame, at most ``server.max_frame_bytes``),
+decodes it and hands it to ``dispatch``; a handler's ``Refused`` and any frame that cannot
+be read are answered with an ``Error`` and counted, and a bug inside a handler is logged and
+answered with ``INTERNAL``, so one peer never takes the daemon down for the others.
+
+Contract of ``ControlSocket`` (the event loop's thread only):
+- ``bind(ctx)``: create and bind the socket; on failure nothing stays open (an open socket
+  would keep the context's ``term()`` waiting forever).
+- ``receive_loop()``: receive until cancelled. While a peer's Hello is handled off the loop
+  (``RequestGate``), its later frames are held, then given to ``handle_frames`` in order.
+- ``send(identity, reply)``: never blocks: a reply to a peer that is gone or not reading is
+  dropped, and so is every reply once the socket is closed.
+- ``protocol_error(identity, request_id, code, message)``: answer an Error and count it.
+- ``close()``: close the socket and stop CURVE authentication; idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from offloadd.checks import Refused
+from offloadd.endpoint import ipc_path, restrict_socket
+from offloadd.gate import RequestGate
+from offloadd.metrics import Counters, Metrics
+from offloadd.safety import printable
+from offloadd.settings import Settings
+from protocol.errors import ErrorCode
+from protocol.messages import Error, Reply, Request, decode_request, encode, peek_request_id
+
+if TYPE_CHECKING:
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+__all__ = ["ControlSocket"]
+
+# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
+# (and set its level) by that name.
+logger = logging.getLogger("offloadd.daemon")
+
+_YIELD_EVERY = 32  # requests handled back to back before the loop runs other callbacks
+
+
+class ControlSocket:
+    """The daemon's ROUTER socket; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        endpoint: str,
+        gate: RequestGate,
+        *,
+        dispatch: Callable[[bytes, Request], Reply | None],
+        metrics: Metrics,
+        counters: Counters,
+    ) -> None:
+        self.settings = settings
+        self.endpoint = endpoint
+        self._gate = gate
+        self._dispatch = dispatch
+        self.metrics = metrics
+        self.counters = counters
+        self._sock: zmq.asyncio.Socket | None = None
+        self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
+
+    def bind(self, ctx: zmq.asyncio.Context) -> None:
+        """Create and bind the ROUTER (and start CURVE when configured); closed on failure."""
+        server = self.settings.server
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
+            sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes * 4)
+            if server.curve_secret_key_file:
+                self._start_curve(ctx, sock)
+            path = ipc_path(self.endpoint)
+            # Created with no access for others from the first instant, then set as configured.
+            previous = os.umask(0o177) if path else None
+            try:
+                sock.bind(self.endpoint)
+            finally:
+                if previous is not None:
+                    os.umask(previous)
+            if path:
+                restrict_socket(path, server.socket_mode, server.socket_group)
+        except BaseException:
+            # Not ours to keep: an open socket would hold the context's term() forever.
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+
+    def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
+        import zmq.auth
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        server = self.settings.server
+        public, secret = zmq.auth.load_certificate(server.curve_secret_key_file)
+        if secret is None:
+            raise ValueError(f"{server.curve_secret_key_file} holds no secret key")
+        self._auth = AsyncioAuthenticator(ctx)
+        self._auth.start()
+        if server.curve_clients_dir:
+            self._auth.configure_curve(domain="*", location=server.curve_clients_dir)
+        else:
+            logger.warning("CURVE without server.curve_clients_dir: any client key is accepted")
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+
+    def close(self) -> None:
+        """Close the socket and stop CURVE authentication (before the context's term)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    async def receive_loop(self) -> None:
+        """Receive forever; a peer's frames wait behind the gate while its Hello runs."""
+        assert self._sock is not None
+        sock = self._sock
+        handled = 0
+        while True:
+            frames = await sock.recv_multipart()
+            handled += 1
+            if handled % _YIELD_EVERY == 0:
+                # pyzmq completes a recv without yielding while frames are queued: under a
+                # flood, let copy completions, events and timers run in between.
+                await asyncio.sleep(0)
+            identity = frames[0]
+            if not self._gate.hold(identity, frames[1:]):
+                self.handle_frames(identity, frames[1:])
+
+    def handle_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        """Handle one request; a bug inside is logged and answered with INTERNAL."""
+        try:
+            self._on_frames(identity, frames)
+        except Exception:
+            # A bug must not take the daemon down; the peer still gets an answer.
+            logger.exception("internal error while handling a request")
+            request_id = peek_request_id(frames[-1]) if frames else 0
+            self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+            self.send(
+                identity,
+                Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+            )
+
+    def send(self, identity: bytes, message: Reply) -> None:
+        """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
+        if self._sock is None:
+            return
+        # With DONTWAIT pyzmq tries the send at once and hands back a finished future.
+        future = cast(
+            "asyncio.Future[object]",
+            self._sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT),
+        )
+        if future.done() and future.exception() is not None:
+            logger.debug("dropped a reply to a peer that is gone or not reading")
+
+    def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.protocol_error(identity, 0, ErrorCode.MALFORMED, "expected exactly one frame")
+            return
+        frame = frames[0]
+        if len(frame) > self.settings.server.max_frame_bytes:
+            self.protocol_error(
+                identity,
+                0,
+                ErrorCode.TOO_LARGE,
+                f"frame of {len(frame)} bytes exceeds {self.settings.server.max_frame_bytes}",
+            )
+            return
+        try:
+            request = decode_request(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.protocol_error(identity, peek_request_id(frame), ErrorCode.MALFORMED, str(exc))
+            return
+        try:
+            reply = self._dispatch(identity, request)
+        except Refused as refused:
+            self.protocol_error(identity, request.request_id, refused.code, str(refused))
+            return
+        if reply is not None:
+            self.send(identity, reply)
+
+    def protocol_error(
+        self, identity: bytes, request_id: int, code: ErrorCode, message: str
+    ) -> None:
+        """Answer ``Error(code, message)`` and count it."""
+        self.counters.protocol_errors += 1
+        self.metrics.protocol_error(code.name)
+        logger.debug("refused request %d: %s %s", request_id, code.name, printable(message))
+        self.send(identity, Error(request_id, code, message))

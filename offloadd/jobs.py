@@ -1,0 +1,315 @@
+"""Jobs and waiters: the copies in flight, how they finish, and ``Wait``.
+
+A job is one ``Store`` or ``Load`` of one session. Its cache side was reserved by the handler
+(``offloadd.cache_requests``); here it is booked, copied and finished.
+
+Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from the copy
+engine's threads through ``call_soon_threadsafe``):
+- ``submit(state, request_id, job, moves, wait_event)``: book the job in its session's table,
+  take a reference on the session's imports for the copy, hand the moves to the copy engine,
+  answer ``JobAccepted``. Nothing to move: the job completes at once. If the engine refuses
+  the job, the booking is undone and ``Refused(INTERNAL)`` raised.
+- When the copy ends (and, with a journal, a store's shards are sealed), the cache side is
+  finished (a store's chunks commit and are announced; a load's entries are let go), the
+  imports released, and ``complete`` sends ``JobDone``, keeps it for ``Wait`` (the last
+  ``server.recent_jobs`` per session) and answers the waiters it satisfies.
+- ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted`` and ``JobDone`` at
+  once, for a job with nothing to copy.
+- ``wait(state, request)``: ``WaitResult`` at once when none of the jobs is in flight or the
+  timeout is not positive, else when the last one finishes or the timeout passes.
+- ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
+  becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
+  listed as pending).
+- ``in_flight``: jobs booked and not finished; ``drain()`` waits, up to
+  ``server.drain_seconds``, until there are none. ``draining``: no new jobs are taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from offloadd.announce import Announcer
+from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.cache.journal import Journal
+from offloadd.checks import Refused
+from offloadd.metrics import Counters, Metrics
+from offloadd.registry import Registry
+from offloadd.settings import ServerSettings
+from offloadd.transfer.engine import CopyEngine, Direction, Triple
+from offloadd.transfer.handles import HandleTable, Import
+from protocol.errors import ErrorCode
+from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
+
+if TYPE_CHECKING:
+    from offloadd.sessions import SessionState
+
+__all__ = ["Job", "Jobs", "Waiter", "wait_result"]
+
+# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
+# (and set its level) by that name.
+logger = logging.getLogger("offloadd.daemon")
+
+
+@dataclass(eq=False)
+class Job:
+    """One Store or Load of one session, from its booking to its JobDone."""
+
+    job_id: int
+    state: SessionState
+    direction: Direction
+    keys: list[bytes]
+    failed_keys: list[bytes]
+    nbytes: int
+    writes: list[ShardWrite] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    abandoned: bool = False
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A Wait not answered yet."""
+
+    request_id: int
+    job_ids: list[int]
+    timer: asyncio.TimerHandle | None = None
+
+
+def wait_result(state: SessionState, waiter: Waiter) -> WaitResult:
+    """What ``waiter`` is told now: its jobs that are done, and those still in flight."""
+    done = [state.done[j] for j in waiter.job_ids if j in state.done]
+    pending = [j for j in waiter.job_ids if j in state.jobs]
+    return WaitResult(waiter.request_id, done, pending)
+
+
+class Jobs:
+    """The copies in flight and their waiters; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        registry: Registry,
+        cache: ChunkCache,
+        copy: CopyEngine,
+        handles: HandleTable,
+        announce: Announcer,
+        *,
+        journal: Journal | None,
+        metrics: Metrics,
+        counters: Counters,
+        send: Callable[[bytes, Reply], None],
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self._cache = cache
+        self._copy = copy
+        self._handles: HandleTable | None = handles
+        self._announce = announce
+        self._journal = journal
+        self.metrics = metrics
+        self.counters = counters
+        self._send = send
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+
+    def handles_closed(self) -> None:
+        """Release nothing more (the daemon closed the handle table: all is unmapped)."""
+        self._handles = None
+
+    async def drain(self) -> None:
+        """Wait, up to ``server.drain_seconds``, until no job is in flight."""
+        if self.in_flight == 0:
+            return
+        grace = self.settings.drain_seconds
+        logger.info("draining %d in-flight jobs (up to %.0fs)", self.in_flight, grace)
+        self._idle.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except TimeoutError:
+            logger.warning("%d jobs still in flight after %.0fs", self.in_flight, grace)
+
+    def release_imports(self, imports: Sequence[Import]) -> None:
+        """Drop one reference on each of ``imports`` (the last one unmaps it)."""
+        if self._handles is None:
+            return
+        for imported in imports:
+            self._handles.release(imported)
+
+    def accept_without_copy(
+        self, state: SessionState, request_id: int, job: Job, error: str = ""
+    ) -> Reply | None:
+        """Answer JobAccepted and JobDone at once: ``job`` has nothing to copy."""
+        self._send(state.identity, JobAccepted(request_id, job.job_id))
+        self.complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
+        return None
+
+    def submit(
+        self,
+        state: SessionState,
+        request_id: int,
+        job: Job,
+        moves: Sequence[Triple],
+        wait_event: bytes = b"",
+    ) -> Reply | None:
+        """Book ``job`` and start its copy; see the module docstring."""
+        if not moves:
+            if job.direction is Direction.STORE:
+                self._cache.finish_store(job.writes, ok=True)
+            return self.accept_without_copy(state, request_id, job)
+        assert self._handles is not None
+        for imported in state.imports:
+            self._handles.retain(imported)
+        imports = list(state.imports)
+        state.jobs[job.job_id] = job
+        self.in_flight += 1
+        loop = asyncio.get_running_loop()
+        try:
+            future = self._copy.submit(
+                job.direction,
+                moves,
+                device=state.imports[0].device if state.imports else -1,
+                wait_event=wait_event or None,
+            )
+        except Exception as exc:
+            # Nothing was queued: undo the booking, or the job would stay in flight forever
+            # (Wait never answered, drain never finished).
+            self._unbook(job, imports)
+            logger.error("%s: job %d not started: %s", state.session.describe(), job.job_id, exc)
+            raise Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
+
+        journal = self._journal if job.direction is Direction.STORE else None
+
+        def on_done(done: Future[float]) -> None:
+            if journal is not None and not done.cancelled() and done.exception() is None:
+                # Checksummed (and on a disk, synced) off the loop before it can commit.
+                journal.submit_seal(
+                    job.writes,
+                    lambda: loop.call_soon_threadsafe(self._copy_finished, job, imports, done),
+                )
+                return
+            loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
+
+        future.add_done_callback(on_done)
+        return JobAccepted(request_id, job.job_id)
+
+    def _unbook(self, job: Job, imports: list[Import]) -> None:
+        """Undo ``submit``'s booking of a job the copy engine refused to start."""
+        job.state.jobs.pop(job.job_id, None)
+        self.in_flight -= 1
+        self.release_imports(imports)
+        cache = self._cache
+        if job.direction is Direction.STORE:
+            cache.finish_store(job.writes, ok=False)
+        else:
+            cache.finish_load(job.entries)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def _copy_finished(self, job: Job, imports: list[Import], future: Future[float]) -> None:
+        self.in_flight -= 1
+        try:
+            seconds = future.result()
+            error = ""
+        except Exception as exc:
+            logger.error(
+                "%s: job %d copy failed: %s", job.state.session.describe(), job.job_id, exc
+            )
+            seconds, error = 0.0, f"copy failed: {exc}"
+        cache = self._cache
+        copied = not error
+        if job.direction is Direction.STORE:
+            committed = cache.finish_store(job.writes, ok=copied and not job.abandoned)
+            lost = self._announce.journal_commits(committed)
+            if lost:
+                committed = [entry for entry in committed if not entry.dead]
+                job.failed_keys = job.failed_keys + [entry.key for entry in lost]
+                error = error or f"not committed: {self._announce.journal_failure()}"
+            engine = self.registry.engine(job.state.session.engine_key)
+            if engine is not None and engine.namespace is not None:
+                self._announce.chunks_committed(engine.namespace, committed)
+            if copied:
+                self.counters.bytes_stored += job.nbytes
+        else:
+            cache.finish_load(job.entries)
+            if copied:
+                self.counters.bytes_loaded += job.nbytes
+        self.release_imports(imports)
+        if not copied:
+            job.failed_keys = list(job.keys)
+        self.complete(job, ok=copied and not job.failed_keys, seconds=seconds, error=error)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def complete(self, job: Job, *, ok: bool, seconds: float, error: str) -> None:
+        """Count ``job`` finished; unless its session is gone, send and keep its JobDone."""
+        state = job.state
+        state.jobs.pop(job.job_id, None)
+        engine_id, dp = state.session.engine_key
+        self.metrics.job_finished(
+            job.direction.value,
+            engine_id,
+            dp,
+            nbytes=0 if error else job.nbytes,
+            seconds=seconds,
+            ok=ok,
+        )
+        if not ok:
+            self.counters.jobs_failed += 1
+        if job.abandoned or not state.alive:
+            return
+        done = JobDone(job.job_id, ok, job.failed_keys, job.nbytes, seconds, error)
+        state.done[job.job_id] = done
+        while len(state.done) > self.settings.recent_jobs:
+            state.done.popitem(last=False)
+        self._send(state.identity, done)
+        self._wake_waiters(state)
+
+    def abandon(self, state: SessionState) -> None:
+        """The session is gone; see the module docstring."""
+        for job in state.jobs.values():
+            job.abandoned = True
+            if job.direction is Direction.STORE:
+                self._cache.abandon(job.writes)
+        for waiter in state.waiters:
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            # Every request is answered: a peer that said Hello again (or Bye) on this socket
+            # still gets its Wait's reply, the abandoned jobs listed as pending.
+            self._send(state.identity, wait_result(state, waiter))
+        state.waiters.clear()
+
+    # ----------------------------------------------------------------- wait
+
+    def wait(self, state: SessionState, request: Wait) -> Reply | None:
+        """Answer now, or register a waiter answered when its jobs finish or it times out."""
+        if math.isnan(request.timeout):  # uvloop's call_later raises on NaN
+            raise Refused(ErrorCode.BAD_REQUEST, "Wait timeout is NaN")
+        unknown = [j for j in request.job_ids if j not in state.jobs and j not in state.done]
+        if unknown:
+            raise Refused(ErrorCode.BAD_REQUEST, f"unknown job ids {unknown[:10]}")
+        waiter = Waiter(request.request_id, list(request.job_ids))
+        if not any(j in state.jobs for j in waiter.job_ids) or request.timeout <= 0:
+            return wait_result(state, waiter)
+        loop = asyncio.get_running_loop()
+        waiter.timer = loop.call_later(request.timeout, self._wait_timed_out, state, waiter)
+        state.waiters.append(waiter)
+        return None
+
+    def _wake_waiters(self, state: SessionState) -> None:
+        for waiter in list(state.waiters):
+            if not any(j in state.jobs for j in waiter.job_ids):
+                state.waiters.remove(waiter)
+                if waiter.timer is not None:
+                    waiter.timer.cancel()
+                self._send(state.identity, wait_result(state, waiter))
+
+    def _wait_timed_out(self, state: SessionState, waiter: Waiter) -> None:
+        if waiter in state.waiters and state.alive:
+            state.waiters.remove(waiter)
+            self._send(state.identity, wait_result(state, waiter))

@@ -1,0 +1,501 @@
+"""Sessions and their liveness: Hello, the per-session state, and how a session ends.
+
+A session is one peer (a rank or a scheduler) that said Hello; it is keyed by its socket
+identity in hex, which is also its registry session id.
+
+Contract of ``Sessions`` (the event loop's thread only):
+- ``hello(identity, hello)``: take the registration its token names (``offloadd.peer``: who
+  the kernel says the peer is, the descriptors it passed; used up by any Hello bringing it),
+  check the Hello against the limits and the tenancy, open its regions from those
+  descriptors, register the session under the peer's tenant and uid (replacing any earlier
+  session of the same peer or engine rank, of the same uid), answer ``Welcome``, and send
+  ``EngineReady`` to the whole engine when its last rank arrived. On a cuda daemon the CUDA
+  IPC imports block, so they run on the import thread: the peer's later requests are held in
+  the ``RequestGate`` until the Hello is answered, then handled in arrival order. Every
+  import opened is released, and the registration closed, on every path.
+- A session ends when the process that registered exits (its pidfd, taken when it
+  registered, watched on the loop), when it is silent for ``server.session_timeout`` and no
+  pidfd watches it
+  (``reap_silent_sessions``; the decision is ``silent_sessions``), on ``Bye``
+  (``end_session``), or when a new Hello replaces it. Ending abandons its jobs (nothing it
+  half-wrote becomes visible), answers its waiters, drops its pins, holds, reservations and
+  mirror, and releases its imports (copies in flight hold their own references).
+- ``unwatch_all()`` and ``handles_closed()``: the daemon is closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from offloadd.announce import Announcer
+from offloadd.cache.index import ChunkCache
+from offloadd.checks import Refused
+from offloadd.control import ControlSocket
+from offloadd.gate import RequestGate
+from offloadd.jobs import Job, Jobs, Waiter
+from offloadd.limits import Limits, Protection
+from offloadd.metrics import Metrics
+from offloadd.mirrors import Mirrors
+from offloadd.peer import REMOTE, Peer, PeerListener, Registration
+from offloadd.registry import Engine, RegistrationError, Registry, Session
+from offloadd.safety import engine_id_problem
+from offloadd.settings import Settings
+from offloadd.systemd import Notifier
+from offloadd.tenancy import Tenancy
+from offloadd.transfer.guarded import FileWindow
+from offloadd.transfer.handles import HandleError, HandleTable, Import
+from offloadd.transfer.plan import Span
+from protocol import PROTOCOL_VERSION
+from protocol.errors import ErrorCode
+from protocol.handles import CudaIpcHandle, ShmHandle
+from protocol.messages import EngineReady, Error, Hello, JobDone, Ok, Ping, Reply, Welcome
+from protocol.peer import peer_socket_path
+
+__all__ = ["SessionState", "Sessions", "close_on", "silent_sessions"]
+
+# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
+# (and set its level) by that name.
+logger = logging.getLogger("offloadd.daemon")
+
+
+@dataclass(eq=False)
+class SessionState:
+    """The daemon's runtime view of one registry session."""
+
+    identity: bytes
+    session: Session
+    imports: list[Import]
+    jobs: dict[int, Job] = field(default_factory=dict)
+    done: OrderedDict[int, JobDone] = field(default_factory=OrderedDict)
+    waiters: list[Waiter] = field(default_factory=list)
+    alive: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    spans: dict[int, tuple[Span, ...]] = field(default_factory=dict)  # by group, built lazily
+    pidfd: int | None = None  # watched with the loop: readable once the process exited
+    peer: Peer = REMOTE  # who the kernel says the peer is (offloadd.peer)
+    windows: tuple[FileWindow, ...] = ()  # its shared-memory files, reached by descriptor
+    unsealed: tuple[FileWindow, ...] = ()  # those that could shrink: checked before each job
+
+
+def silent_sessions(
+    states: Iterable[SessionState], *, now: float, timeout: float
+) -> list[SessionState]:
+    """The live sessions no pidfd watches that said nothing for ``timeout`` seconds."""
+    deadline = now - timeout
+    return [
+        state
+        for state in states
+        if state.pidfd is None and state.last_seen < deadline and state.alive
+    ]
+
+
+class Sessions:
+    """The live sessions of the daemon; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        cache: ChunkCache,
+        mirrors: Mirrors,
+        handles: HandleTable,
+        jobs: Jobs,
+        announce: Announcer,
+        control: ControlSocket,
+        *,
+        importer: ThreadPoolExecutor | None,
+        gate: RequestGate,
+        notify: Notifier,
+        metrics: Metrics,
+        peers: PeerListener | None,
+        tenancy: Tenancy,
+        limits: Limits,
+        protection: Protection,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self._cache = cache
+        self._mirrors = mirrors
+        self._handles: HandleTable | None = handles
+        self._jobs = jobs
+        self._announce = announce
+        self._importer = importer
+        self._gate = gate
+        self._notify = notify
+        self.endpoint = control.endpoint
+        self.metrics = metrics
+        self._send = control.send
+        self._protocol_error = control.protocol_error
+        self._handle_frames = control.handle_frames
+        self._peers = peers
+        self._tenancy = tenancy
+        self._limits = limits
+        self._protection = protection
+        self._announce_topic = announce.derived_topic
+        self._states: dict[str, SessionState] = {}
+
+    def __len__(self) -> int:
+        """Live sessions."""
+        return len(self._states)
+
+    def get(self, session_id: str) -> SessionState | None:
+        """The live session ``session_id`` (its identity in hex), if any."""
+        return self._states.get(session_id)
+
+    def handles_closed(self) -> None:
+        """Register nothing more (the daemon closed the handle table)."""
+        self._handles = None
+
+    def unwatch_all(self) -> None:
+        """Stop watching every session's process (the daemon is closing)."""
+        for state in list(self._states.values()):
+            self._unwatch_process(state)
+
+    def ping(self, state: SessionState | None, request: Ping) -> Reply:
+        """A heartbeat for ``request.session``, else for the sender's own session."""
+        vouched = self._states.get(request.session) if request.session else state
+        if vouched is not None:
+            vouched.last_seen = time.monotonic()
+        return Ok(request.request_id, int(vouched is not None))
+
+    # ----------------------------------------------------------------- hello
+
+    def hello(self, identity: bytes, hello: Hello) -> Reply | None:
+        """Register the sender; see the module docstring."""
+        # The token is used up by any Hello that brings it, refused or not.
+        peers = self._peers
+        taken = peers.take(hello.token, identity) if peers is not None else None
+        try:
+            registration = self._admit(identity, hello, taken)
+        except BaseException:
+            if taken is not None:
+                taken.close()
+            raise
+        if self._importer is not None and hello.regions:
+            # CUDA imports block (open, wait for the producer's event): run them on the
+            # import thread and hold this peer's later requests until the Hello is done.
+            loop = asyncio.get_running_loop()
+
+            def imported(future: Future[list[Import]]) -> None:
+                try:
+                    loop.call_soon_threadsafe(
+                        self._hello_imported, identity, hello, registration, future
+                    )
+                except RuntimeError:  # the loop is gone: nothing to answer
+                    registration.close()
+
+            try:
+                submitted = self._importer.submit(self._open_regions, hello, registration)
+            except BaseException:
+                registration.close()
+                raise
+            submitted.add_done_callback(imported)
+            self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
+            return None
+        try:
+            return self._register(
+                identity, hello, self._open_regions(hello, registration), registration
+            )
+        finally:
+            registration.close()  # the table keeps its own descriptors; the session its pidfd
+
+    def _admit(
+        self, identity: bytes, hello: Hello, registration: Registration | None
+    ) -> Registration:
+        """The checks of a Hello before its regions are opened. Returns the registration
+        behind it: who the kernel says the peer is, and the descriptors it passed."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise Refused(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol_version {hello.protocol_version} is not {PROTOCOL_VERSION}",
+            )
+        if self._jobs.draining:
+            raise Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        problem = engine_id_problem(hello.config.engine_id)  # it names logs, labels, topics
+        if problem:
+            raise Refused(ErrorCode.BAD_REQUEST, problem)
+        if self._peers is None:
+            # tcp:// (CURVE) and inproc://: no kernel identity. Such peers form one tenant of
+            # their own and bring no memory (the README's Security model).
+            if hello.regions:
+                raise Refused(
+                    ErrorCode.NOT_PERMITTED,
+                    f"{self.endpoint} is not an ipc:// endpoint: it carries no KV regions "
+                    "(no kernel identity); connect ranks over ipc://",
+                )
+            registration = Registration(b"", identity, REMOTE, [], None, 0.0)
+        if registration is None:
+            raise Refused(
+                ErrorCode.UNAUTHENTICATED,
+                "Hello without a valid registration token: register on "
+                f"{peer_socket_path(self.endpoint)} first (offloadd.client does); a token is "
+                "good for one Hello from the ZeroMQ identity it was made for, within "
+                f"{self.settings.limits.token_seconds:g}s",
+            )
+        if registration.exited():
+            raise Refused(ErrorCode.UNAUTHENTICATED, "the process that registered has exited")
+        uid, own = registration.peer.uid, identity.hex()
+        sessions = sum(1 for sid, st in self._states.items() if st.peer.uid == uid and sid != own)
+        problem = self._limits.session_problem(len(hello.regions), sessions)
+        if problem:
+            raise Refused(ErrorCode.TOO_LARGE, problem)
+        config = hello.config
+        derived = self._announce_topic(
+            config.model.name, config.engine_id, config.parallel.data_parallel_index
+        )
+        problem = self._tenancy.topic_problem(hello.kv_events_topic, derived)
+        if problem:
+            raise Refused(ErrorCode.NOT_PERMITTED, problem)
+        return registration
+
+    def _hello_imported(
+        self,
+        identity: bytes,
+        hello: Hello,
+        registration: Registration,
+        future: Future[list[Import]],
+    ) -> None:
+        """Finish a Hello whose regions were imported off the loop, then its held requests."""
+        try:
+            if self._handles is None:
+                return  # closed meanwhile; the table's close unmapped everything
+            try:
+                reply = self._register(identity, hello, future.result(), registration)
+            except Refused as refused:
+                self._protocol_error(identity, hello.request_id, refused.code, str(refused))
+            except Exception:
+                logger.exception("internal error while handling a Hello")
+                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+                self._send(
+                    identity,
+                    Error(hello.request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
+                )
+            else:
+                if reply is not None:
+                    self._send(identity, reply)
+        finally:
+            registration.close()
+            self._gate.open(identity)
+            while (frames := self._gate.next(identity)) is not None:
+                if self._handles is not None:  # else the daemon is closing: nobody to answer
+                    self._handle_frames(identity, frames)
+
+    def _register(
+        self, identity: bytes, hello: Hello, imports: list[Import], registration: Registration
+    ) -> Reply | None:
+        """The rest of a Hello once its regions are imported: register, answer Welcome."""
+        session_id = identity.hex()
+        peer = registration.peer
+        try:
+            outcome = self.registry.hello(
+                session_id, hello, tenant=self._tenancy.tenant_of(peer), uid=peer.uid
+            )
+        except RegistrationError as exc:
+            self._jobs.release_imports(imports)
+            raise Refused(exc.code, str(exc)) from None
+        except BaseException:
+            self._jobs.release_imports(imports)  # a bug below must not leak the mappings
+            raise
+        for old in outcome.replaced:
+            old_state = self._states.get(old.session_id)
+            if old_state is not None:
+                self._drop_state(old_state, "replaced by a new Hello")
+        windows = [imported.window for imported in imports if imported.window is not None]
+        unsealed = [i.window for i in imports if i.window is not None and not i.sealed]
+        state = SessionState(
+            identity,
+            outcome.session,
+            imports,
+            peer=peer,
+            windows=tuple(dict.fromkeys(windows)),
+            unsealed=tuple(dict.fromkeys(unsealed)),
+        )
+        self._states[session_id] = state
+        self._watch_process(state, registration)
+        engine = outcome.engine
+        logger.info(
+            "%s connected (uid %d, pid %d, %d regions, client %r, events topic %r); engine %s",
+            outcome.session.describe(),
+            peer.uid,
+            peer.pid,
+            len(hello.regions),
+            hello.client_name,  # %r: a client's string never forges or splits a log line
+            hello.kv_events_topic,
+            "ready" if engine.ready else f"waiting for ranks {engine.missing_ranks()}",
+        )
+        dp = hello.config.parallel.data_parallel_index
+        events = self._announce.endpoints_for(dp)
+        self._send(
+            identity,
+            Welcome(hello.request_id, PROTOCOL_VERSION, session_id, engine.state(), *events),
+        )
+        if outcome.became_ready:
+            self._engine_became_ready(engine)
+        else:
+            self._mirrors.start(outcome.session)
+        self.report_status()
+        return None
+
+    def _open_regions(self, hello: Hello, registration: Registration) -> list[Import]:
+        handles = self._handles
+        assert handles is not None, "daemon not started"
+        # Each engine moves one kind of memory: refuse the other kind here, not per job.
+        cuda = self.settings.server.copy_engine == "cuda"
+        for index, region in enumerate(hello.regions):
+            if isinstance(region.handle, CudaIpcHandle) != cuda:
+                raise Refused(ErrorCode.HANDLE_OPEN_FAILED, _wrong_memory(index, cuda=cuda))
+        imports: list[Import] = []
+        try:
+            for index, region in enumerate(hello.regions):
+                handle, fd = region.handle, None
+                if isinstance(handle, ShmHandle) and 0 <= handle.fd < len(registration.fds):
+                    fd = registration.fds[handle.fd]
+                try:
+                    imports.append(handles.open(handle, fd))
+                except HandleError as exc:
+                    raise Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
+            # One rank, one GPU: a job's copies run on that device's streams.
+            if len({imported.device for imported in imports}) > 1:
+                raise Refused(ErrorCode.BAD_GEOMETRY, "a rank's regions must all be on one device")
+        except BaseException:
+            self._jobs.release_imports(imports)  # whatever failed (a mapping, a bug): leak nothing
+            raise
+        return imports
+
+    def _engine_became_ready(self, engine: Engine) -> None:
+        assert engine.namespace is not None
+        logger.info(
+            "engine %s dp %d ready: %d ranks, namespace %s",
+            engine.key[0],
+            engine.key[1],
+            engine.world_size,
+            engine.namespace.name,
+        )
+        self._announce.engine_ready(engine)
+        message = EngineReady(engine.state())
+        for session in engine.sessions():
+            state = self._states.get(session.session_id)
+            if state is not None:
+                self._send(state.identity, message)
+        for session in engine.schedulers.values():
+            self._mirrors.start(session)
+
+    def report_status(self) -> None:
+        """Tell systemd how many engines and sessions the daemon serves."""
+        engines = self.registry.engines()
+        ready = sum(engine.ready for engine in engines)
+        self._notify.status(
+            f"serving on {self.endpoint}; {len(engines)} engines ({ready} ready), "
+            f"{len(self._states)} sessions"
+        )
+
+    # ----------------------------------------------------------------- liveness
+
+    def _watch_process(self, state: SessionState, registration: Registration) -> None:
+        """Reap the session the moment the process that registered exits (the kernel's pid,
+        never the Hello's; a pidfd taken when it registered, so a reused pid is no alias)."""
+        pidfd = registration.take_pidfd()
+        if pidfd is None:
+            return  # not visible from the daemon's pid namespace, or remote: heartbeats
+        state.pidfd = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._process_exited, state)
+
+    def _process_exited(self, state: SessionState) -> None:
+        if state.alive:
+            self.end_session(state, "its process exited")
+
+    def _unwatch_process(self, state: SessionState) -> None:
+        if state.pidfd is not None:
+            asyncio.get_running_loop().remove_reader(state.pidfd)
+            os.close(state.pidfd)
+            state.pidfd = None
+
+    async def reap_silent_sessions(self) -> None:
+        """End sessions that neither a pidfd watches nor a heartbeat keeps alive."""
+        timeout = self.settings.server.session_timeout
+        while True:
+            await asyncio.sleep(max(0.05, timeout / 4))
+            silent = silent_sessions(self._states.values(), now=time.monotonic(), timeout=timeout)
+            for state in silent:
+                if state.alive:  # still, when its turn comes
+                    self.end_session(state, f"silent for {timeout:.0f}s")
+
+    def end_session(self, state: SessionState, reason: str) -> None:
+        """Forget the session (Bye, process exit, silence); its engine waits for it again."""
+        outcome = self.registry.remove(state.session.session_id)
+        self._drop_state(state, reason)
+        self.report_status()
+        if outcome is not None and outcome.was_ready and not outcome.engine.ready:
+            # Its mirrors would go stale: they are sent a new snapshot when it is ready again.
+            self._mirrors.stop_engine(list(outcome.engine.schedulers.values()))
+        if outcome is not None and outcome.engine_dropped:
+            self.metrics.forget_engine(*outcome.engine.key)
+        if outcome is not None and outcome.was_ready and not outcome.engine_dropped:
+            logger.info(
+                "engine %s dp %d waiting for ranks %s",
+                outcome.engine.key[0],
+                outcome.engine.key[1],
+                outcome.engine.missing_ranks(),
+            )
+
+    def _drop_state(self, state: SessionState, reason: str) -> None:
+        """Fail the session's jobs so nothing half-written becomes visible; free its pins."""
+        if not state.alive:
+            return
+        state.alive = False
+        self._unwatch_process(state)
+        if self._states.get(state.session.session_id) is state:
+            del self._states[state.session.session_id]
+        cache = self._cache
+        self._jobs.abandon(state)  # also answers its waiters
+        session_id = state.session.session_id
+        cache.release_owner(session_id)
+        self._mirrors.stop(session_id)
+        cache.release_holds(session_id)
+        cache.release_reservations(session_id)
+        self._protection.forget(session_id)
+        self._jobs.release_imports(state.imports)  # in-flight jobs hold their own references
+        state.imports = []
+        logger.info(
+            "%s left (%s); %d jobs abandoned", state.session.describe(), reason, len(state.jobs)
+        )
+
+
+def close_on(importer: ThreadPoolExecutor) -> Callable[[Callable[[], None]], None]:
+    """A ``HandleTable`` closer that runs a CUDA import's close (it syncs a stream) on the
+    import thread, or at once when that thread is shut down (the daemon is exiting)."""
+
+    def close_import(close: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing a CUDA IPC import failed")
+
+        try:
+            importer.submit(run)
+        except RuntimeError:  # shut down: the daemon is exiting, close here
+            run()
+
+    return close_import
+
+
+def _wrong_memory(index: int, *, cuda: bool) -> str:
+    if cuda:
+        return (
+            f"region {index} is host shared memory, but this daemon runs the cuda copy "
+            'engine (server.copy_engine = "cuda"), which moves GPU memory: register CUDA '
+            "tensors (offloadd.cuda_ipc.kv_region_from_tensor), or use a daemon with "
+            'copy_engine = "cpu"'
+        )
+    return (
+        f"region {index} is CUDA memory, but this daemon runs the cpu copy engine: use a "
+        'daemon with server.copy_engine = "cuda" on a GPU node, or shared-memory regions'
+    )

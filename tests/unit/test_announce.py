@@ -1,0 +1,136 @@
+"""offloadd.announce: which engine hears of which cache change, and the journal beside it.
+
+Real registry, cache and mirrors; the publishers and the journal are fakes that record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from offloadd.announce import Announcer
+from offloadd.cache.index import ChunkCache, Entry
+from offloadd.mirrors import Mirrors
+from offloadd.registry import Engine, Registry
+from offloadd.settings import EventSettings
+from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from protocol.messages import Reply
+from tests.unit.test_registry import config, hello
+
+
+@dataclass
+class FakePublishers:
+    batches: list[tuple[str, int, KVEventBatch]] = field(default_factory=list)
+
+    def publish(self, topic: str, dp: int, batch: KVEventBatch) -> bool:
+        self.batches.append((topic, dp, batch))
+        return True
+
+    def endpoints_for(self, dp: int) -> tuple[str, str]:
+        return f"tcp://127.0.0.1:{5557 + dp}", f"tcp://127.0.0.1:{5558 + dp}"
+
+    def heard(self) -> dict[str, list[str]]:
+        """Event type names per topic, in order."""
+        heard: dict[str, list[str]] = {}
+        for topic, _dp, batch in self.batches:
+            heard.setdefault(topic, []).extend(type(event).__name__ for event in batch.events)
+        return heard
+
+
+@dataclass
+class FakeJournal:
+    removed_keys: list[bytes] = field(default_factory=list)
+
+    def removed(self, entries: list[Entry]) -> None:
+        self.removed_keys.extend(entry.key for entry in entries)
+
+
+def ready(registry: Registry, engine_id: str, *, events: bool = True, dp: int = 0) -> Engine:
+    outcome = None
+    for rank in range(2):
+        cfg = config(engine_id=engine_id, rank=rank, dp=dp)
+        cfg = msgspec.structs.replace(cfg, enable_kv_cache_events=events)
+        outcome = registry.hello(f"{engine_id}-{dp}-{rank}", hello(cfg))
+    assert outcome is not None and outcome.engine.ready
+    return outcome.engine
+
+
+def entry(namespace: str, name: bytes, *, committed: bool = True) -> Entry:
+    made = Entry(namespace, name.ljust(8, b".") + bytes(4), [0], (64,))
+    made.committed = committed
+    return made
+
+
+def rig() -> tuple[Registry, Announcer, FakePublishers, FakeJournal, list[Engine]]:
+    registry = Registry()
+    engines = [ready(registry, "a"), ready(registry, "b"), ready(registry, "quiet", events=False)]
+    cache = ChunkCache(1 << 20)
+    sent: list[tuple[str, Reply]] = []
+    mirrors = Mirrors(cache, registry, lambda session, message: sent.append((session, message)))
+    publishers, journal = FakePublishers(), FakeJournal()
+    announcer = Announcer(
+        EventSettings(topic_template="kv@{engine_id}@{dp}", pod="pod"),
+        registry,
+        cache,
+        mirrors,
+        journal=journal,  # type: ignore[arg-type]
+        events=publishers,  # type: ignore[arg-type]
+    )
+    return registry, announcer, publishers, journal, engines
+
+
+def test_every_engine_of_the_namespace_that_wants_events_hears_of_a_commit() -> None:
+    _registry, announcer, publishers, _journal, (a, _b, quiet) = rig()
+    assert a.namespace is quiet.namespace  # one model, one layout: one shared cache
+    assert a.namespace is not None
+    announcer.chunks_committed(a.namespace, [entry(a.namespace.name, b"one")])
+    assert publishers.heard() == {"kv@a@0": ["BlockStored"], "kv@b@0": ["BlockStored"]}
+    (_topic, dp, batch) = publishers.batches[0]
+    assert dp == 0 and batch.data_parallel_rank == 0
+    assert isinstance(batch.events[0], BlockStored) and batch.events[0].medium == "CPU"
+
+
+def test_removals_are_journaled_first_and_announced_only_for_committed_chunks() -> None:
+    _registry, announcer, publishers, journal, (a, _b, _quiet) = rig()
+    assert a.namespace is not None
+    name = a.namespace.name
+    gone = [entry(name, b"old"), entry(name, b"pending", committed=False)]
+    announcer.chunks_removed([*gone, entry("nobody@0000", b"orphan")])
+    assert len(journal.removed_keys) == 3  # the journal sees every entry
+    assert publishers.heard() == {"kv@a@0": ["BlockRemoved"], "kv@b@0": ["BlockRemoved"]}
+    removed = publishers.batches[0][2].events[0]
+    assert isinstance(removed, BlockRemoved) and len(removed.block_hashes) == 1
+
+
+def test_a_clear_tells_the_clearing_engine_all_cleared_and_the_others_what_went() -> None:
+    _registry, announcer, publishers, journal, (a, b, _quiet) = rig()
+    assert a.namespace is not None
+    removed = [entry(a.namespace.name, b"x"), entry(a.namespace.name, b"y", committed=False)]
+    keys = announcer.cleared(b, a.namespace, removed)
+    assert keys == [removed[0].key] and journal.removed_keys == [e.key for e in removed]
+    assert publishers.heard() == {"kv@b@0": ["AllBlocksCleared"], "kv@a@0": ["BlockRemoved"]}
+    assert isinstance(publishers.batches[0][2].events[0], AllBlocksCleared)
+
+
+def test_a_ready_engine_is_sent_what_its_namespace_holds_and_closing_stops_it() -> None:
+    _registry, announcer, publishers, journal, (a, _b, _quiet) = rig()
+    namespace = a.namespace
+    assert namespace is not None
+    announcer.engine_ready(a)
+    assert publishers.batches == []  # nothing held yet: nothing to say
+    cache = announcer._cache
+    held = [entry(namespace.name, name).key for name in (b"p", b"q")]
+    for shard in range(2):  # every rank's shard written: the chunks commit
+        writes = cache.begin_store(namespace.name, held, shard, namespace.shard_sizes_for_key)
+        committed = cache.finish_store(writes.writes, ok=True)
+    assert [e.key for e in committed] == held
+    announcer.engine_ready(a)
+    assert publishers.heard() == {"kv@a@0": ["BlockStored", "BlockStored"]}  # only to a
+    assert announcer.endpoints_for(1) == ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5559")
+    announcer.events_closed()
+    announcer.journal_closed()
+    announcer.chunks_removed(committed)
+    announcer.chunks_committed(namespace, committed)
+    assert len(publishers.batches) == 1 and journal.removed_keys == []
+    assert announcer.endpoints_for(0) == ("", "")

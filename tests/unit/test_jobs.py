@@ -1,0 +1,262 @@
+"""offloadd.jobs: the job table, copy completion, Wait and its waiters, the drain.
+
+No sockets: the copy engine, the cache, the handle table and the announcer are fakes, and
+replies land in a list. Copies finish when the test resolves their futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from offloadd.checks import Refused
+from offloadd.jobs import Job, Jobs
+from offloadd.metrics import Counters, Metrics
+from offloadd.registry import Namespace, Registry
+from offloadd.sessions import SessionState
+from offloadd.settings import ServerSettings
+from offloadd.transfer.engine import Direction, Triple
+from protocol.errors import ErrorCode
+from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
+from tests.unit.test_registry import register_engine
+
+MOVES: list[Triple] = [(0, 4096, 64)]
+
+
+@dataclass(eq=False)
+class FakeImport:
+    device: int = -1
+    refs: int = 1
+
+
+class FakeHandles:
+    def retain(self, imported: FakeImport) -> None:
+        imported.refs += 1
+
+    def release(self, imported: FakeImport) -> None:
+        imported.refs -= 1
+
+
+@dataclass
+class FakeCache:
+    calls: list[tuple[str, object]] = field(default_factory=list)
+
+    def finish_store(self, writes: list[object], *, ok: bool) -> list[object]:
+        self.calls.append(("finish_store", ok))
+        return []
+
+    def finish_load(self, entries: list[object]) -> None:
+        self.calls.append(("finish_load", len(entries)))
+
+    def abandon(self, writes: list[object]) -> None:
+        self.calls.append(("abandon", len(writes)))
+
+
+@dataclass
+class FakeAnnouncer:
+    committed: list[tuple[str, list[object]]] = field(default_factory=list)
+
+    def journal_commits(self, entries: list[object]) -> list[object]:
+        return []
+
+    def journal_failure(self) -> str:
+        return ""
+
+    def chunks_committed(self, namespace: Namespace, entries: list[object]) -> None:
+        self.committed.append((namespace.name, entries))
+
+
+class FakeCopyEngine:
+    """Hands out futures the test resolves; refuses while ``refuse`` is set."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.futures: list[Future[float]] = []
+        self.refuse = False
+
+    def submit(
+        self,
+        direction: Direction,
+        moves: Sequence[Triple],
+        *,
+        device: int = -1,
+        wait_event: bytes | None = None,
+    ) -> Future[float]:
+        if self.refuse:
+            raise RuntimeError("no lane")
+        future: Future[float] = Future()
+        self.futures.append(future)
+        return future
+
+
+@dataclass
+class Rig:
+    jobs: Jobs
+    state: SessionState
+    imported: FakeImport
+    cache: FakeCache
+    copies: FakeCopyEngine
+    announcer: FakeAnnouncer
+    counters: Counters
+    sent: list[Reply]
+
+    def job(self, job_id: int, direction: Direction = Direction.STORE) -> Job:
+        return Job(job_id, self.state, direction, [b"k" * 8 + bytes(4)], [], 4096)
+
+    def submit(self, job_id: int, direction: Direction = Direction.STORE) -> Job:
+        job = self.job(job_id, direction)
+        reply = self.jobs.submit(self.state, 100 + job_id, job, MOVES)
+        assert reply == JobAccepted(100 + job_id, job_id)
+        return job
+
+    def replies(self, kind: type[Any]) -> list[Any]:
+        return [reply for reply in self.sent if isinstance(reply, kind)]
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    registry = Registry()
+    session = register_engine(registry)[0].session
+    imported = FakeImport()
+    state = SessionState(b"peer", session, [imported])  # type: ignore[list-item]
+    cache, copies, announcer, counters = FakeCache(), FakeCopyEngine(), FakeAnnouncer(), Counters()
+    sent: list[Reply] = []
+
+    def send(identity: bytes, message: Reply) -> None:
+        assert identity == b"peer"
+        sent.append(message)
+
+    jobs = Jobs(
+        ServerSettings(recent_jobs=3, drain_seconds=0.05),
+        registry,
+        cache,  # type: ignore[arg-type]
+        copies,
+        FakeHandles(),  # type: ignore[arg-type]
+        announcer,  # type: ignore[arg-type]
+        journal=None,
+        metrics=Metrics(),
+        counters=counters,
+        send=send,
+    )
+    yield Rig(jobs, state, imported, cache, copies, announcer, counters, sent)
+
+
+async def settle(condition: Any, timeout: float = 5.0) -> None:
+    """Let the loop run callbacks until ``condition()`` holds (or fail after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.asyncio
+async def test_a_finished_copy_commits_answers_its_waiter_and_lets_the_imports_go(
+    rig: Rig,
+) -> None:
+    rig.submit(1)
+    assert rig.jobs.in_flight == 1 and rig.imported.refs == 2 and 1 in rig.state.jobs
+    assert rig.jobs.wait(rig.state, Wait(7, [1], timeout=30.0)) is None  # waits for job 1
+    rig.copies.futures[0].set_result(0.25)
+    await settle(lambda: rig.jobs.in_flight == 0)
+    done = JobDone(1, True, [], 4096, 0.25, "")
+    assert rig.sent == [done, WaitResult(7, [done], [])]
+    assert rig.cache.calls == [("finish_store", True)]
+    assert rig.announcer.committed and rig.counters.bytes_stored == 4096
+    assert rig.imported.refs == 1 and not rig.state.jobs and not rig.state.waiters
+    # Finished jobs stay known to Wait: answered at once.
+    assert rig.jobs.wait(rig.state, Wait(8, [1], timeout=30.0)) == WaitResult(8, [done], [])
+
+
+@pytest.mark.asyncio
+async def test_a_failed_copy_fails_every_key_and_is_counted(rig: Rig) -> None:
+    job = rig.submit(1, Direction.LOAD)
+    rig.copies.futures[0].set_exception(OSError("bus error"))
+    await settle(lambda: rig.jobs.in_flight == 0)
+    (done,) = rig.replies(JobDone)
+    assert not done.ok and done.failed_keys == job.keys and "copy failed: bus error" in done.error
+    assert rig.cache.calls == [("finish_load", 0)]
+    assert rig.counters.jobs_failed == 1 and rig.counters.bytes_loaded == 0
+
+
+@pytest.mark.asyncio
+async def test_wait_answers_at_once_refuses_unknown_ids_and_times_out(rig: Rig) -> None:
+    with pytest.raises(Refused, match=r"unknown job ids \[5\]") as refused:
+        rig.jobs.wait(rig.state, Wait(1, [5], timeout=1.0))
+    assert refused.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(Refused, match="NaN"):
+        rig.jobs.wait(rig.state, Wait(1, [], timeout=math.nan))
+    rig.submit(2)
+    # A timeout of 0 is a poll: the job is still pending.
+    assert rig.jobs.wait(rig.state, Wait(2, [2], timeout=0.0)) == WaitResult(2, [], [2])
+    assert rig.jobs.wait(rig.state, Wait(3, [2], timeout=0.01)) is None
+    await settle(lambda: rig.replies(WaitResult))
+    assert rig.replies(WaitResult) == [WaitResult(3, [], [2])] and not rig.state.waiters
+
+
+@pytest.mark.asyncio
+async def test_each_session_keeps_its_last_recent_jobs_for_wait(rig: Rig) -> None:
+    for job_id in range(5):
+        rig.jobs.accept_without_copy(rig.state, job_id, rig.job(job_id))
+    assert list(rig.state.done) == [2, 3, 4]  # recent_jobs = 3
+    assert rig.replies(JobAccepted) == [JobAccepted(i, i) for i in range(5)]
+    with pytest.raises(Refused, match="unknown job ids"):
+        rig.jobs.wait(rig.state, Wait(9, [1], timeout=0.0))
+
+
+@pytest.mark.asyncio
+async def test_nothing_to_move_completes_the_job_at_once(rig: Rig) -> None:
+    assert rig.jobs.submit(rig.state, 11, rig.job(1), []) is None  # answered already
+    assert rig.sent == [JobAccepted(11, 1), JobDone(1, True, [], 4096, 0.0, "")]
+    assert rig.cache.calls == [("finish_store", True)] and rig.jobs.in_flight == 0
+    assert not rig.copies.futures
+
+
+@pytest.mark.asyncio
+async def test_a_job_the_copy_engine_refuses_is_unbooked(rig: Rig) -> None:
+    rig.copies.refuse = True
+    with pytest.raises(Refused, match="refused the job: no lane") as refused:
+        rig.jobs.submit(rig.state, 1, rig.job(1), MOVES)
+    assert refused.value.code == ErrorCode.INTERNAL
+    assert rig.jobs.in_flight == 0 and not rig.state.jobs and rig.imported.refs == 1
+    assert rig.cache.calls == [("finish_store", False)]
+    await rig.jobs.drain()  # nothing in flight: returns at once
+
+
+@pytest.mark.asyncio
+async def test_an_abandoned_session_answers_its_waiters_and_its_late_copy_nobody(
+    rig: Rig,
+) -> None:
+    job = rig.submit(1)
+    assert rig.jobs.wait(rig.state, Wait(5, [1], timeout=30.0)) is None
+    rig.state.alive = False  # what Sessions does before abandoning
+    rig.jobs.abandon(rig.state)
+    assert job.abandoned and ("abandon", 0) in rig.cache.calls
+    assert rig.sent == [WaitResult(5, [], [1])] and not rig.state.waiters
+    draining = asyncio.ensure_future(rig.jobs.drain())
+    rig.copies.futures[0].set_result(0.1)
+    await asyncio.wait_for(draining, 5)
+    assert rig.jobs.in_flight == 0 and rig.imported.refs == 1
+    assert rig.cache.calls[-1] == ("finish_store", False)  # abandoned: nothing commits
+    assert rig.sent == [WaitResult(5, [], [1])]  # the late JobDone went to nobody
+
+
+@pytest.mark.asyncio
+async def test_the_drain_gives_up_after_its_grace(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.submit(1)
+    rig.jobs.draining = True
+    with caplog.at_level(logging.WARNING, logger="offloadd.daemon"):
+        await asyncio.wait_for(rig.jobs.drain(), 5)  # drain_seconds = 0.05
+    assert "1 jobs still in flight after" in caplog.text
+    rig.copies.futures[0].set_result(0.1)
+    await settle(lambda: rig.jobs.in_flight == 0)
