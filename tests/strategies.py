@@ -1,9 +1,11 @@
-"""Hypothesis strategies shared by the wire tests."""
+"""Hypothesis strategies shared by the wire tests, and the settings of property tests."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from protocol.config import (
@@ -13,6 +15,19 @@ from protocol.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+
+# `make mutate` runs the unit tests once per mutant: property tests then draw fewer examples,
+# always the same ones, so that a run stays short and its verdicts repeat.
+MUTATING = bool(os.environ.get("OFFLOADD_MUTATE"))
+
+
+def property_settings(max_examples: int, **kwargs: Any) -> settings:
+    """``settings(max_examples=..., deadline=None, **kwargs)``; a fifth, derandomized, under
+    ``make mutate``."""
+    if MUTATING:
+        kwargs.update(derandomize=True, database=None)
+        max_examples = max(10, max_examples // 5)
+    return settings(max_examples=max_examples, deadline=None, **kwargs)
 
 
 def offloading_configs(

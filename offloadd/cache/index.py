@@ -47,7 +47,7 @@ import time
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, pairwise
 from types import MappingProxyType
 
 from offloadd.cache.allocator import ExtentAllocator
@@ -271,9 +271,10 @@ class ChunkCache:
         """Rebuild committed entries after a restart (only into an empty cache).
 
         ``chunks`` come in the order they were committed, which seeds the eviction order.
-        A chunk whose extents are unaligned, outside the arena or overlap an earlier one is
-        skipped (a damaged record must never alias live bytes), and so is one whose extent
-        straddles the allocator's boundary (written by a daemon that did not cut the arena).
+        A chunk whose extents are unaligned, outside the arena, overlap an earlier chunk's or
+        each other is skipped (a damaged record must never alias live bytes), and so is one
+        whose extent straddles the allocator's boundary (written by a daemon that did not cut
+        the arena).
         Returns how many were kept.
         """
         if self._entries:
@@ -293,6 +294,9 @@ class ChunkCache:
                 continue
             if any(_overlaps(taken, start, end) for start, end in spans):
                 continue
+            ordered = sorted(spans)
+            if any(end > start for (_, end), (start, _) in pairwise(ordered)):
+                continue  # its own shards overlap
             for span in spans:
                 insort(taken, span)
             kept.append(chunk)

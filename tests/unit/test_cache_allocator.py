@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from offloadd.cache.allocator import ExtentAllocator
+from tests.strategies import property_settings
 
 A = 4096
 
@@ -33,12 +33,19 @@ def test_capacity_rounds_down_to_align() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="align must be positive, got 0"):
         ExtentAllocator(A, align=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="capacity must not be negative, got -1"):
         ExtentAllocator(-1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="size must be positive, got 0"):
         ExtentAllocator(A).alloc(0)
+    with pytest.raises(ValueError, match="boundary must be 0 or a multiple of align, got -4096"):
+        ExtentAllocator(A, boundary=-A)
+    # The smallest legal values.
+    assert ExtentAllocator(0).free_extents() == []
+    assert ExtentAllocator(0).alloc(1) is None
+    tiny = ExtentAllocator(3, align=1)
+    assert [tiny.alloc(1), tiny.alloc(2), tiny.alloc(1)] == [0, 1, None]
 
 
 def test_exact_fit_reuses_the_hole_of_the_same_size() -> None:
@@ -90,12 +97,16 @@ def test_double_free_and_bad_free_raise() -> None:
     alloc = ExtentAllocator(8 * A)
     off = alloc.alloc(2 * A)
     assert off is not None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"extent \(0, 12288\) is not allocated"):
         alloc.free(off, 3 * A)  # wrong size
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"extent \(4096, 4096\) is not allocated"):
         alloc.free(off + A, A)  # inside an extent, not its start
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(off, A)  # its start, but only part of it
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(2 * A, A)  # free space
     alloc.free(off, 2 * A)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not allocated"):
         alloc.free(off, 2 * A)
     assert alloc.used_bytes == 0
     assert alloc.free_extents() == [(0, 8 * A)]
@@ -178,7 +189,7 @@ class AllocatorModel(RuleBasedStateMachine):
         off = data.draw(st.sampled_from(sorted(self.held)))
         size = self.held.pop(off)
         self.alloc.free(off, size)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="is not allocated"):
             self.alloc.free(off, size)
 
     @invariant()
@@ -192,7 +203,7 @@ class AllocatorModel(RuleBasedStateMachine):
 
 
 TestAllocatorModel = AllocatorModel.TestCase
-TestAllocatorModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestAllocatorModel.settings = property_settings(150, stateful_step_count=40)
 
 
 # --- boundaries: no extent straddles a multiple of ``boundary`` (pinned pieces) ----------------
@@ -212,13 +223,26 @@ def test_boundary_cuts_the_free_space_and_is_never_straddled() -> None:
     assert alloc.alloc(2 * A) == 8 * A
 
 
-def test_freeing_never_merges_across_a_boundary() -> None:
+@pytest.mark.parametrize("descending", [False, True])
+def test_freeing_never_merges_across_a_boundary(descending: bool) -> None:
     alloc = ExtentAllocator(8 * A, boundary=4 * A)
     offsets = [alloc.alloc(A) for _ in range(8)]
     assert sorted(o for o in offsets if o is not None) == [i * A for i in range(8)]
-    for offset in range(0, 8 * A, A):
+    for offset in sorted(range(0, 8 * A, A), reverse=descending):
         alloc.free(offset, A)
     assert alloc.free_extents() == [(0, 4 * A), (4 * A, 4 * A)]
+
+
+def test_straddles_at_the_edges_of_a_piece() -> None:
+    alloc = ExtentAllocator(8 * A, boundary=4 * A)
+    assert not alloc.straddles(3 * A, A)  # ends at the cut
+    assert alloc.straddles(3 * A, A + 1)
+    assert not alloc.straddles(4 * A - 1, 1)
+    assert alloc.straddles(4 * A - 1, 2)
+    assert not alloc.straddles(4 * A, 4 * A)
+    assert not alloc.straddles(4 * A - 1, 0)  # nothing at all
+    assert not alloc.straddles(4 * A, 0)
+    assert not ExtentAllocator(8 * A).straddles(3 * A, 4 * A)  # no cuts
 
 
 def test_with_allocated_keeps_the_cuts_and_refuses_a_straddling_extent() -> None:
@@ -228,6 +252,51 @@ def test_with_allocated_keeps_the_cuts_and_refuses_a_straddling_extent() -> None
         ExtentAllocator.with_allocated(12 * A, [(3 * A, 2 * A)], boundary=4 * A)
     with pytest.raises(ValueError, match="boundary"):
         ExtentAllocator(12 * A, boundary=A + 1)
+
+
+def test_with_allocated_rebuilds_used_and_free_extents() -> None:
+    alloc = ExtentAllocator.with_allocated(10 * A + 5, [(6 * A, 100), (0, A), (A, 2 * A)])
+    assert alloc.capacity == 10 * A
+    assert alloc.used_bytes == 4 * A
+    assert alloc.free_extents() == [(3 * A, 3 * A), (7 * A, 3 * A)]
+    assert alloc.largest_free == 3 * A
+    # The extents given are allocated: each can be freed once, as passed, and they coalesce.
+    alloc.free(A, 2 * A)
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(A, 2 * A)
+    alloc.free(0, A)
+    alloc.free(6 * A, 100)
+    assert alloc.free_extents() == [(0, 10 * A)] and alloc.used_bytes == 0
+    # Nothing in use, or everything.
+    assert ExtentAllocator.with_allocated(4 * A, []).free_extents() == [(0, 4 * A)]
+    full = ExtentAllocator.with_allocated(4 * A, [(0, 4 * A)])
+    assert (full.free_extents(), full.used_bytes, full.alloc(1)) == ([], 4 * A, None)
+
+
+def test_with_allocated_takes_the_alignment_given() -> None:
+    alloc = ExtentAllocator.with_allocated(100, [(10, 10), (30, 5)], align=10)
+    assert alloc.align == 10
+    assert alloc.used_bytes == 20
+    assert alloc.free_extents() == [(0, 10), (20, 10), (40, 60)]
+    assert alloc.alloc(1) == 0
+    with pytest.raises(ValueError, match=r"extent \(5, 10\) is unaligned"):
+        ExtentAllocator.with_allocated(100, [(5, 10)], align=10)
+
+
+@pytest.mark.parametrize(
+    "extents",
+    [
+        [(A + 1, A)],  # unaligned
+        [(0, 2 * A), (A, A)],  # overlapping
+        [(A, A), (A, A)],  # the same twice
+        [(3 * A, 2 * A)],  # past the end
+        [(4 * A, 1)],  # starts at the end
+        [(-A, A)],  # before the start
+    ],
+)
+def test_with_allocated_refuses_what_cannot_be_in_use(extents: list[tuple[int, int]]) -> None:
+    with pytest.raises(ValueError, match="is unaligned, overlaps or is outside"):
+        ExtentAllocator.with_allocated(4 * A, extents)
 
 
 @pytest.mark.parametrize("page_kib", [18, 40, 61])

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 import pytest
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.cache.index import ChunkCache, Entry, RestoredChunk, ShardWrite, _overlaps
+from tests.strategies import property_settings
 
 A = 4096
 NS = "ns"
@@ -100,6 +100,27 @@ def test_lookup_counts_leading_hits_and_reports_every_pending_key() -> None:
     assert cache.lookup("other", [k(0)]).hits == 0
 
 
+def test_a_pending_key_ends_the_prefix_hit() -> None:
+    cache = ChunkCache(16 * A)
+    store(cache, [k(0), k(2)])
+    cache.begin_store(NS, [k(1)], 0, two_shards)  # pending between two committed keys
+    out = cache.lookup(NS, [k(0), k(1), k(2)])
+    assert (out.hits, out.pending) == (1, [1])
+    s = cache.stats()
+    assert (s.hit_keys, s.miss_keys) == (1, 2)
+
+
+def test_a_lookup_touches_only_its_hits() -> None:
+    cache = ChunkCache(5 * A)
+    store(cache, [k(0), k(1), k(2)])
+    cache.begin_store(NS, [k(3)], 0, two_shards)  # pending, its copy in flight
+    # k(0) is a hit; k(1) and k(2) come after a miss: not touched, so still the oldest.
+    assert cache.lookup(NS, [k(0), k(9), k(1), k(2)]).hits == 1
+    assert evicted_keys(store(cache, [k(4)])) == [k(1)]
+    assert evicted_keys(store(cache, [k(5)])) == [k(2)]
+    assert evicted_keys(store(cache, [k(6)])) == [k(0)]
+
+
 def test_restore_of_committed_or_in_flight_shards_is_skipped() -> None:
     cache = ChunkCache(16 * A)
     store(cache, [k(0)], two_shards)
@@ -128,25 +149,60 @@ def test_failed_store_leaves_nothing_visible_and_can_be_retried() -> None:
 def test_misuse_raises_and_changes_nothing() -> None:
     cache = ChunkCache(16 * A)
     r = cache.begin_store(NS, [k(0)], 0, two_shards)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"shard 0 of Entry\('ns', 00000000, pending.* is not"):
         cache.finish_store([*r.writes, *r.writes], ok=True)
     assert r.writes[0].entry.writing == 1
     cache.finish_store(r.writes, ok=True)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"shard 0 of .* is not being written"):
         cache.finish_store(r.writes, ok=True)
     # shard 2 is outside the 2-shard layout of the pending k(0); the write on k(1) is undone.
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="shard 2 out of range for 2 shards of 00000000 in names"):
         cache.begin_store(NS, [k(1), k(0)], 2, lambda _: (A, A, A))
     new = cache.get(NS, k(1))
     assert new is not None and new.writing == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"bad shard sizes \(4096,\) for shard 1 of 00000002"):
         cache.begin_store(NS, [k(2)], 1, one_shard)
+    with pytest.raises(ValueError, match="bad shard sizes"):
+        cache.begin_store(NS, [k(2)], 0, lambda _: (A, 0))
+    with pytest.raises(ValueError, match="bad shard sizes"):
+        cache.begin_store(NS, [k(2)], 0, lambda _: ())
+    with pytest.raises(ValueError, match="shard must not be negative, got -1"):
+        cache.begin_store(NS, [k(2)], -1, one_shard)
+    assert cache.get(NS, k(2)) is None
     store(cache, [k(3)])
     entry = cache.get(NS, k(3))
     assert entry is not None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"Entry\('ns', 00000003, committed.* is not being read"):
         cache.finish_load([entry])
     assert entry.readers == 0
+    load = cache.begin_load(NS, [k(3)])
+    with pytest.raises(ValueError, match="is not being read"):
+        cache.finish_load([entry, entry])  # one read begun, two ended
+    assert entry.readers == 1
+    cache.finish_load(load.entries)
+    assert entry.readers == 0
+
+
+def test_alignment_and_sizes_per_key() -> None:
+    def by_key(key: bytes) -> tuple[int, ...]:
+        return (100 * (key[-1] + 1), 1)
+
+    cache = ChunkCache(4096, align=512)
+    res = cache.begin_store(NS, [k(0), k(5)], 0, by_key)
+    assert [(w.size, w.entry.sizes) for w in res.writes] == [(100, (100, 1)), (600, (600, 1))]
+    assert all(off % 512 == 0 for w in res.writes for off in w.entry.offsets)
+    assert cache.stats().used_bytes == 512 + 512 + 1024 + 512
+    assert cache.get("unknown", k(0)) is None and cache.get(NS, k(9)) is None
+
+
+def test_a_short_lease_pins_and_release_counts_the_pins_dropped() -> None:
+    clock = Clock()
+    cache = ChunkCache(2 * A, clock=clock)
+    store(cache, [k(0), k(1)])
+    assert cache.lookup(NS, [k(0), k(1)], pin_owner="s", lease=0.5).pinned == 2
+    assert cache.begin_store(NS, [k(2)], 0, one_shard).refused == [0]
+    assert cache.release(NS, [k(0), k(1)], "s") == 2
+    assert cache.release(NS, [k(0)], "s") == 0
 
 
 # -- loads -------------------------------------------------------------------------------------
@@ -345,6 +401,24 @@ def test_abandon_leaves_committed_entries_and_finished_writes_alone() -> None:
     assert cache.stats().used_bytes == A
 
 
+def test_abandon_of_a_batch_with_finished_and_unfinished_writes() -> None:
+    cache = ChunkCache(8 * A)
+    writes = cache.begin_store(NS, [k(0), k(1), k(2)], 0, two_shards).writes
+    cache.finish_store(writes[:1], ok=True)  # k(0)'s shard 0 is written, the others are not
+    other = cache.begin_store(NS, [k(0)], 1, two_shards).writes  # another rank's shard
+    cache.abandon(writes)
+    # Only entries with a copy of this batch still in flight go; k(0) waits for shard 1.
+    kept = cache.get(NS, k(0))
+    assert kept is writes[0].entry and not kept.dead
+    assert cache.get(NS, k(1)) is None and cache.get(NS, k(2)) is None
+    assert writes[1].entry.dead and writes[2].entry.dead
+    assert cache.stats().used_bytes == 6 * A  # k(1), k(2) still being written
+    assert cache.finish_store(writes[1:], ok=True) == []
+    assert cache.stats().used_bytes == 2 * A
+    assert cache.finish_store(other, ok=True) == [kept]
+    assert cache.lookup(NS, [k(0), k(1)]).hits == 1
+
+
 def test_pending_entry_whose_other_shard_never_arrives_is_evicted_under_pressure() -> None:
     cache = ChunkCache(4 * A)
     half = cache.begin_store(NS, [k(0)], 0, two_shards).writes
@@ -387,6 +461,28 @@ def test_fragmented_arena_keeps_evicting_until_the_extent_fits() -> None:
     assert cache.stats().used_bytes == 3 * A
 
 
+def test_a_multi_shard_key_that_fits_only_partly_holds_nothing() -> None:
+    clock = Clock()
+    cache = ChunkCache(6 * A, clock=clock)
+    store(cache, [k(i) for i in range(6)])
+    cache.remove(NS, [k(0), k(2), k(4)])  # three free pages, none next to another
+    cache.lookup(NS, [k(1), k(3), k(5)], pin_owner="s", lease=10.0)
+    # Its first shard fits a hole, its second (two pages) fits nowhere: nothing is kept.
+    res = cache.begin_store(NS, [k(9)], 0, lambda _: (A, 2 * A))
+    assert res.refused == [0] and res.writes == [] and res.evicted == []
+    s = cache.stats()
+    assert (s.used_bytes, s.entries) == (3 * A, 3)
+    # Once one pin lapses, evicting a neighbour makes the two pages it needs.
+    cache.release(NS, [k(3)], "s")
+    res = cache.begin_store(NS, [k(9)], 0, lambda _: (A, 2 * A))
+    assert res.refused == [] and evicted_keys(res.evicted) == [k(3)]
+    assert cache.stats().used_bytes == 5 * A
+    assert sorted(w.offset for w in res.writes) == [0]
+    entry = res.writes[0].entry
+    assert entry.offsets[1] in (2 * A, 3 * A)
+    assert cache.get(NS, k(9)) is entry
+
+
 def test_a_key_larger_than_the_arena_is_refused_without_evicting() -> None:
     cache = ChunkCache(4 * A)
     store(cache, [k(0)])
@@ -405,6 +501,25 @@ def test_arc_keeps_reused_keys_that_lru_evicts(policy: str, victim: int) -> None
     assert evicted_keys(store(cache, [k(4)])) == [k(2)]
     assert evicted_keys(store(cache, [k(2)])) == [k(3)]  # ARC: a B1 ghost, back into T2
     assert evicted_keys(store(cache, [k(5)])) == [k(victim)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "victims", "left"),
+    [("lru", [2, 3, 4, 0, 1], [5, 6, 7, 8]), ("arc", [2, 3, 4, 1, 5], [6, 7, 8, 0])],
+)
+def test_arc_remembers_evicted_keys_as_ghosts_but_not_removed_ones(
+    policy: str, victims: list[int], left: list[int]
+) -> None:
+    cache = ChunkCache(4 * A, policy=policy)
+    store(cache, [k(0), k(1), k(2), k(3)])
+    assert evicted_keys(store(cache, [k(4)])) == [k(0)]  # ARC: k(0) becomes a B1 ghost
+    assert [e.key for e in cache.remove(NS, [k(1)])] == [k(1)]  # removed: no ghost
+    assert store(cache, [k(0)]) == []  # ARC: a ghost hit, straight into T2
+    gone = evicted_keys(store(cache, [k(1)]))  # a plain new key in T1
+    for i in range(5, 9):
+        gone += evicted_keys(store(cache, [k(i)]))
+    assert gone == [k(i) for i in victims]
+    assert [c.key for c in cache.committed_chunks()] == [k(i) for i in left]
 
 
 def test_unknown_policy() -> None:
@@ -447,6 +562,121 @@ def test_clear_namespace() -> None:
     assert cache.clear_namespace("a") == []
     store(cache, [k(0)], ns="a")
     assert cache.lookup("a", [k(0)]).hits == 1
+
+
+# -- restart: committed_chunks and restore ------------------------------------------------------
+
+
+def chunk(key: bytes, *extents: tuple[int, int], ns: str = NS) -> RestoredChunk:
+    return RestoredChunk(
+        ns, key, tuple(off for off, _ in extents), tuple(size for _, size in extents)
+    )
+
+
+def test_overlaps_tells_a_new_extent_from_sorted_taken_ones() -> None:
+    taken = [(0, A), (2 * A, 4 * A), (6 * A, 7 * A)]
+    assert not _overlaps(taken, A, 2 * A)  # between two: touching both, overlapping none
+    assert not _overlaps(taken, 4 * A, 6 * A)
+    assert not _overlaps(taken, 7 * A, 9 * A)
+    assert not _overlaps([], 0, A)
+    assert _overlaps(taken, 0, A)  # the same extent
+    assert _overlaps(taken, A - 1, A + 1)  # the end of the one before
+    assert _overlaps(taken, 3 * A, 3 * A + 1)  # inside one
+    assert _overlaps(taken, A, 2 * A + 1)  # the start of the one after
+    assert _overlaps(taken, 5 * A, 8 * A)  # one inside it
+    assert _overlaps(taken, 2 * A, 2 * A + 1)  # starts where one starts
+
+
+def test_committed_chunks_lists_committed_entries_least_recent_first() -> None:
+    cache = ChunkCache(16 * A)
+    store(cache, [k(0), k(1)], two_shards)
+    store(cache, [k(2)], ns="other")
+    cache.begin_store(NS, [k(3)], 0, two_shards)  # pending: not listed
+    cache.lookup(NS, [k(0)])
+    chunks = cache.committed_chunks()
+    assert [(c.namespace, c.key) for c in chunks] == [(NS, k(1)), ("other", k(2)), (NS, k(0))]
+    first = cache.get(NS, k(1))
+    assert first is not None
+    assert chunks[0] == RestoredChunk(NS, k(1), tuple(first.offsets), (A, A))
+    assert all(isinstance(c.offsets, tuple) for c in chunks)
+    assert ChunkCache(A).committed_chunks() == []
+
+
+def test_restore_rebuilds_committed_entries_in_commit_order() -> None:
+    cache = ChunkCache(8 * A)
+    kept = cache.restore(
+        [
+            chunk(k(0), (4 * A, A), (6 * A, 2 * A)),
+            chunk(k(1), (0, 100)),
+            chunk(k(1), (A, A), ns="other"),
+            chunk(k(2), (2 * A, A), (3 * A, A), ns="adjacent"),  # shards side by side
+        ]
+    )
+    assert kept == 4
+    assert cache.remove("adjacent", [k(2)])[0].offsets == []
+    s = cache.stats()
+    assert (s.entries, s.committed, s.pending, s.used_bytes) == (3, 3, 0, 5 * A)
+    assert s.committed_bytes == A + 2 * A + 100 + A
+    entry = cache.get(NS, k(0))
+    assert entry is not None and entry.committed and not entry.dead
+    assert (entry.offsets, entry.sizes, entry.written, entry.writing) == (
+        [4 * A, 6 * A],
+        (A, 2 * A),
+        3,
+        0,
+    )
+    assert cache.lookup(NS, [k(0), k(1)]).hits == 2
+    assert cache.keys_in("other") == [k(1)]
+    # The commit order seeds the eviction order (then the lookups touched what they hit).
+    assert [(c.namespace, c.key) for c in cache.committed_chunks()] == [
+        ("other", k(1)),
+        (NS, k(1)),
+        (NS, k(0)),
+    ]
+    cache.lookup("other", [k(1)])
+    # New extents go around the restored ones.
+    res = cache.begin_store(NS, [k(5), k(6), k(7)], 0, one_shard)
+    assert sorted(w.offset for w in res.writes) == [2 * A, 3 * A, 5 * A]
+    assert res.evicted == []
+    cache.finish_store(res.writes, ok=True)
+    assert evicted_keys(store(cache, [k(8)])) == [k(1)]
+    assert evicted_keys(store(cache, [k(9)])) == [k(0)]  # both of its shards are freed
+    assert cache.stats().used_bytes == 6 * A
+
+
+def test_restore_skips_damaged_records_and_keeps_the_rest() -> None:
+    cache = ChunkCache(8 * A + 100, boundary=4 * A)
+    kept = cache.restore(
+        [
+            chunk(k(0), (0, A)),
+            chunk(k(1), (A + 1, A)),  # unaligned
+            chunk(k(2), (8 * A, A)),  # past the (aligned) end of the arena
+            chunk(k(3), (-A, A)),  # before its start
+            chunk(k(4), (0, 1)),  # overlaps k(0)
+            chunk(k(5), (A, A), (A, A)),  # its two shards overlap each other
+            chunk(k(6), (3 * A, 2 * A)),  # straddles the boundary at 4A
+            chunk(k(7), (2 * A, A), (0, A)),  # its second shard overlaps k(0)
+            chunk(k(8), (7 * A, A)),  # ends exactly at the end of the arena
+            chunk(k(9), (A, 2 * A)),  # ends where the boundary is
+        ]
+    )
+    assert kept == 3
+    assert cache.keys_in(NS) == [k(0), k(8), k(9)]
+    assert cache.stats().used_bytes == 4 * A
+    assert cache.get(NS, k(7)) is None
+    # The refused extents are free again: the two pieces have room for four more pages.
+    res = cache.begin_store(NS, [k(i) for i in range(10, 14)], 0, one_shard)
+    assert res.refused == [] and res.evicted == []
+    assert sorted(w.offset for w in res.writes) == [3 * A, 4 * A, 5 * A, 6 * A]
+
+
+def test_restore_needs_an_empty_cache() -> None:
+    cache = ChunkCache(4 * A)
+    assert cache.restore([]) == 0
+    store(cache, [k(0)])
+    with pytest.raises(ValueError, match="restore needs an empty cache"):
+        cache.restore([chunk(k(1), (A, A))])
+    assert cache.stats().entries == 1
 
 
 # -- the index against a model -----------------------------------------------------------------
@@ -756,7 +986,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachineLru = CacheMachine.TestCase
-TestCacheMachineLru.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+TestCacheMachineLru.settings = property_settings(120, stateful_step_count=50)
 
 
 class ArcCacheMachine(CacheMachine):
@@ -764,4 +994,4 @@ class ArcCacheMachine(CacheMachine):
 
 
 TestCacheMachineArc = ArcCacheMachine.TestCase
-TestCacheMachineArc.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+TestCacheMachineArc.settings = property_settings(120, stateful_step_count=50)

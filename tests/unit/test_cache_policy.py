@@ -144,5 +144,76 @@ def test_arc_remove_keeps_no_ghost() -> None:
 def test_make_policy() -> None:
     assert isinstance(make_policy("lru"), LruPolicy)
     assert isinstance(make_policy("arc"), ArcPolicy)
-    with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):
+    with pytest.raises(ValueError, match="unknown eviction policy 'lfu'; expected one of arc, lru"):
         make_policy("lfu")
+
+
+def test_lru_evicted_of_an_unknown_key_is_ignored() -> None:
+    p: LruPolicy[str] = LruPolicy()
+    p.insert("a")
+    p.evicted("b")
+    p.insert("a")  # a live key again: a touch
+    assert list(p.candidates()) == ["a"] and "b" not in p
+
+
+def test_arc_membership_and_a_live_key_inserted_again() -> None:
+    p: ArcPolicy[str] = ArcPolicy()
+    for k in "abc":
+        p.insert(k)
+    assert "a" in p and "b" in p and "z" not in p
+    p.insert("a")  # a live key again counts as a touch: T1 -> T2
+    assert list(p.candidates()) == ["b", "c", "a"]
+    p.touch(["b"])
+    assert "b" in p and len(p) == 3  # in T2 now
+    p.insert("b")  # refreshed within T2
+    assert list(p.candidates()) == ["c", "a", "b"]
+
+
+def test_arc_target_moves_by_the_ratio_of_the_ghost_lists() -> None:
+    p: ArcPolicy[str] = ArcPolicy()
+    for k in "abcdefgh":
+        p.insert(k)
+    p.touch(["h"])
+    p.evicted("h")  # B2 = h
+    for k in "ab":
+        p.evicted(k)  # B1 = a, b
+    p.insert("a")  # |B2|/|B1| = 1/2: the target rises by 1, not by 2
+    assert p.target == 1
+    p.insert("h")  # a B2 hit: |B1|/|B2| = 1/1
+    assert p.target == 0
+    for k in "cdef":
+        p.evicted(k)  # B1 = b..f, trimmed to the three live keys: d, e, f
+    assert [k for k in "bcdef" if p.is_ghost(k)] == ["d", "e", "f"]
+    p.insert("f")  # |B2| = 0: max(1, 0) = 1
+    assert p.target == 1
+
+
+def test_arc_b2_hit_lowers_the_target_by_the_ratio_of_the_ghost_lists() -> None:
+    p: ArcPolicy[str] = ArcPolicy()
+    for k in "abcdefghij":
+        p.insert(k)
+    for k in "ab":
+        p.evicted(k)
+        p.insert(k)  # two B1 hits: target 2, a and b in T2
+    for k in "abcd":
+        p.evicted(k)  # B2 = a, b; B1 = c, d
+    assert p.target == 2
+    p.insert("a")  # |B1|/|B2| = 2/2: lowered by 1
+    assert p.target == 1
+
+
+def test_arc_target_never_exceeds_the_live_keys_plus_one() -> None:
+    p: ArcPolicy[str] = ArcPolicy()
+    for k in "abcdefgh":
+        p.insert(k)
+    for k in "ab":
+        p.evicted(k)
+        p.insert(k)  # two B1 hits: target 2
+    p.touch(["c"])
+    for k in "abcd":
+        p.evicted(k)  # B2 = a, b, c; B1 = d
+    p.touch(["e"])
+    p.evicted("e")  # B2 = b, c, e (trimmed to the three live keys f, g, h)
+    assert (p.target, len(p)) == (2, 3)
+    p.insert("d")  # a B1 hit: 2 + |B2|/|B1| = 5, capped at 3 live keys + 1
+    assert p.target == 4

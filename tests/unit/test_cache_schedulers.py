@@ -150,3 +150,116 @@ def test_reserve_rejects_bad_shard_sizes() -> None:
     cache = ChunkCache(2 * SIZE)
     with pytest.raises(ValueError, match="bad shard sizes"):
         cache.reserve(NS, [key(0)], "sched", lambda _key: (0,))
+
+
+def test_reserve_refuses_the_key_without_room_and_every_later_one() -> None:
+    cache = ChunkCache(2 * SIZE)
+    res = cache.reserve(NS, [key(0), key(1), key(2), key(3)], "sched", sizes)
+    assert (res.reserved, res.refused, res.evicted) == ([0, 1], [2, 3], [])
+    assert cache.stats().stores_refused == 2
+
+
+def test_a_store_without_allocating_writes_every_reserved_key() -> None:
+    cache = ChunkCache(4 * SIZE)
+    cache.reserve(NS, [key(0), key(1)], "sched", sizes)
+    store = cache.begin_store(NS, [key(5), key(0), key(6), key(1)], 0, sizes, allocate=False)
+    assert [w.index for w in store.writes] == [1, 3]
+    assert store.skipped == [0, 2]
+
+
+def test_released_reservations_leave_no_arc_ghost() -> None:
+    cache = ChunkCache(3 * SIZE, policy="arc")
+    commit(cache, [key(0), key(1)])
+    cache.reserve(NS, [key(2)], "sched", sizes)
+    assert cache.release_reservations("sched") == 1
+    commit(cache, [key(2)])  # a new key, in T1 behind key(0) and key(1)
+    evicted = []
+    for i in range(3, 6):
+        res = cache.begin_store(NS, [key(i)], 0, sizes)
+        evicted += [e.key for e in res.evicted]
+        cache.finish_store(res.writes, ok=True)
+    assert evicted == [key(0), key(1), key(2)]
+
+
+def test_hold_touches_what_it_holds() -> None:
+    cache = ChunkCache(3 * SIZE)
+    commit(cache, [key(0), key(1), key(2)])
+    cache.hold(NS, "sched", "req", [key(0)])
+    cache.release_hold("sched", "req", [key(0)])
+    res = cache.begin_store(NS, [key(3), key(4), key(5)], 0, sizes)
+    assert [e.key for e in res.evicted] == [key(1), key(2), key(0)]
+
+
+def test_holds_count_down_to_the_last_release() -> None:
+    cache = ChunkCache(SIZE)
+    commit(cache, [key(0)])
+    for _ in range(3):
+        assert cache.hold(NS, "sched", "req", [key(0)]) == []
+    assert cache.stats().held == 1
+    for left in (2, 1):
+        assert cache.release_hold("sched", "req", [key(0)]) == 1
+        assert cache.begin_store(NS, [key(1)], 0, sizes).refused == [0], left
+    assert cache.release_hold("sched", "req", [key(0), key(7)]) == 1
+    assert cache.release_hold("sched", "req", [key(0)]) == 0
+    assert cache.release_hold("sched", "nothing", [key(0)]) == 0
+    assert cache.stats().held == 0
+    assert [e.key for e in cache.begin_store(NS, [key(1)], 0, sizes).evicted] == [key(0)]
+
+
+def test_holding_a_key_again_after_it_was_stored_again_keeps_the_newest() -> None:
+    cache = ChunkCache(2 * SIZE)
+    commit(cache, [key(0)])
+    cache.hold(NS, "sched", "req", [key(0)])
+    cache.hold(NS, "sched", "req", [key(0)])  # twice: two releases needed
+    cache.remove(NS, [key(0)])
+    assert cache.stats().used_bytes == SIZE  # held: its bytes stay
+    commit(cache, [key(0)])  # stored again: a new entry
+    assert cache.stats().used_bytes == 2 * SIZE
+    cache.hold(NS, "sched", "req", [key(0)])  # the old entry's holds go, the new one is held
+    assert cache.stats().used_bytes == SIZE
+    load = cache.begin_load_held("sched", "req", [key(0)])
+    assert load.entries == [cache.get(NS, key(0))]
+    cache.finish_load(load.entries)
+    assert cache.release_hold("sched", "req", [key(0)]) == 1
+    assert cache.stats().held == 0
+    assert cache.begin_store(NS, [key(1), key(2)], 0, sizes).evicted[0].key == key(0)
+
+
+def test_begin_load_held_of_an_unknown_request_misses_every_key() -> None:
+    cache = ChunkCache(2 * SIZE)
+    commit(cache, [key(0)])
+    load = cache.begin_load_held("sched", "unknown", [key(0), key(1)])
+    assert (load.entries, load.missing) == ([], [key(0), key(1)])
+
+
+def test_a_store_by_the_acker_frees_its_own_evictions_at_once() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "sched")
+    commit(cache, [key(0), key(1)])
+    res = cache.begin_store(NS, [key(2)], 0, sizes, acker="sched")
+    assert res.refused == [] and [e.key for e in res.evicted] == [key(0)]
+    assert cache.stats().leaving == 0
+    # Anyone else's store waits for the acknowledgement.
+    res = cache.begin_store(NS, [key(3)], 0, sizes)
+    assert res.refused == [0] and [e.key for e in res.evicted] == [key(1)]
+    assert cache.stats().leaving == 1
+
+
+def test_clear_by_the_acker_acknowledges_its_own_removals() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "sched")
+    commit(cache, [key(0)])
+    assert [e.key for e in cache.clear_namespace(NS, acker="sched")] == [key(0)]
+    assert cache.stats().leaving == 0 and cache.stats().used_bytes == 0
+
+
+def test_an_acker_evicting_elsewhere_does_not_acknowledge_its_own_namespace() -> None:
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "sched")
+    commit(cache, [key(0)])
+    cache.remove(NS, [key(0)])  # waits for the scheduler's acknowledgement
+    res = cache.begin_store("other", [key(1)], 0, sizes)
+    cache.finish_store(res.writes, ok=True)
+    res = cache.reserve("other", [key(2)], "sched", sizes, acker="sched")
+    assert [e.key for e in res.evicted] == [key(1)]  # unwatched: freed at once, nothing acked
+    assert cache.stats().leaving == 1

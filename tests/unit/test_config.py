@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import protocol.config as config_module
@@ -31,7 +31,7 @@ from protocol.config import (
     is_kv_cache_tensor_packed,
     resolve_kv_cache_block_sizes,
 )
-from tests.strategies import offloading_configs
+from tests.strategies import offloading_configs, property_settings
 
 # --- stand-ins for vLLM's KV cache specs (only class names and block_size matter) ---------
 
@@ -369,6 +369,25 @@ def test_dcp_scales_attention_groups_but_not_mamba_in_resolver() -> None:
     # build_offloading_config scales every group, Mamba included, by the context-parallel factor.
     assert [g.tokens_per_block for g in config.groups] == [32, 32]
     assert config.cache.tokens_per_hash == 16
+
+
+def test_hybrid_attention_groups_with_dcp() -> None:
+    vllm_config = make_vllm_config(block_size=16, dcp=2, tp=2)
+    kv_cache_config = make_kv_cache_config(
+        (FullAttentionSpec(16), ["full.0"]), (SlidingWindowSpec(32), ["sw.0"])
+    )
+
+    # Both attention groups count dcp tokens per block: 32 and 64, hashed at their GCD.
+    assert resolve_kv_cache_block_sizes(kv_cache_config, vllm_config) == (64, 32)
+    config = build_offloading_config(vllm_config, kv_cache_config)
+    assert [g.tokens_per_block for g in config.groups] == [32, 64]
+    assert config.cache.tokens_per_hash == 32
+    assert config.parallel.dcp_size == 2 and config.parallel.world_size == 2
+    assert config.parallel.is_parallelism_agnostic is False
+    # A chunk size in tokens needs every group to have the same block size.
+    vllm_config = make_vllm_config(block_size=16, dcp=2, extra={"block_size": 64})
+    with pytest.raises(ValueError, match="all groups must have the same block size"):
+        build_offloading_config(vllm_config, kv_cache_config)
 
 
 def test_config_without_context_parallel_attributes() -> None:
@@ -902,7 +921,7 @@ configs = offloading_configs(
 )
 
 
-@settings(max_examples=100, deadline=None, database=None)
+@property_settings(100, database=None)
 @given(configs)
 def test_msgpack_round_trip_property(config: OffloadingConfig) -> None:
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=OffloadingConfig)

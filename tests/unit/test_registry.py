@@ -808,3 +808,86 @@ def test_session_layouts_map_groups_to_regions() -> None:
 )
 def test_group_of_key_reads_the_last_four_bytes_big_endian(key: bytes, group: int) -> None:
     assert group_of_key(key) == group
+
+
+# --- boundaries -----------------------------------------------------------------------------
+
+
+def test_one_block_per_chunk_is_the_smallest_chunk() -> None:
+    reg = Registry()
+    outcomes = register_engine(reg, blocks_per_chunk=1)
+    namespace = outcomes[-1].engine.namespace
+    assert namespace is not None and namespace.blocks_per_chunk == 1
+    assert namespace.shard_sizes == [(2 * PAGE, 2 * PAGE)]
+
+
+def test_zero_worker_kv_bytes_per_block_skips_the_byte_count() -> None:
+    # vLLM reports 0 when it has no blocks; the regions are then not added up.
+    reg = Registry()
+    outcomes = register_engine(reg, worker_kv_bytes_per_block=0)
+    assert outcomes[-1].became_ready
+    error = refused(Registry(), "s0", hello(rank=0, worker_kv_bytes_per_block=1))
+    assert error.code == ErrorCode.BAD_GEOMETRY
+    assert "worker_kv_bytes_per_block: the config says 1 but the regions hold 128" in str(error)
+
+
+def _nested(depth: int, container: str) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = [value] if container == "list" else {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_extra_config_may_nest_32_levels_and_no_deeper(container: str) -> None:
+    reg = Registry()
+    # extra_config itself is the first level.
+    assert register_engine(reg, extra={"deep": _nested(31, container)})[-1].became_ready
+    error = refused(Registry(), "s0", hello(rank=0, extra={"deep": _nested(32, container)}))
+    assert error.code == ErrorCode.BAD_REQUEST
+    assert str(error) == "extra_config nests deeper than 32 levels"
+
+
+def test_extra_config_lists_are_part_of_the_namespace() -> None:
+    reg = Registry()
+    register_engine(reg, prefix="a", engine_id="engine-a", extra={"namespace": "t", "l": [1, 2]})
+    register_engine(reg, prefix="b", engine_id="engine-b", extra={"namespace": "t", "l": [2, 1]})
+    register_engine(reg, prefix="c", engine_id="engine-c", extra={"namespace": "u", "l": [1, 2]})
+    # Only the salt and the KV layout name a namespace; other keys are tuning knobs.
+    assert _namespace(reg, "engine-a") == _namespace(reg, "engine-b")
+    assert _namespace(reg, "engine-a") != _namespace(reg, "engine-c")
+
+
+def test_namespace_name_is_stable_across_releases() -> None:
+    # A changed name orphans every chunk a warm restart would find: change it on purpose only.
+    reg = Registry()
+    register_engine(reg)
+    assert _namespace(reg, "engine-a") == "org/model@a82b8a2a9becbbf9"
+
+
+def _with_dcp(cfg: OffloadingConfig, dcp: int) -> OffloadingConfig:
+    parallel = msgspec.structs.replace(cfg.parallel, dcp_size=dcp)
+    return msgspec.structs.replace(cfg, parallel=parallel)
+
+
+def test_hybrid_engines_with_decode_context_parallelism() -> None:
+    reg = Registry()
+    for rank in range(2):
+        base = _hybrid_hello(rank)
+        reg.hello(f"d{rank}", msgspec.structs.replace(base, config=_with_dcp(base.config, 2)))
+    engine = engine_of(reg)
+    namespace = engine.namespace
+    assert namespace is not None and engine.config.parallel.dcp_size == 2
+    assert namespace.shard_sizes == [((48 + 32) * 3, (48 + 32) * 3), (200 * 3, 200 * 3)]
+    # The same engine without dcp holds other bytes per chunk: another namespace.
+    other = Registry()
+    for rank in range(2):
+        other.hello(f"s{rank}", _hybrid_hello(rank))
+    assert _namespace(other, "engine-a") != namespace.name
+    # A rank that disagrees on dcp is refused, naming the field.
+    third = Registry()
+    third.hello("s0", _hybrid_hello(0))
+    base = _hybrid_hello(1)
+    error = refused(third, "s1", msgspec.structs.replace(base, config=_with_dcp(base.config, 2)))
+    assert error.code == ErrorCode.CONFIG_MISMATCH
+    assert str(error).startswith("parallel.dcp_size: engine engine-a dp 0 has 1, worker rank 1")
