@@ -20,12 +20,22 @@ Contract:
 Pure Python: no I/O and no locks (the daemon calls it from one thread). Free extents live in
 three maps (start -> size, end -> start, size -> starts) plus a sorted list of distinct free
 sizes, so an exact fit is O(1), a best fit is a bisect, and coalescing is two dict lookups.
+Allocated extents cost no Python object: two bitmaps, one bit per ``align`` unit of the
+arena, mark where each begins and where it ends (``numpy`` memory that costs nothing until
+touched), which is all that telling a good ``free``
+from a bad one takes (its start is marked, and the first end marked from there is its last
+unit). A million extents of an arena of 64 KiB ones cost two 2 MiB bitmaps, where a dict of
+offsets cost some 70 MB.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
+
+import numpy as np
+
+from offloadd.cache.columns import zeros
 
 __all__ = ["ExtentAllocator"]
 
@@ -35,14 +45,14 @@ class ExtentAllocator:
 
     __slots__ = (
         "_align",
-        "_allocated",
         "_boundary",
         "_by_size",
         "_capacity",
+        "_ends",
         "_free_end",
         "_free_start",
-        "_interned",
         "_sizes",
+        "_starts",
         "_used",
     )
 
@@ -61,10 +71,11 @@ class ExtentAllocator:
         self._free_end: dict[int, int] = {}
         self._by_size: dict[int, set[int]] = {}
         self._sizes: list[int] = []
-        # offset -> rounded size; what makes a bad or double free detectable.
-        self._allocated: dict[int, int] = {}
-        # One int object per distinct size: millions of extents share a handful of sizes.
-        self._interned: dict[int, int] = {}
+        # Bit u: an allocated extent starts at unit u / ends with unit u. What makes a bad or
+        # double free detectable. numpy.zeros: pages never marked are never touched.
+        units = self._capacity // align
+        self._starts = zeros((units + 7) // 8, np.uint8).data
+        self._ends = zeros((units + 7) // 8, np.uint8).data
         if self._capacity:
             self._add_free_pieces(0, self._capacity)
 
@@ -99,7 +110,7 @@ class ExtentAllocator:
                 raise ValueError(f"extent ({offset}, {size}) straddles a {boundary}-byte boundary")
             if offset > cursor:
                 allocator._add_free_pieces(cursor, offset - cursor)
-            allocator._allocated[offset] = need
+            allocator._mark(offset, need)
             allocator._used += need
             cursor = offset + need
         if cursor < allocator._capacity:
@@ -172,16 +183,22 @@ class ExtentAllocator:
         del self._free_end[start + have]
         if have > need:
             self._add_free(start + need, have - need)
-        self._allocated[start] = self._interned.setdefault(need, need)
+        first = start // self._align  # mark it: see _mark
+        last = first + need // self._align - 1
+        self._starts[first >> 3] |= 1 << (first & 7)
+        self._ends[last >> 3] |= 1 << (last & 7)
         self._used += need
         return start
 
     def free(self, offset: int, size: int) -> None:
         """Return the extent ``alloc`` gave at ``offset`` for ``size``; merges free neighbours."""
         need = self.alloc_size(size)
-        if self._allocated.get(offset) != need:
+        if not self._is_allocated(offset, need):
             raise ValueError(f"extent ({offset}, {size}) is not allocated")
-        del self._allocated[offset]
+        first = offset // self._align  # unmark it: see _mark
+        last = first + need // self._align - 1
+        self._starts[first >> 3] &= ~(1 << (first & 7)) & 0xFF
+        self._ends[last >> 3] &= ~(1 << (last & 7)) & 0xFF
         self._used -= need
         start, end = offset, offset + need
         boundary = self._boundary
@@ -205,6 +222,29 @@ class ExtentAllocator:
             f"used={self._used}, "
             f"free_extents={len(self._free_start)}, largest_free={self.largest_free})"
         )
+
+    def _mark(self, offset: int, need: int) -> None:
+        first = offset // self._align
+        last = first + need // self._align - 1
+        self._starts[first >> 3] |= 1 << (first & 7)
+        self._ends[last >> 3] |= 1 << (last & 7)
+
+    def _is_allocated(self, offset: int, need: int) -> bool:
+        """Whether an allocated extent is exactly ``[offset, offset + need)``: one starts at
+        ``offset``, and the first end marked from there is the last unit of ``need``."""
+        if offset < 0 or offset % self._align or offset + need > self._capacity:
+            return False
+        first = offset // self._align
+        last = first + need // self._align - 1
+        if not (self._starts[first >> 3] >> (first & 7)) & 1:
+            return False
+        if not (self._ends[last >> 3] >> (last & 7)) & 1:
+            return False
+        if last == first:
+            return True
+        # No end marked in [first, last): read those bits as one integer.
+        bits = int.from_bytes(self._ends[first >> 3 : ((last - 1) >> 3) + 1], "little")
+        return not (bits >> (first & 7)) & ((1 << (last - first)) - 1)
 
     def _add_free_pieces(self, start: int, size: int) -> None:
         """Free ``[start, start + size)``, cut at every boundary inside it."""
