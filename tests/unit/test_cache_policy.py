@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from offloadd.cache.policy import ArcPolicy, EvictionPolicy, LruPolicy, make_policy
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from offloadd.cache.policy import (
+    ArcPolicy,
+    EvictionPolicy,
+    LruPolicy,
+    RowArc,
+    RowLru,
+    make_policy,
+    make_row_policy,
+)
+from tests.strategies import property_settings
 
 
 def test_lru_evicts_least_recent_first() -> None:
@@ -217,3 +230,126 @@ def test_arc_target_never_exceeds_the_live_keys_plus_one() -> None:
     assert (p.target, len(p)) == (2, 3)
     p.insert("d")  # a B1 hit: 2 + |B2|/|B1| = 5, capped at 3 live keys + 1
     assert p.target == 4
+
+
+# -- the row policies against the key policies ----------------------------------------------
+
+KEYS = [(ns, bytes([i])) for ns in (0, 1) for i in range(5)]
+
+
+class RowPolicyMachine(RuleBasedStateMachine):
+    """``RowLru``/``RowArc`` fed what ``LruPolicy``/``ArcPolicy`` are fed, rows recycled as
+    the cache recycles them: the same order, the same ghosts, the same target."""
+
+    NAME = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: EvictionPolicy[tuple[int, bytes]] = make_policy(self.NAME)
+        self.rows = make_row_policy(self.NAME)
+        self.row_of: dict[tuple[int, bytes], int] = {}
+        self.free: list[int] = []
+        self.next_row = 0
+
+    def live(self) -> list[tuple[int, bytes]]:
+        return sorted(self.row_of)
+
+    @rule(key=st.sampled_from(KEYS))
+    def insert(self, key: tuple[int, bytes]) -> None:
+        row = self.row_of.get(key)
+        if row is None:
+            if self.free:
+                row = self.free.pop()
+            else:
+                row = self.next_row
+                self.next_row += 1
+                self.rows.grow(self.next_row)
+            self.row_of[key] = row
+        self.keys.insert(key)
+        self.rows.insert(row, *key)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=6))
+    def touch(self, keys: list[tuple[int, bytes]]) -> None:
+        live = [key for key in keys if key in self.row_of]  # rows are touched only when live
+        self.keys.touch(live)
+        self.rows.touch([self.row_of[key] for key in live])
+
+    @precondition(lambda self: bool(self.row_of))
+    @rule(data=st.data(), evict=st.booleans())
+    def leave(self, data: st.DataObject, evict: bool) -> None:
+        key = data.draw(st.sampled_from(self.live()))
+        row = self.row_of.pop(key)
+        if evict:
+            self.keys.evicted(key)
+            self.rows.evicted(row, *key)
+        else:
+            self.keys.remove(key)
+            self.rows.remove(row)
+        self.free.append(row)
+
+    @precondition(lambda self: bool(self.row_of))
+    @rule(count=st.integers(1, 4))
+    def evict_first(self, count: int) -> None:
+        """What the cache does: take victims from a partly read candidates()."""
+        victims = list(itertools.islice(self.keys.candidates(), count))
+        rows = list(itertools.islice(self.rows.candidates(), count))
+        assert rows == [self.row_of[key] for key in victims]
+        for key in victims:
+            row = self.row_of.pop(key)
+            self.keys.evicted(key)
+            self.rows.evicted(row, *key)
+            self.free.append(row)
+
+    @rule(fresh=st.lists(st.sampled_from(KEYS), max_size=3), touches=st.integers(1, 3000))
+    def store_then_touch_often(self, fresh: list[tuple[int, bytes]], touches: int) -> None:
+        """New keys, then enough touches to compact the logs, with no read in between."""
+        for key in fresh:
+            self.insert(key)
+        live = self.live()
+        if live:
+            for i in range(touches // len(live) + 1):
+                batch = live[i % len(live) :] + live[: i % len(live)]
+                self.keys.touch(batch)
+                self.rows.touch([self.row_of[key] for key in batch])
+
+    @invariant()
+    def same_order(self) -> None:
+        key_of = {row: key for key, row in self.row_of.items()}
+        assert [key_of[row] for row in self.rows.candidates()] == list(self.keys.candidates())
+        assert len(self.rows) == len(self.keys) == len(self.row_of)
+        if isinstance(self.keys, ArcPolicy):
+            assert isinstance(self.rows, RowArc)
+            assert self.rows.target == self.keys.target
+            assert [k for k in KEYS if self.rows.is_ghost(*k)] == [
+                k for k in KEYS if self.keys.is_ghost(k)
+            ]
+
+
+class ArcRowPolicyMachine(RowPolicyMachine):
+    NAME = "arc"
+
+
+TestRowLru = RowPolicyMachine.TestCase
+TestRowLru.settings = property_settings(150, stateful_step_count=60)
+TestRowArc = ArcRowPolicyMachine.TestCase
+TestRowArc.settings = property_settings(150, stateful_step_count=60)
+
+
+def test_row_policies_by_name() -> None:
+    assert isinstance(make_row_policy("lru"), RowLru)
+    assert isinstance(make_row_policy("arc"), RowArc)
+    with pytest.raises(ValueError, match="unknown eviction policy 'lfu'; expected one of arc, lru"):
+        make_row_policy("lfu")
+
+
+def test_a_row_log_is_compacted_and_keeps_its_order() -> None:
+    p = RowLru()
+    p.grow(3000)
+    for row in range(3000):
+        p.insert(row, 0, b"")
+    for _ in range(5):
+        p.touch(list(range(0, 3000, 2)))  # the even rows, 0 last: most recent
+    for row in range(1, 3000, 2):
+        p.remove(row)
+    assert list(p.candidates()) == list(range(2998, -1, -2))
+    assert len(p) == 1500
