@@ -39,19 +39,39 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 - ``used_bytes <= capacity`` always; extents of live and dead-but-busy entries never overlap.
 - Misuse that can only be a caller bug (a write finished twice, a load finished without its
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
+
+Layout (what keeps a million entries small and a lookup cheap): an entry is a *row*, an
+index into numpy columns (``offloadd.cache.columns``): its state bits, its namespace and
+shard sizes (as small ids of interned values), and where its shard offsets begin in a pool
+column. The only per-entry Python objects are its key (the bytes the request brought) and
+the row number a per-namespace ``dict`` maps the key to. What only a few entries have at a
+time (shards being written, readers, pins, holds, reservations) lives in small dicts keyed by
+row, with a state bit saying whether to look. The eviction order is a ``RowPolicy`` over rows
+(``offloadd.cache.policy``), and the allocator keeps no object per extent either.
+
+Callers get ``Entry`` handles (``ShardWrite.entry``, ``LoadReservation.entries``, the lists
+of evicted, removed and committed entries, ``get``): light objects that read their row's
+state when asked. While a handle is alive, the cache hands out that same object for its row,
+so handles compare and hash by identity as entries always did. When the row is finally
+released (dead and nothing uses its extents), its handles keep the last state: ``dead``,
+``offsets == []``, and ``committed`` as it was.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice, pairwise
-from types import MappingProxyType
+from typing import NamedTuple
+
+import numpy as np
 
 from offloadd.cache.allocator import ExtentAllocator
-from offloadd.cache.policy import EvictionPolicy, make_policy
+from offloadd.cache.columns import Column
+from offloadd.cache.policy import RowPolicy, make_row_policy
 from offloadd.cache.watchers import Watchers
 
 __all__ = [
@@ -66,51 +86,87 @@ __all__ = [
     "StoreReservation",
 ]
 
-_PolicyKey = tuple[str, bytes]
-_NO_ENTRIES: Mapping[bytes, Entry] = MappingProxyType({})
+# State bits of a row. A bit is set exactly when the row has an entry in the matching dict.
+_COMMITTED = 1
+_DEAD = 2  # out of the index; its extents wait for what still uses them
+_WRITING = 4  # _writing: shards being written
+_READING = 8  # _readers: loads in flight
+_HELD = 16  # _row_holds: scheduler holds
+_PINNED = 32  # _pins: lookup leases
+_RESERVED = 64  # _reserved_by: a scheduler's reservation
+_LEAVING = 128  # removed, waiting for watchers to acknowledge (offloadd.cache.watchers)
+_BUSY = _WRITING | _READING | _HELD | _RESERVED  # never evicted (pins are checked apart)
+_USES_EXTENTS = _WRITING | _READING | _HELD | _LEAVING  # keep a dead row's extents
 
 
 class Entry:
-    """One cached chunk: a key's shards in the arena and the state that guards them.
+    """A handle on one cached chunk (a row of the cache); see the module docstring.
 
-    ``offsets[i]`` / ``sizes[i]`` locate shard ``i`` (``offsets`` is emptied once the extents
-    are freed). ``written`` and ``writing`` are bitmasks over shards. ``pins`` maps an owner to
-    its lease expiry. ``committed`` stays True after removal so that a caller handed a removed
-    entry can tell whether it was ever announced; ``dead`` means removed from the index.
+    ``offsets[i]`` / ``sizes[i]`` locate shard ``i`` (``offsets`` is empty once the extents
+    are freed). ``written`` and ``writing`` are bitmasks over shards; ``pins`` maps an owner
+    to its lease expiry (None: no pins). ``committed`` stays True after removal so that a
+    caller handed a removed entry can tell whether it was ever announced; ``dead`` means
+    removed from the index.
     """
 
-    __slots__ = (
-        "committed",
-        "dead",
-        "holds",
-        "key",
-        "leave_seq",
-        "namespace",
-        "offsets",
-        "pins",
-        "readers",
-        "reserved_by",
-        "sizes",
-        "writing",
-        "written",
-    )
+    __slots__ = ("__weakref__", "_cache", "_final", "_row", "key", "namespace", "sizes")
 
     def __init__(
-        self, namespace: str, key: bytes, offsets: list[int], sizes: tuple[int, ...]
+        self, cache: ChunkCache, row: int, namespace: str, key: bytes, sizes: tuple[int, ...]
     ) -> None:
+        self._cache = cache
+        self._row = row  # -1 once the row was released
+        self._final = (False, 0)  # (committed, written) when released
         self.namespace = namespace
         self.key = key
-        self.offsets = offsets
         self.sizes = sizes
-        self.written = 0
-        self.writing = 0
-        self.readers = 0
-        self.pins: dict[str, float] | None = None
-        self.committed = False
-        self.dead = False
-        self.holds = 0  # references by scheduler holds: no eviction, no freeing
-        self.reserved_by: str | None = None  # a scheduler's reservation, until committed
-        self.leave_seq = 0  # removed, waiting for watchers to acknowledge this sequence number
+
+    @property
+    def committed(self) -> bool:
+        """Every shard was written (stays True after removal)."""
+        row = self._row
+        return self._final[0] if row < 0 else bool(self._cache._state.v[row] & _COMMITTED)
+
+    @property
+    def dead(self) -> bool:
+        """Removed from the index: never visible again."""
+        return self._row < 0 or bool(self._cache._state.v[self._row] & _DEAD)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Arena offset of each shard; empty once the extents are freed."""
+        row = self._row
+        if row < 0:
+            return []
+        return self._cache._row_offsets(row)
+
+    @property
+    def written(self) -> int:
+        """Bitmask of the shards written."""
+        row = self._row
+        if row < 0:
+            return self._final[1]
+        return self._cache._written_mask(row)
+
+    @property
+    def writing(self) -> int:
+        """Bitmask of the shards being written."""
+        return self._cache._writing.get(self._row, 0) if self._row >= 0 else 0
+
+    @property
+    def readers(self) -> int:
+        """Loads in flight."""
+        return self._cache._readers.get(self._row, 0) if self._row >= 0 else 0
+
+    @property
+    def holds(self) -> int:
+        """Scheduler holds on it."""
+        return self._cache._row_holds.get(self._row, 0) if self._row >= 0 else 0
+
+    @property
+    def pins(self) -> dict[str, float] | None:
+        """Owner -> lease expiry, or None."""
+        return self._cache._pins.get(self._row) if self._row >= 0 else None
 
     @property
     def nbytes(self) -> int:
@@ -152,8 +208,7 @@ def _overlaps(taken: list[tuple[int, int]], start: int, end: int) -> bool:
     return i < len(taken) and taken[i][0] < end
 
 
-@dataclass(frozen=True, slots=True)
-class ShardWrite:
+class ShardWrite(NamedTuple):
     """One shard copy to perform: ``keys[index]``'s ``shard`` goes to ``[offset, offset+size)``."""
 
     index: int
@@ -215,6 +270,10 @@ class CacheStats:
     leaving: int = 0  # removed entries whose space waits for a mirror's acknowledgement
 
 
+_NO_ROWS: dict[bytes, int] = {}
+_SWEEP_MIN = 4096
+
+
 class ChunkCache:
     """The host chunk cache index over one arena of ``capacity`` bytes.
 
@@ -245,11 +304,41 @@ class ChunkCache:
     ) -> None:
         # ``boundary``: no shard extent straddles a multiple of it (see ExtentAllocator).
         self._alloc = ExtentAllocator(capacity, align, boundary=boundary)
-        self._policy: EvictionPolicy[_PolicyKey] = make_policy(policy)
+        self._policy: RowPolicy = make_row_policy(policy)
         self._clock = clock
-        self._tables: dict[str, dict[bytes, Entry]] = {}
-        # owner -> entries it pins, so that a session's end does not scan the whole index.
-        self._owners: dict[str, set[Entry]] = {}
+        self._tables: dict[str, dict[bytes, int]] = {}  # namespace -> key -> row
+        # Rows: columns, the keys, and the rows free for reuse.
+        self._state = Column(np.uint8)
+        self._ns = Column(np.int32)  # namespace id: _namespaces[id]
+        self._shape = Column(np.int32)  # shard sizes id: _shapes[id]
+        self._base = Column(np.int32)  # first of the row's shard offsets in _offsets
+        self._keys: list[bytes | None] = []  # None: a free row
+        self._free_rows: list[int] = []
+        # The shard offset pool, in units of ``align`` (4 bytes each while that reaches).
+        self._align = self._alloc.align
+        wide = self._alloc.capacity // self._align >= 1 << 32
+        self._offsets = Column(np.int64 if wide else np.uint32)
+        self._pool_top = 0
+        self._free_runs: dict[int, list[int]] = {}  # shard count -> free pool runs
+        self._namespaces: list[str] = []
+        self._namespace_ids: dict[str, int] = {}
+        self._shapes: list[tuple[int, ...]] = []
+        self._shape_ids: dict[tuple[int, ...], int] = {}
+        self._footprints: list[int] = []  # arena bytes of each shape
+        self._fits: list[bool] = []  # whether each shape could ever fit the arena
+        # What few rows have at a time; a state bit says whether a row is in each.
+        self._written: dict[int, int] = {}  # pending rows: shards written
+        self._writing: dict[int, int] = {}
+        self._readers: dict[int, int] = {}
+        self._row_holds: dict[int, int] = {}
+        self._pins: dict[int, dict[str, float]] = {}
+        self._reserved_by: dict[int, str] = {}
+        # Handles given out, so that a row's handle is always the same object while it lives.
+        # References of handles that died are swept out now and then (_handle).
+        self._handles: dict[int, weakref.ref[Entry]] = {}
+        self._sweep_at = _SWEEP_MIN
+        # owner -> rows it pins, so that a session's end does not scan the whole index.
+        self._owners: dict[str, set[int]] = {}
         self._entries = 0
         self._committed = 0
         self._committed_bytes = 0
@@ -260,10 +349,10 @@ class ChunkCache:
         self._evictions = 0
         self._watchers = Watchers()
         self._leaving_bytes = 0
-        # (owner, token) -> key -> (entry, count): holds of a scheduler's requests.
-        self._holds: dict[tuple[str, str], dict[bytes, tuple[Entry, int]]] = {}
+        # (owner, token) -> key -> (row, count): holds of a scheduler's requests.
+        self._holds: dict[tuple[str, str], dict[bytes, tuple[int, int]]] = {}
         self._hold_tokens: dict[str, set[str]] = {}
-        self._reservations: dict[str, set[Entry]] = {}
+        self._reservations: dict[str, set[int]] = {}
 
     # -- restart ----------------------------------------------------------------------------
 
@@ -274,8 +363,7 @@ class ChunkCache:
         A chunk whose extents are unaligned, outside the arena, overlap an earlier chunk's or
         each other is skipped (a damaged record must never alias live bytes), and so is one
         whose extent straddles the allocator's boundary (written by a daemon that did not cut
-        the arena).
-        Returns how many were kept.
+        the arena). Returns how many were kept.
         """
         if self._entries:
             raise ValueError("restore needs an empty cache")
@@ -307,24 +395,28 @@ class ChunkCache:
             boundary=self._alloc.boundary,
         )
         for chunk in kept:
-            entry = Entry(chunk.namespace, chunk.key, list(chunk.offsets), tuple(chunk.sizes))
-            entry.written = (1 << len(entry.sizes)) - 1
-            entry.committed = True
-            self._tables.setdefault(chunk.namespace, {})[chunk.key] = entry
-            self._policy.insert((chunk.namespace, chunk.key))
-            self._entries += 1
+            shape = self._shape_id(tuple(chunk.sizes))
+            row = self._new_row(chunk.namespace, chunk.key, shape, list(chunk.offsets))
+            self._state.v[row] = _COMMITTED
             self._committed += 1
-            self._committed_bytes += entry.nbytes
+            self._committed_bytes += sum(chunk.sizes)
         return len(kept)
 
     def committed_chunks(self) -> list[RestoredChunk]:
         """Every committed entry, least recently used first (to journal a compact state)."""
+        state, namespace_of, shape_of = self._state.v, self._ns.v, self._shape.v
         chunks = []
-        for namespace, key in self._policy.candidates():
-            entry = self._tables[namespace][key]
-            if entry.committed and not entry.dead:
+        for row in self._policy.candidates():
+            if state[row] & _COMMITTED:
+                key = self._keys[row]
+                assert key is not None
                 chunks.append(
-                    RestoredChunk(namespace, key, tuple(entry.offsets), tuple(entry.sizes))
+                    RestoredChunk(
+                        self._namespaces[namespace_of[row]],
+                        key,
+                        tuple(self._row_offsets(row)),
+                        self._shapes[shape_of[row]],
+                    )
                 )
         return chunks
 
@@ -339,31 +431,31 @@ class ChunkCache:
         lease: float = 0.0,
     ) -> LookupOutcome:
         """Prefix hit and pending keys; touches the hits and pins them if asked."""
-        table = self._tables.get(namespace, _NO_ENTRIES)
-        hits = 0
-        leading = True
+        get = self._tables.get(namespace, _NO_ROWS).get
+        state = self._state.v
+        rows: list[int] = []
+        for key in keys:
+            row = get(key)
+            if row is None or not state[row] & _COMMITTED:
+                break
+            rows.append(row)
+        hits = len(rows)
         pending: list[int] = []
-        for i, key in enumerate(keys):
-            entry = table.get(key)
-            if entry is None:
-                leading = False
-            elif entry.committed:
-                if leading:
-                    hits += 1
-            else:
-                leading = False
-                pending.append(i)
+        if hits < len(keys):
+            for i in range(hits, len(keys)):
+                row = get(keys[i])
+                if row is not None and not state[row] & _COMMITTED:
+                    pending.append(i)
         self._lookups += 1
         self._hit_keys += hits
         self._miss_keys += len(keys) - hits
         pinned = 0
         if hits:
-            hit_keys = keys[:hits]
-            self._policy.touch([(namespace, key) for key in hit_keys])
+            self._policy.touch(rows)
             if pin_owner is not None and lease > 0:
                 expiry = self._clock() + lease
-                for key in hit_keys:
-                    self._pin(table[key], pin_owner, expiry)
+                for row in rows:
+                    self._pin(row, pin_owner, expiry)
                 pinned = hits
         return LookupOutcome(hits, pending, pinned)
 
@@ -388,24 +480,26 @@ class ChunkCache:
             raise ValueError(f"shard must not be negative, got {shard}")
         bit = 1 << shard
         res = StoreReservation([], [], [], [])
-        table = self._tables.get(namespace)
+        table = self._tables.get(namespace, _NO_ROWS)
         protected: frozenset[bytes] | None = None
         for i, key in enumerate(keys):
-            entry = table.get(key) if table is not None else None
-            if entry is not None:
-                if entry.committed or (entry.written | entry.writing) & bit:
+            row = table.get(key)
+            if row is not None:
+                if self._state.v[row] & _COMMITTED or (
+                    (self._written.get(row, 0) | self._writing.get(row, 0)) & bit
+                ):
                     res.skipped.append(i)
                     continue
-                if shard >= len(entry.sizes):
+                sizes = self._shapes[self._shape.v[row]]
+                if shard >= len(sizes):
                     self._cancel(res.writes)
                     raise ValueError(
-                        f"shard {shard} out of range for {len(entry.sizes)} shards of "
+                        f"shard {shard} out of range for {len(sizes)} shards of "
                         f"{key.hex()} in namespace {namespace!r}"
                     )
-                entry.writing |= bit
-                res.writes.append(
-                    ShardWrite(i, entry, shard, entry.offsets[shard], entry.sizes[shard])
-                )
+                self._start_writing(row, bit)
+                offset = self._offsets.v[self._base.v[row] + shard] * self._align
+                res.writes.append(ShardWrite(i, self._handle(row), shard, offset, sizes[shard]))
                 continue
             if not allocate:
                 res.skipped.append(i)
@@ -416,14 +510,15 @@ class ChunkCache:
                 raise ValueError(f"bad shard sizes {sizes} for shard {shard} of {key.hex()}")
             if protected is None:
                 protected = frozenset(keys)
-            entry = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
-            if entry is None:
+            row = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
+            if row is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
                 break
-            entry.writing = bit
+            self._start_writing(row, bit)
             table = self._tables[namespace]
-            res.writes.append(ShardWrite(i, entry, shard, entry.offsets[shard], sizes[shard]))
+            offset = self._offsets.v[self._base.v[row] + shard] * self._align
+            res.writes.append(ShardWrite(i, self._handle(row), shard, offset, sizes[shard]))
         return res
 
     def reserve(
@@ -442,7 +537,7 @@ class ChunkCache:
         commit or ``release_reservations(owner)``.
         """
         res = Reservation([], [], [])
-        table = self._tables.get(namespace, _NO_ENTRIES)
+        table = self._tables.get(namespace, _NO_ROWS)
         protected = frozenset(keys)
         for i, key in enumerate(keys):
             if key in table:
@@ -450,14 +545,15 @@ class ChunkCache:
             sizes = tuple(shard_sizes(key))
             if not sizes or min(sizes) <= 0:
                 raise ValueError(f"bad shard sizes {sizes} for {key.hex()}")
-            entry = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
-            if entry is None:
+            row = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
+            if row is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
                 break
             table = self._tables[namespace]
-            entry.reserved_by = owner
-            self._reservations.setdefault(owner, set()).add(entry)
+            self._reserved_by[row] = owner
+            self._state.v[row] |= _RESERVED
+            self._reservations.setdefault(owner, set()).add(row)
             res.reserved.append(i)
         return res
 
@@ -467,13 +563,13 @@ class ChunkCache:
         Shards being written keep their extents until their ``finish_store``; nothing of a
         dropped entry ever becomes visible. Returns how many entries were dropped.
         """
-        entries = self._reservations.pop(owner, set())
-        for entry in entries:
-            entry.reserved_by = None
-            if not entry.dead:
-                self._unlink(entry, evicted=False)
-                self._free_if_idle(entry)
-        return len(entries)
+        rows = self._reservations.pop(owner, set())
+        for row in rows:
+            del self._reserved_by[row]
+            self._state.v[row] &= ~_RESERVED & 0xFF
+            self._unlink(row, evicted=False)
+            self._free_if_idle(row)
+        return len(rows)
 
     def _new_entry(
         self,
@@ -483,48 +579,51 @@ class ChunkCache:
         protected: frozenset[bytes],
         evicted: list[Entry],
         acker: str | None,
-    ) -> Entry | None:
-        offsets = self._place(namespace, sizes, protected, evicted, acker)
+    ) -> int | None:
+        shape = self._shape_id(sizes)
+        offsets = self._place(namespace, shape, protected, evicted, acker)
         if offsets is None:
             return None
-        entry = Entry(namespace, key, offsets, sizes)
-        self._tables.setdefault(namespace, {})[key] = entry
-        self._entries += 1
-        self._policy.insert((namespace, key))
-        return entry
+        return self._new_row(namespace, key, shape, offsets)
 
     def finish_store(self, writes: Sequence[ShardWrite], ok: bool) -> list[Entry]:
         """End the copies of ``writes``; returns the entries that became committed."""
         seen: set[tuple[int, int]] = set()
         for w in writes:
-            token = (id(w.entry), w.shard)
-            if token in seen or not w.entry.writing & (1 << w.shard):
+            row = w.entry._row
+            token = (row, w.shard)
+            if row < 0 or token in seen or not self._writing.get(row, 0) & (1 << w.shard):
                 raise ValueError(f"shard {w.shard} of {w.entry!r} is not being written")
             seen.add(token)
         committed: list[Entry] = []
+        state = self._state.v
         for w in writes:
             entry = w.entry
+            row = entry._row
             bit = 1 << w.shard
-            entry.writing &= ~bit
-            if entry.dead:
-                self._free_if_idle(entry)
+            self._stop_writing(row, bit)
+            if state[row] & _DEAD:
+                self._free_if_idle(row)
                 continue
             if ok:
-                entry.written |= bit
-                if entry.written == (1 << len(entry.sizes)) - 1:
-                    entry.committed = True
+                written = self._written.get(row, 0) | bit
+                if written == (1 << len(entry.sizes)) - 1:
+                    self._written.pop(row, None)
+                    state[row] |= _COMMITTED
                     self._committed += 1
                     self._committed_bytes += entry.nbytes
-                    self._end_reservation(entry)
+                    self._end_reservation(row)
                     committed.append(entry)
+                else:
+                    self._written[row] = written
         return committed
 
-    def _end_reservation(self, entry: Entry) -> None:
-        owner = entry.reserved_by
+    def _end_reservation(self, row: int) -> None:
+        owner = self._reserved_by.pop(row, None)
         if owner is not None:
-            entry.reserved_by = None
+            self._state.v[row] &= ~_RESERVED & 0xFF
             reserved = self._reservations[owner]
-            reserved.discard(entry)
+            reserved.discard(row)
             if not reserved:
                 del self._reservations[owner]
 
@@ -535,43 +634,54 @@ class ChunkCache:
         ``finish_store`` of their last copy in flight. Committed entries and writes already
         finished are left alone.
         """
+        state = self._state.v
         for w in writes:
-            entry = w.entry
-            if entry.dead or entry.committed or not entry.writing & (1 << w.shard):
+            row = w.entry._row
+            if row < 0 or state[row] & (_DEAD | _COMMITTED):
                 continue
-            self._unlink(entry, evicted=False)
+            if self._writing.get(row, 0) & (1 << w.shard):
+                self._unlink(row, evicted=False)
 
     # -- load -------------------------------------------------------------------------------
 
     def begin_load(self, namespace: str, keys: Sequence[bytes]) -> LoadReservation:
         """Hold every key for reading if all are committed; otherwise take nothing."""
-        table = self._tables.get(namespace, _NO_ENTRIES)
-        entries: list[Entry] = []
+        table = self._tables.get(namespace, _NO_ROWS)
+        state = self._state.v
+        rows: list[int] = []
         missing: list[bytes] = []
         for key in keys:
-            entry = table.get(key)
-            if entry is None or not entry.committed:
+            row = table.get(key)
+            if row is None or not state[row] & _COMMITTED:
                 missing.append(key)
             else:
-                entries.append(entry)
+                rows.append(row)
         if missing:
             return LoadReservation([], missing)
-        for entry in entries:
-            entry.readers += 1
-        self._policy.touch([(namespace, key) for key in keys])
-        return LoadReservation(entries, [])
+        for row in rows:
+            self._add_reader(row)
+        self._policy.touch(rows)
+        return LoadReservation([self._handle(row) for row in rows], [])
 
     def finish_load(self, entries: Sequence[Entry]) -> None:
         """End the reads ``begin_load`` started on ``entries``."""
         counts: dict[int, int] = {}
         for entry in entries:
-            n = counts[id(entry)] = counts.get(id(entry), 0) + 1
-            if n > entry.readers:
+            row = entry._row
+            n = counts[row] = counts.get(row, 0) + 1
+            if row < 0 or n > self._readers.get(row, 0):
                 raise ValueError(f"{entry!r} is not being read")
+        state = self._state.v
         for entry in entries:
-            entry.readers -= 1
-            if entry.dead:
-                self._free_if_idle(entry)
+            row = entry._row
+            readers = self._readers[row] - 1
+            if readers:
+                self._readers[row] = readers
+            else:
+                del self._readers[row]
+                state[row] &= ~_READING & 0xFF
+                if state[row] & _DEAD:
+                    self._free_if_idle(row)
 
     def begin_load_held(self, owner: str, token: str, keys: Sequence[bytes]) -> LoadReservation:
         """Like ``begin_load``, for keys held under ``(owner, token)`` (removed ones too)."""
@@ -579,10 +689,14 @@ class ChunkCache:
         missing = [key for key in keys if key not in held]
         if missing:
             return LoadReservation([], missing)
-        entries = [held[key][0] for key in keys]
-        for entry in entries:
-            entry.readers += 1
-        return LoadReservation(entries, [])
+        rows = [held[key][0] for key in keys]
+        for row in rows:
+            self._add_reader(row)
+        return LoadReservation([self._handle(row) for row in rows], [])
+
+    def _add_reader(self, row: int) -> None:
+        self._readers[row] = self._readers.get(row, 0) + 1
+        self._state.v[row] |= _READING
 
     # -- holds ------------------------------------------------------------------------------
 
@@ -592,28 +706,30 @@ class ChunkCache:
         A key removed while a watcher may still show it (see ``watch``) can be held too: its
         bytes are intact. Holding a key twice for one token needs two releases.
         """
-        table = self._tables.get(namespace, _NO_ENTRIES)
+        table = self._tables.get(namespace, _NO_ROWS)
+        state = self._state.v
         held = self._holds.get((owner, token))
         missing: list[bytes] = []
-        touched: list[_PolicyKey] = []
+        touched: list[int] = []
         for key in keys:
-            entry = table.get(key)
-            if entry is not None and entry.committed:
-                touched.append((namespace, key))
+            row = table.get(key)
+            if row is not None and state[row] & _COMMITTED:
+                touched.append(row)
             else:
-                entry = self._watchers.find(namespace, key)
-                if entry is None:
+                row = self._watchers.find(namespace, key)
+                if row is None:
                     missing.append(key)
                     continue
             if held is None:
                 held = self._holds[(owner, token)] = {}
                 self._hold_tokens.setdefault(owner, set()).add(token)
             previous = held.get(key)
-            if previous is not None and previous[0] is not entry:
+            if previous is not None and previous[0] != row:
                 self._unhold(previous[0], previous[1])  # re-held after a re-store: keep newest
                 previous = None
-            held[key] = (entry, 1 if previous is None else previous[1] + 1)
-            entry.holds += 1
+            held[key] = (row, 1 if previous is None else previous[1] + 1)
+            self._row_holds[row] = self._row_holds.get(row, 0) + 1
+            state[row] |= _HELD
         if touched:
             self._policy.touch(touched)
         return missing
@@ -628,12 +744,12 @@ class ChunkCache:
             found = held.get(key)
             if found is None:
                 continue
-            entry, count = found
+            row, count = found
             if count > 1:
-                held[key] = (entry, count - 1)
+                held[key] = (row, count - 1)
             else:
                 del held[key]
-            self._unhold(entry, 1)
+            self._unhold(row, 1)
             dropped += 1
         if not held:
             del self._holds[(owner, token)]
@@ -647,15 +763,21 @@ class ChunkCache:
         """Drop every hold of ``owner`` (its scheduler left); returns how many keys."""
         dropped = 0
         for token in self._hold_tokens.pop(owner, set()):
-            for entry, count in self._holds.pop((owner, token)).values():
-                self._unhold(entry, count)
+            for row, count in self._holds.pop((owner, token)).values():
+                self._unhold(row, count)
                 dropped += 1
         return dropped
 
-    def _unhold(self, entry: Entry, count: int) -> None:
-        entry.holds -= count
-        if entry.dead:
-            self._free_if_idle(entry)
+    def _unhold(self, row: int, count: int) -> None:
+        holds = self._row_holds[row] - count
+        if holds:
+            self._row_holds[row] = holds
+            return
+        del self._row_holds[row]
+        state = self._state.v
+        state[row] &= ~_HELD & 0xFF
+        if state[row] & _DEAD:
+            self._free_if_idle(row)
 
     # -- mirrors ----------------------------------------------------------------------------
 
@@ -676,28 +798,32 @@ class ChunkCache:
         """``watcher`` applied every removal up to ``seq``."""
         self._release_leaving(self._watchers.ack(watcher, seq))
 
-    def _release_leaving(self, entries: list[Entry]) -> None:
-        for entry in entries:
-            self._leaving_bytes -= self._footprint(entry)
-            self._free_if_idle(entry)
+    def _release_leaving(self, rows: list[int]) -> None:
+        state = self._state.v
+        for row in rows:
+            state[row] &= ~_LEAVING & 0xFF
+            self._leaving_bytes -= self._footprints[self._shape.v[row]]
+            self._free_if_idle(row)
 
     # -- pins -------------------------------------------------------------------------------
 
     def release(self, namespace: str, keys: Sequence[bytes], owner: str) -> int:
         """Drop ``owner``'s pins on ``keys``; returns how many pins were dropped."""
-        table = self._tables.get(namespace, _NO_ENTRIES)
+        table = self._tables.get(namespace, _NO_ROWS)
         owned = self._owners.get(owner)
         if owned is None:
             return 0
         dropped = 0
         for key in keys:
-            entry = table.get(key)
-            if entry is None or entry.pins is None or owner not in entry.pins:
+            row = table.get(key)
+            pins = self._pins.get(row) if row is not None else None
+            if pins is None or owner not in pins:
                 continue
-            del entry.pins[owner]
-            if not entry.pins:
-                entry.pins = None
-            owned.discard(entry)
+            assert row is not None
+            del pins[owner]
+            if not pins:
+                self._unpin(row)
+            owned.discard(row)
             dropped += 1
         if not owned:
             del self._owners[owner]
@@ -708,12 +834,11 @@ class ChunkCache:
         owned = self._owners.pop(owner, None)
         if owned is None:
             return 0
-        for entry in owned:
-            pins = entry.pins
-            assert pins is not None
+        for row in owned:
+            pins = self._pins[row]
             del pins[owner]
             if not pins:
-                entry.pins = None
+                self._unpin(row)
         return len(owned)
 
     # -- removal ----------------------------------------------------------------------------
@@ -725,9 +850,9 @@ class ChunkCache:
             return []
         removed: list[Entry] = []
         for key in keys:
-            entry = table.get(key)
-            if entry is not None:
-                self._drop(entry, removed)
+            row = table.get(key)
+            if row is not None:
+                self._drop(row, removed)
         return removed
 
     def clear_namespace(self, namespace: str, *, acker: str | None = None) -> list[Entry]:
@@ -736,8 +861,8 @@ class ChunkCache:
         if table is None:
             return []
         removed: list[Entry] = []
-        for entry in list(table.values()):
-            self._drop(entry, removed)
+        for row in list(table.values()):
+            self._drop(row, removed)
         del self._tables[namespace]
         if acker is not None:
             self.ack(acker, self.seq)
@@ -747,12 +872,14 @@ class ChunkCache:
 
     def keys_in(self, namespace: str) -> list[bytes]:
         """Committed keys of ``namespace``, e.g. to announce a warm cache to a new engine."""
-        table = self._tables.get(namespace, _NO_ENTRIES)
-        return [key for key, entry in table.items() if entry.committed]
+        state = self._state.v
+        table = self._tables.get(namespace, _NO_ROWS)
+        return [key for key, row in table.items() if state[row] & _COMMITTED]
 
     def get(self, namespace: str, key: bytes) -> Entry | None:
         """The live entry (committed or pending) for ``key``, if any."""
-        return self._tables.get(namespace, _NO_ENTRIES).get(key)
+        row = self._tables.get(namespace, _NO_ROWS).get(key)
+        return None if row is None else self._handle(row)
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters."""
@@ -772,38 +899,161 @@ class ChunkCache:
             leaving=self._watchers.waiting(),
         )
 
+    # -- rows -------------------------------------------------------------------------------
+
+    def _shape_id(self, sizes: tuple[int, ...]) -> int:
+        shape = self._shape_ids.get(sizes)
+        if shape is None:
+            shape = self._shape_ids[sizes] = len(self._shapes)
+            alloc = self._alloc
+            need = sum(alloc.alloc_size(size) for size in sizes)
+            self._shapes.append(sizes)
+            self._footprints.append(need)
+            self._fits.append(
+                need <= alloc.capacity
+                and all(alloc.alloc_size(size) <= alloc.max_alloc for size in sizes)
+            )
+        return shape
+
+    def _new_row(self, namespace: str, key: bytes, shape: int, offsets: list[int]) -> int:
+        """A new live, pending row in the index and the policy, its extents at ``offsets``."""
+        if self._free_rows:
+            row = self._free_rows.pop()
+            self._keys[row] = key
+        else:
+            row = len(self._keys)
+            self._keys.append(key)
+            if row >= len(self._state):
+                for column in (self._state, self._ns, self._shape, self._base):
+                    column.grow(row + 1)
+                self._policy.grow(len(self._state))
+        namespace_id = self._namespace_ids.get(namespace)
+        if namespace_id is None:
+            namespace_id = self._namespace_ids[namespace] = len(self._namespaces)
+            self._namespaces.append(namespace)
+        count = len(offsets)
+        runs = self._free_runs.get(count)
+        if runs:
+            base = runs.pop()
+        else:
+            base = self._pool_top
+            self._pool_top += count
+            self._offsets.grow(self._pool_top)
+        pool, align = self._offsets.v, self._align
+        for slot, offset in enumerate(offsets, base):
+            pool[slot] = offset // align
+        self._state.v[row] = 0
+        self._ns.v[row] = namespace_id
+        self._shape.v[row] = shape
+        self._base.v[row] = base
+        table = self._tables.get(namespace)
+        if table is None:
+            table = self._tables[namespace] = {}
+        table[key] = row
+        self._entries += 1
+        self._policy.insert(row, namespace_id, key)
+        return row
+
+    def _row_offsets(self, row: int) -> list[int]:
+        base = self._base.v[row]
+        count = len(self._shapes[self._shape.v[row]])
+        pool, align = self._offsets.v, self._align
+        return [pool[slot] * align for slot in range(base, base + count)]
+
+    def _written_mask(self, row: int) -> int:
+        if self._state.v[row] & _COMMITTED:
+            return (1 << len(self._shapes[self._shape.v[row]])) - 1
+        return self._written.get(row, 0)
+
+    def _handle(self, row: int) -> Entry:
+        """The row's handle: the one given out before if it is still alive."""
+        ref = self._handles.get(row)
+        if ref is not None:
+            entry = ref()
+            if entry is not None:
+                return entry
+        key = self._keys[row]
+        assert key is not None
+        entry = Entry(
+            self, row, self._namespaces[self._ns.v[row]], key, self._shapes[self._shape.v[row]]
+        )
+        handles = self._handles
+        handles[row] = weakref.ref(entry)
+        if len(handles) >= self._sweep_at:
+            for dead in [row for row, ref in handles.items() if ref() is None]:
+                del handles[dead]
+            self._sweep_at = max(_SWEEP_MIN, 2 * len(handles))
+        return entry
+
+    def _release_row(self, row: int) -> None:
+        """Free a dead, idle row's extents and the row itself; its handle keeps the end."""
+        sizes = self._shapes[self._shape.v[row]]
+        base = self._base.v[row]
+        pool, align, free = self._offsets.v, self._align, self._alloc.free
+        for slot, size in enumerate(sizes, base):
+            free(pool[slot] * align, size)
+        runs = self._free_runs.get(len(sizes))
+        if runs is None:
+            runs = self._free_runs[len(sizes)] = []
+        runs.append(base)
+        ref = self._handles.pop(row, None)
+        entry = ref() if ref is not None else None
+        if entry is not None:
+            entry._final = (bool(self._state.v[row] & _COMMITTED), self._written_mask(row))
+            entry._row = -1
+        self._written.pop(row, None)
+        self._keys[row] = None
+        self._state.v[row] = 0
+        self._free_rows.append(row)
+
+    def _start_writing(self, row: int, bit: int) -> None:
+        self._writing[row] = self._writing.get(row, 0) | bit
+        self._state.v[row] |= _WRITING
+
+    def _stop_writing(self, row: int, bit: int) -> None:
+        writing = self._writing[row] & ~bit
+        if writing:
+            self._writing[row] = writing
+        else:
+            del self._writing[row]
+            self._state.v[row] &= ~_WRITING & 0xFF
+
+    def _cancel(self, writes: list[ShardWrite]) -> None:
+        """Undo the writing bits of a ``begin_store`` that is about to raise."""
+        for w in writes:
+            self._stop_writing(w.entry._row, 1 << w.shard)
+
     # -- internals --------------------------------------------------------------------------
 
-    def _pin(self, entry: Entry, owner: str, expiry: float) -> None:
-        pins = entry.pins
+    def _pin(self, row: int, owner: str, expiry: float) -> None:
+        pins = self._pins.get(row)
         if pins is None:
-            pins = entry.pins = {}
+            pins = self._pins[row] = {}
+            self._state.v[row] |= _PINNED
         old = pins.get(owner)
         if old is None or expiry > old:
             pins[owner] = expiry
-        self._owners.setdefault(owner, set()).add(entry)
+        self._owners.setdefault(owner, set()).add(row)
 
-    def _pinned(self, entry: Entry, now: float) -> bool:
-        """Whether an unexpired pin holds ``entry``; drops the pins if all have expired."""
-        pins = entry.pins
-        if pins is None:
-            return False
+    def _unpin(self, row: int) -> None:
+        del self._pins[row]
+        self._state.v[row] &= ~_PINNED & 0xFF
+
+    def _pinned(self, row: int, now: float) -> bool:
+        """Whether an unexpired pin holds ``row``; drops the pins if all have expired."""
+        pins = self._pins[row]
         if any(expiry > now for expiry in pins.values()):
             return True
-        self._drop_pins(entry)
+        self._drop_pins(row)
         return False
 
-    def _drop_pins(self, entry: Entry) -> None:
-        assert entry.pins is not None
-        for owner in entry.pins:
+    def _drop_pins(self, row: int) -> None:
+        for owner in self._pins[row]:
             owned = self._owners[owner]
-            owned.discard(entry)
+            owned.discard(row)
             if not owned:
                 del self._owners[owner]
-        entry.pins = None
-
-    def _footprint(self, entry: Entry) -> int:
-        return sum(self._alloc.alloc_size(size) for size in entry.sizes)
+        self._unpin(row)
 
     def _try_alloc(self, sizes: tuple[int, ...]) -> list[int] | None:
         """All shards' extents, or None (and nothing held) if one does not fit."""
@@ -817,29 +1067,22 @@ class ChunkCache:
             offsets.append(offset)
         return offsets
 
-    def _evictable(
-        self, namespace: str, protected: frozenset[bytes], now: float
-    ) -> Iterator[Entry]:
-        """Evictable entries in policy order; must be dropped before the policy changes."""
-        tables = self._tables
-        for ns, key in self._policy.candidates():
-            if ns == namespace and key in protected:
+    def _evictable(self, namespace: str, protected: frozenset[bytes], now: float) -> Iterator[int]:
+        """Evictable rows in policy order; must be dropped before the policy changes."""
+        state, namespace_of, keys = self._state.v, self._ns.v, self._keys
+        namespace_id = self._namespace_ids.get(namespace, -1)
+        for row in self._policy.candidates():
+            if namespace_of[row] == namespace_id and keys[row] in protected:
                 continue
-            entry = tables[ns][key]
-            if (
-                entry.readers
-                or entry.writing
-                or entry.holds
-                or entry.reserved_by is not None
-                or self._pinned(entry, now)
-            ):
+            bits = state[row]
+            if bits & _BUSY or (bits & _PINNED and self._pinned(row, now)):
                 continue
-            yield entry
+            yield row
 
     def _place(
         self,
         namespace: str,
-        sizes: tuple[int, ...],
+        shape: int,
         protected: frozenset[bytes],
         evicted: list[Entry],
         acker: str | None,
@@ -851,32 +1094,33 @@ class ChunkCache:
         the victims are evicted but the entry is refused now: the room comes a moment later.
         """
         alloc = self._alloc
-        need = sum(alloc.alloc_size(size) for size in sizes)
-        if need > alloc.capacity or any(alloc.alloc_size(s) > alloc.max_alloc for s in sizes):
+        if not self._fits[shape]:
             return None
+        need = self._footprints[shape]
+        sizes = self._shapes[shape]
         if alloc.free_bytes >= need:
             offsets = self._try_alloc(sizes)
             if offsets is not None:
                 return offsets
         now = self._clock()
-        victims: list[Entry] = []
+        victims: list[int] = []
         found_now = alloc.free_bytes
         if found_now < need:
             # Dry run: evict nothing unless enough evictable bytes exist.
             found_later = self._leaving_bytes
-            for entry in self._evictable(namespace, protected, now):
-                if self._frees_at_once(entry, acker):
-                    victims.append(entry)
-                    found_now += self._footprint(entry)
+            for row in self._evictable(namespace, protected, now):
+                if self._frees_at_once(row, acker):
+                    victims.append(row)
+                    found_now += self._footprint(row)
                 elif found_now + found_later < need:  # else: the room is already on its way
-                    victims.append(entry)
-                    found_later += self._footprint(entry)
+                    victims.append(row)
+                    found_later += self._footprint(row)
                 if found_now + found_later >= need:
                     break
             else:
                 return None
-            for entry in victims:
-                self._evict(entry, evicted, acker)
+            for row in victims:
+                self._evict(row, evicted, acker)
             if found_now < need:
                 return None
             offsets = self._try_alloc(sizes)
@@ -887,71 +1131,71 @@ class ChunkCache:
         batch = max(8, len(victims))
         while True:
             more = [
-                entry
-                for entry in islice(self._evictable(namespace, protected, now), batch)
-                if self._frees_at_once(entry, acker)
+                row
+                for row in islice(self._evictable(namespace, protected, now), batch)
+                if self._frees_at_once(row, acker)
             ]
             if not more:
                 return None
-            for entry in more:
-                self._evict(entry, evicted, acker)
+            for row in more:
+                self._evict(row, evicted, acker)
                 offsets = self._try_alloc(sizes)
                 if offsets is not None:
                     return offsets
             batch *= 2
 
-    def _frees_at_once(self, entry: Entry, acker: str | None) -> bool:
-        """Whether evicting ``entry`` frees its extents now (no other watcher must ack)."""
-        return not entry.committed or self._watchers.only(entry.namespace, acker)
+    def _footprint(self, row: int) -> int:
+        return self._footprints[self._shape.v[row]]
 
-    def _unlink(self, entry: Entry, *, evicted: bool) -> None:
-        """Take ``entry`` out of the index, the policy and the pin map; mark it dead."""
-        del self._tables[entry.namespace][entry.key]
-        policy_key = (entry.namespace, entry.key)
+    def _frees_at_once(self, row: int, acker: str | None) -> bool:
+        """Whether evicting ``row`` frees its extents now (no other watcher must ack)."""
+        return not self._state.v[row] & _COMMITTED or self._watchers.only(
+            self._namespaces[self._ns.v[row]], acker
+        )
+
+    def _unlink(self, row: int, *, evicted: bool) -> None:
+        """Take ``row`` out of the index, the policy and the pin map; mark it dead."""
+        namespace_id = self._ns.v[row]
+        namespace = self._namespaces[namespace_id]
+        key = self._keys[row]
+        assert key is not None
+        del self._tables[namespace][key]
         if evicted:
-            self._policy.evicted(policy_key)
+            self._policy.evicted(row, namespace_id, key)
         else:
-            self._policy.remove(policy_key)
-        if entry.pins is not None:
-            self._drop_pins(entry)
+            self._policy.remove(row)
+        state = self._state.v
+        if state[row] & _PINNED:
+            self._drop_pins(row)
         self._entries -= 1
-        if entry.committed:
+        if state[row] & _COMMITTED:
             self._committed -= 1
-            self._committed_bytes -= entry.nbytes
-            if self._watchers.leave(entry):
-                self._leaving_bytes += self._footprint(entry)
+            self._committed_bytes -= sum(self._shapes[self._shape.v[row]])
+            if self._watchers.leave(namespace, key, row):
+                state[row] |= _LEAVING
+                self._leaving_bytes += self._footprint(row)
         else:
-            self._end_reservation(entry)
-        entry.dead = True
+            self._end_reservation(row)
+        state[row] |= _DEAD
 
-    def _evict(self, entry: Entry, evicted: list[Entry], acker: str | None) -> None:
-        self._unlink(entry, evicted=True)
-        if acker is not None and entry.leave_seq:
+    def _evict(self, row: int, evicted: list[Entry], acker: str | None) -> None:
+        self._unlink(row, evicted=True)
+        entry = self._handle(row)
+        if acker is not None and self._state.v[row] & _LEAVING:
             self.ack(acker, self.seq)
-        self._free_if_idle(entry)
+        self._free_if_idle(row)
         self._evictions += 1
         evicted.append(entry)
 
-    def _drop(self, entry: Entry, removed: list[Entry]) -> None:
-        self._unlink(entry, evicted=False)
-        self._free_if_idle(entry)
-        if entry.committed:
+    def _drop(self, row: int, removed: list[Entry]) -> None:
+        self._unlink(row, evicted=False)
+        entry = self._handle(row) if self._state.v[row] & _COMMITTED else None
+        self._free_if_idle(row)
+        if entry is not None:
             removed.append(entry)
 
-    def _free_if_idle(self, entry: Entry) -> None:
-        """Free a dead entry's extents once no copy references them."""
-        if (
-            entry.offsets
-            and not entry.readers
-            and not entry.writing
-            and not entry.holds
-            and not entry.leave_seq
-        ):
-            for offset, size in zip(entry.offsets, entry.sizes, strict=True):
-                self._alloc.free(offset, size)
-            entry.offsets = []
-
-    def _cancel(self, writes: list[ShardWrite]) -> None:
-        """Undo the writing bits of a ``begin_store`` that is about to raise."""
-        for w in writes:
-            w.entry.writing &= ~(1 << w.shard)
+    def _free_if_idle(self, row: int) -> None:
+        """Release a dead row (and its extents) once no copy, hold or watcher uses them."""
+        bits = self._state.v[row]
+        if bits & _DEAD and not bits & _USES_EXTENTS and self._keys[row] is not None:
+            self._release_row(row)
