@@ -65,7 +65,6 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice, pairwise
-from typing import NamedTuple
 
 import numpy as np
 
@@ -208,7 +207,8 @@ def _overlaps(taken: list[tuple[int, int]], start: int, end: int) -> bool:
     return i < len(taken) and taken[i][0] < end
 
 
-class ShardWrite(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class ShardWrite:
     """One shard copy to perform: ``keys[index]``'s ``shard`` goes to ``[offset, offset+size)``."""
 
     index: int
