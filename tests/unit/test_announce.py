@@ -57,8 +57,14 @@ def ready(registry: Registry, engine_id: str, *, events: bool = True, dp: int = 
 
 
 def entry(namespace: str, name: bytes, *, committed: bool = True) -> Entry:
-    made = Entry(namespace, name.ljust(8, b".") + bytes(4), [0], (64,))
-    made.committed = committed
+    """A real cache entry of ``namespace``, committed or still pending."""
+    cache = ChunkCache(1 << 20)
+    (write,) = cache.begin_store(
+        namespace, [name.ljust(8, b".") + bytes(4)], 0, lambda _: (64,)
+    ).writes
+    if not committed:
+        return write.entry
+    (made,) = cache.finish_store([write], ok=True)
     return made
 
 
