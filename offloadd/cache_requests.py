@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, LoadReservation
-from offloadd.checks import Refused, check_keys, ready_engine
+from offloadd.checks import Refused, check_keys, check_offloaded, ready_engine
 from offloadd.jobs import Job, Jobs
 from offloadd.limits import Limits, Protection
 from offloadd.metrics import Metrics
@@ -173,12 +173,7 @@ class CacheRequests:
             )
         ranges = self._chunk_ranges(request.keys, request.block_ids, bpc, request.segments)
         self._check_block_ids(state, request.block_ids)
-        for key in request.keys:
-            if 0 in namespace.shard_sizes_for_key(key):
-                raise Refused(
-                    ErrorCode.BAD_REQUEST,
-                    f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
-                )
+        check_offloaded(request.keys, namespace)
         session = state.session
         job = Job(request.job_id, state, Direction.STORE, request.keys, [], 0)
         if namespace.replicated and session.rank != 0:

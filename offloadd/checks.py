@@ -60,3 +60,13 @@ def check_keys(keys: list[bytes], engine: Engine, limits: Limits | None = None) 
                 ErrorCode.BAD_REQUEST,
                 f"key {key.hex()} names group {group}, the engine has groups {sorted(groups)}",
             )
+
+
+def check_offloaded(keys: list[bytes], namespace: Namespace) -> None:
+    """Every key's group has layers on every rank (else it is not offloaded at all)."""
+    for key in keys:
+        if 0 in namespace.shard_sizes_for_key(key):
+            raise Refused(
+                ErrorCode.BAD_REQUEST,
+                f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
+            )

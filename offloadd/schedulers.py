@@ -26,10 +26,10 @@ import logging
 
 from offloadd.announce import Announcer
 from offloadd.cache.index import ChunkCache
-from offloadd.checks import Refused, check_keys, ready_engine
+from offloadd.checks import Refused, check_keys, check_offloaded, ready_engine
 from offloadd.limits import Limits, Protection
 from offloadd.mirrors import Mirrors
-from offloadd.registry import Engine, Namespace, Registry, group_of_key
+from offloadd.registry import Engine, Namespace, Registry
 from offloadd.sessions import SessionState
 from protocol.errors import ErrorCode
 from protocol.messages import (
@@ -87,12 +87,7 @@ class Schedulers:
         """Reserve room for the keys' shards before the ranks store them."""
         engine, namespace = self._scheduler_checks(state)
         check_keys(request.keys, engine, self._limits)
-        for key in request.keys:
-            if 0 in namespace.shard_sizes_for_key(key):
-                raise Refused(
-                    ErrorCode.BAD_REQUEST,
-                    f"group {group_of_key(key)} has no layers on some rank: it is not offloaded",
-                )
+        check_offloaded(request.keys, namespace)
         self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
         cache = self._cache
         owner = state.session.session_id
