@@ -25,7 +25,8 @@ shape: endpoints, paths, octal modes, ...), so an unknown section or key, or a v
 setting cannot take, is a ``SettingsError`` whose one-line message names the setting and its
 source. Environment values are strings, converted to the field's type: integers, numbers,
 booleans (true/false/1/0/yes/no/on/off), strings, comma-separated lists; sizes such as
-``8GiB`` are accepted for ``cache.capacity`` and ``server.max_frame_bytes`` everywhere.
+``8GiB`` are accepted for every setting in bytes (``cache.capacity``, ``disk.capacity``,
+``mooncake.segment``, ...) everywhere.
 """
 
 from __future__ import annotations
@@ -176,6 +177,34 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     token_seconds: float = 30.0
 
 
+class DiskSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[disk]``: the local disk tier below the arena; off while ``path`` is empty.
+
+    Every committed chunk is also written to a file under ``path`` (in the background), so a
+    chunk evicted from host memory is found again there and promoted back on use. Files are
+    checksummed (a torn or corrupted one is dropped, never served) and kept across restarts.
+    """
+
+    path: str = ""
+    capacity: int = 0  # bytes the tier may fill; 0: half the file system's free space at start
+    direct_io: bool = True  # O_DIRECT where the file system allows it
+    queue_bytes: int = 256 << 20  # demotions waiting for the disk; beyond, chunks are skipped
+
+
+class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[mooncake]``: the cluster tier on Mooncake Store; off while ``master`` is empty."""
+
+    master: str = ""  # HOST:PORT of mooncake_master
+    metadata: str = ""  # http://HOST:8080/metadata; empty: the master's host, port 8080
+    segment: int = 1 << 30  # host memory this daemon contributes to the cluster pool
+    local_buffer: int = 64 << 20  # the client's own transfer buffer
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    rdma_devices: str = ""  # e.g. "mlx5_0,mlx5_1"; empty: all (rdma only)
+    local_hostname: str = ""  # how peers reach this node; empty: the host name
+    lookup_timeout: float = 0.05  # seconds a lookup waits for the cluster before a miss
+    queue_bytes: int = 256 << 20  # publications waiting for the cluster; beyond, skipped
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the daemon reads at start."""
 
@@ -186,6 +215,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     metrics: MetricsSettings = MetricsSettings()
     tenancy: TenancySettings = TenancySettings()
     limits: LimitsSettings = LimitsSettings()
+    disk: DiskSettings = DiskSettings()
+    mooncake: MooncakeSettings = MooncakeSettings()
 
     def endpoint(self) -> str:
         """The control endpoint, defaulted."""
@@ -302,8 +333,19 @@ _FIELDS: dict[str, dict[str, Any]] = {
 }
 # Settings in bytes that also take "8GiB"-style sizes.
 SIZE_SETTINGS = frozenset(
-    {("cache", "capacity"), ("server", "max_frame_bytes"), ("limits", "event_buffer_bytes")}
+    {
+        ("cache", "capacity"),
+        ("server", "max_frame_bytes"),
+        ("limits", "event_buffer_bytes"),
+        ("disk", "capacity"),
+        ("disk", "queue_bytes"),
+        ("mooncake", "segment"),
+        ("mooncake", "local_buffer"),
+        ("mooncake", "queue_bytes"),
+    }
 )
+# Sizes whose 0 means "work it out at start" (disk.capacity: half the free space).
+_SIZES_ZERO_MEANS_AUTO = frozenset({("disk", "capacity")})
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
@@ -431,14 +473,15 @@ def _coerce(
 ) -> Any:
     """``value`` as the field's type, or a SettingsError ``head + problem + tail``."""
     if (section, key) in SIZE_SETTINGS:
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        least = 0 if (section, key) in _SIZES_ZERO_MEANS_AUTO else 1
+        if isinstance(value, int) and not isinstance(value, bool) and value >= least:
             return value
         if isinstance(value, str):
             try:
                 size = parse_size(value)
             except ValueError:
-                size = 0
-            if size > 0:
+                size = -1
+            if size >= least:
                 return size
         raise SettingsError(f"{head}expected a size like 8GiB, got {value!r}{tail}")
     if from_env:
