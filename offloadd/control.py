@@ -10,8 +10,9 @@ answered with ``INTERNAL``, so one peer never takes the daemon down for the othe
 Contract of ``ControlSocket`` (the event loop's thread only):
 - ``bind(ctx)``: create and bind the socket; on failure nothing stays open (an open socket
   would keep the context's ``term()`` waiting forever).
-- ``receive_loop()``: receive until cancelled. While a peer's Hello is handled off the loop
-  (``RequestGate``), its later frames are held, then given to ``handle_frames`` in order.
+- ``receive_loop()``: receive until cancelled, at most ``_BATCH`` requests per turn of the
+  loop. While a peer's Hello is handled off the loop (``RequestGate``), its later frames are
+  held, then given to ``handle_frames`` in order.
 - ``send(identity, reply)``: never blocks: a reply to a peer that is gone or not reading is
   dropped, and so is every reply once the socket is closed.
 - ``protocol_error(identity, request_id, code, message)``: answer an Error and count it.
@@ -24,7 +25,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -48,7 +49,7 @@ __all__ = ["ControlSocket"]
 # (and set its level) by that name.
 logger = logging.getLogger("offloadd.daemon")
 
-_YIELD_EVERY = 32  # requests handled back to back before the loop runs other callbacks
+_BATCH = 32  # requests handled back to back before the loop runs other callbacks
 
 
 class ControlSocket:
@@ -70,13 +71,16 @@ class ControlSocket:
         self._dispatch = dispatch
         self.metrics = metrics
         self.counters = counters
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None  # blocking calls never block: see send
+        self._readable: asyncio.Event | None = None  # receive_loop's wake-up, see send
         self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         """Create and bind the ROUTER (and start CURVE when configured); closed on failure."""
         server = self.settings.server
-        sock = ctx.socket(zmq.ROUTER)
+        # A plain socket on the shared context: the loop reads it in batches (receive_loop)
+        # and sends with DONTWAIT, with no asyncio future per message.
+        sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -101,7 +105,7 @@ class ControlSocket:
             raise
         self._sock = sock
 
-    def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
+    def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.Socket[bytes]) -> None:
         import zmq.auth
         from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -130,20 +134,41 @@ class ControlSocket:
             self._auth = None
 
     async def receive_loop(self) -> None:
-        """Receive forever; a peer's frames wait behind the gate while its Hello runs."""
+        """Drain the ROUTER in batches of at most ``_BATCH`` requests per turn of the loop.
+
+        Copy completions, timers and events run between batches, and libzmq queues fairly
+        across peers, so a flooding peer gets its share of a batch, never the loop. Requests
+        are read without a future each; the loop only waits on the socket's file descriptor
+        when nothing is queued. zmq's FD is edge-triggered and any send may consume the edge
+        of a request that just arrived, so ``EVENTS`` is read after each batch, and ``send``
+        reads it while this loop waits. A peer's frames wait behind the gate while its Hello
+        runs.
+        """
         assert self._sock is not None
         sock = self._sock
-        handled = 0
-        while True:
-            frames = await sock.recv_multipart()
-            handled += 1
-            if handled % _YIELD_EVERY == 0:
-                # pyzmq completes a recv without yielding while frames are queued: under a
-                # flood, let copy completions, events and timers run in between.
-                await asyncio.sleep(0)
-            identity = frames[0]
-            if not self._gate.hold(identity, frames[1:]):
-                self.handle_frames(identity, frames[1:])
+        loop = asyncio.get_running_loop()
+        readable = self._readable = asyncio.Event()
+        fd = int(sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                for _ in range(_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    identity = frames[0]
+                    if not self._gate.hold(identity, frames[1:]):
+                        self.handle_frames(identity, frames[1:])
+                else:
+                    await asyncio.sleep(0)  # a full batch: more may wait, after the others
+                    continue
+                readable.clear()
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    await readable.wait()
+        finally:
+            self._readable = None
+            loop.remove_reader(fd)
 
     def handle_frames(self, identity: bytes, frames: list[bytes]) -> None:
         """Handle one request; a bug inside is logged and answered with INTERNAL."""
@@ -161,15 +186,21 @@ class ControlSocket:
 
     def send(self, identity: bytes, message: Reply) -> None:
         """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             return
-        # With DONTWAIT pyzmq tries the send at once and hands back a finished future.
-        future = cast(
-            "asyncio.Future[object]",
-            self._sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT),
-        )
-        if future.done() and future.exception() is not None:
+        try:
+            sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT)
+        except zmq.ZMQError:  # EAGAIN: not reading; EHOSTUNREACH: gone (ROUTER_MANDATORY)
             logger.debug("dropped a reply to a peer that is gone or not reading")
+        # While the receive loop waits, this send may have taken the edge of a new request.
+        readable = self._readable
+        if (
+            readable is not None
+            and not readable.is_set()
+            and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+        ):
+            readable.set()
 
     def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
         if len(frames) != 1:
