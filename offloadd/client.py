@@ -33,7 +33,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import msgspec
 import zmq
@@ -659,6 +659,12 @@ class OffloadClient:
             sock.close(linger=0)
 
 
+def _expire(future: asyncio.Future[Reply]) -> None:
+    """The timer of an exchange: no reply came in time."""
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 class AsyncOffloadClient:
     """asyncio client with the same methods as ``OffloadClient`` (awaitable).
 
@@ -909,18 +915,33 @@ class AsyncOffloadClient:
         if self._closed:
             raise OffloaddError("client is closed")
         timeout = self.timeout if timeout is None else timeout
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending[request.request_id] = future
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Reply] = loop.create_future()
+        request_id = request.request_id
+        self._pending[request_id] = future
+        frame = encode(request)
         try:
+            # The usual case: the frame is queued at once and only the reply is waited for,
+            # under a plain timer rather than a timeout scope.
+            sent = cast("asyncio.Future[object]", self._sock.send(frame, zmq.DONTWAIT))
+            if sent.done() and sent.exception() is None:
+                expiry = loop.call_later(timeout, _expire, future)
+                try:
+                    return await future
+                finally:
+                    expiry.cancel()
+            if not sent.done():
+                sent.cancel()
+            # Refused for now (its exception retrieved above): sent again, waiting for room.
             async with asyncio.timeout(timeout):
-                await self._sock.send(encode(request))
+                await self._sock.send(frame)
                 return await future
         except TimeoutError:
             raise DaemonUnavailable(
                 f"no answer from {self.endpoint} within {timeout:.1f}s"
             ) from None
         finally:
-            self._pending.pop(request.request_id, None)
+            self._pending.pop(request_id, None)
 
     async def _heartbeat_loop(self) -> None:
         while True:

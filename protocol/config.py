@@ -377,9 +377,11 @@ def _collect_differences(
     if path and (path in ignore or _INDEX.sub("[*]", path) in ignore):
         return
     if isinstance(a, msgspec.Struct) and type(a) is type(b):
-        for field in msgspec.structs.fields(a):
-            child = f"{path}.{field.name}" if path else field.name
-            _collect_differences(child, getattr(a, field.name), getattr(b, field.name), ignore, out)
+        if a == b:
+            return  # the usual case (ranks that agree), answered without a walk
+        for name in type(a).__struct_fields__:
+            child = f"{path}.{name}" if path else name
+            _collect_differences(child, getattr(a, name), getattr(b, name), ignore, out)
     elif (
         isinstance(a, tuple)
         and isinstance(b, tuple)
