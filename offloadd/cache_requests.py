@@ -37,10 +37,10 @@ from offloadd.registry import Engine, Namespace, Registry, group_of_key
 from offloadd.schedulers import acker
 from offloadd.sessions import SessionState
 from offloadd.settings import Settings
-from offloadd.transfer.copies import Copies
+from offloadd.transfer.copies import ChunkRuns, Copies
 from offloadd.transfer.engine import Direction
 from offloadd.transfer.guarded import shrunk
-from offloadd.transfer.plan import Span, block_id_problem, chunk_copies, chunk_ranges, group_spans
+from offloadd.transfer.plan import Span, block_id_problem, chunk_ranges, group_spans
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Clear,
@@ -197,22 +197,19 @@ class CacheRequests:
         # Planned as arrays (the cuda engine takes them as they are); the rank's files are
         # reached by descriptor (offloadd.transfer.guarded).
         moves = Copies(state.windows)
+        runs = ChunkRuns(moves)  # chunks alike are planned together
         keys, block_ids = request.keys, request.block_ids
         firsts = _block_offsets(ranges)
+        positions = namespace.group_positions
         for write in reservation.writes:
-            position = namespace.group_positions[group_of_key(keys[write.index])]
-            spans, shard_bytes = self._spans(state, position, bpc)
+            spans, shard_bytes = self._spans(state, positions[group_of_key(keys[write.index])], bpc)
             if shard_bytes > write.size:
                 raise AssertionError("shard plan exceeds its slot")
             sub_block, count = ranges[write.index]
             start = firsts[write.index]
-            job.nbytes += chunk_copies(
-                spans,
-                block_ids[start : start + count],
-                arena_address + write.offset,
-                moves,
-                first_sub_block=sub_block,
-            )
+            address = arena_address + write.offset
+            runs.add(spans, block_ids[start : start + count], address, sub_block)
+        job.nbytes += runs.flush()
         return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
 
     def load(self, state: SessionState, request: Load) -> Reply | None:
@@ -249,22 +246,18 @@ class CacheRequests:
         shard = 0 if namespace.replicated else session.rank
         arena_address = self._arena.address
         moves = Copies(state.windows)  # as in store
+        runs = ChunkRuns(moves, load=True)  # chunks alike are planned together
         block_ids = request.block_ids
+        positions = namespace.group_positions
         position = 0
         for entry, (sub_block, count) in zip(reservation.entries, ranges, strict=True):
-            group = namespace.group_positions[group_of_key(entry.key)]
-            spans, shard_bytes = self._spans(state, group, bpc)
+            spans, shard_bytes = self._spans(state, positions[group_of_key(entry.key)], bpc)
             if shard_bytes > entry.sizes[shard]:
                 raise AssertionError("shard plan exceeds its slot")
-            job.nbytes += chunk_copies(
-                spans,
-                block_ids[position : position + count],
-                arena_address + entry.offsets[shard],
-                moves,
-                first_sub_block=sub_block,
-                load=True,
-            )
+            address = arena_address + entry.offsets[shard]
+            runs.add(spans, block_ids[position : position + count], address, sub_block)
             position += count
+        job.nbytes += runs.flush()
         return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
 
     def _begin_held_load(self, engine: Engine, token: str, keys: list[bytes]) -> LoadReservation:

@@ -4,7 +4,9 @@
 ``offloadd.transfer.plan.chunk_copies`` fills it one chunk at a time with a few array
 operations over all of the chunk's regions and blocks at once, instead of one Python tuple
 per copy, and ``offloadd.transfer.batch.move_arrays`` takes its ``table()`` as is. Nothing
-is merged here: the engine merges once, over the whole job.
+is merged here: the engine merges once, over the whole job. The daemon plans through
+``ChunkRuns``: consecutive chunks alike (same spans, first sub-block and block count) go in
+as one ``add_chunks``, the same copies in the same order as chunk after chunk.
 
 ``windows`` (set by the daemon) lists the rank's shared-memory files in the plan's address
 space (``offloadd.transfer.guarded``): copies touching them are made through the files'
@@ -78,6 +80,42 @@ class Copies(Sequence[Triple]):
         self._joined = None
         return arrays.page_sum * count
 
+    def add_chunks(
+        self,
+        spans: Sequence[Span],
+        block_ids: Sequence[int],
+        shard_addresses: Sequence[int],
+        *,
+        first_sub_block: int = 0,
+        load: bool = False,
+    ) -> int:
+        """Append the copies of several chunks that share ``spans``, their first sub-block
+        and their block count: ``block_ids`` holds each chunk's ids in turn, one chunk per
+        address. The same copies, in the same order, as one ``add_chunk`` per chunk, made
+        with a handful of array operations for the whole run; returns the bytes."""
+        chunks = len(shard_addresses)
+        if not chunks or not spans:
+            return 0
+        count, extra = divmod(len(block_ids), chunks)
+        if extra:
+            raise ValueError(f"{len(block_ids)} block ids for {chunks} chunks of equal length")
+        if not count:
+            return 0
+        arrays = _span_arrays(spans)
+        ids = np.fromiter(block_ids, np.int64, chunks * count).reshape(chunks, 1, count)
+        region = arrays.strides[None, :, None] * ids  # (chunk, region, block)
+        region += arrays.bases[None, :, None]
+        template, sizes = _shard_template(arrays, count, first_sub_block)
+        addresses = np.fromiter(shard_addresses, np.int64, chunks)
+        shard = template[None, :, :] + addresses[:, None, None]
+        srcs, dsts, nbytes = self._columns
+        srcs.append((shard if load else region).ravel())
+        dsts.append((region if load else shard).ravel())
+        nbytes.append(np.tile(sizes, chunks))
+        self._count += sizes.size * chunks
+        self._joined = None
+        return arrays.page_sum * count * chunks
+
     def columns(self) -> tuple[Table, Table, Table]:
         """``(srcs, dsts, sizes)``, each one contiguous array (joined once, on first use)."""
         if self._joined is None:
@@ -111,6 +149,52 @@ class Copies(Sequence[Triple]):
 
 
 _NONE: Table = np.zeros(0, np.int64)
+
+
+class ChunkRuns:
+    """Plans a job's chunks into ``copies`` a run at a time: consecutive chunks with the same
+    spans, first sub-block and block count (most of a job, often all of it) become one
+    ``Copies.add_chunks``. ``add`` the chunks in order, then ``flush``."""
+
+    __slots__ = ("_addresses", "_copies", "_ids", "_key", "_load", "_spans", "nbytes")
+
+    def __init__(self, copies: Copies, *, load: bool = False) -> None:
+        self._copies = copies
+        self._load = load
+        self._spans: Sequence[Span] = ()
+        self._key: tuple[int, int, int] | None = None  # (id(spans), first, count)
+        self._ids: list[int] = []
+        self._addresses: list[int] = []
+        self.nbytes = 0  # bytes planned so far (flushed runs)
+
+    def add(
+        self,
+        spans: Sequence[Span],
+        block_ids: Sequence[int],
+        shard_address: int,
+        first_sub_block: int = 0,
+    ) -> None:
+        """One more chunk (``add_chunk``'s arguments)."""
+        key = (id(spans), first_sub_block, len(block_ids))
+        if key != self._key:
+            self.flush()
+            self._key, self._spans = key, spans
+        self._ids.extend(block_ids)
+        self._addresses.append(shard_address)
+
+    def flush(self) -> int:
+        """Plan the run in progress; returns the bytes of every chunk added so far."""
+        if self._addresses:
+            assert self._key is not None
+            self.nbytes += self._copies.add_chunks(
+                self._spans,
+                self._ids,
+                self._addresses,
+                first_sub_block=self._key[1],
+                load=self._load,
+            )
+            self._ids, self._addresses = [], []
+        return self.nbytes
 
 
 # The daemon passes the same spans tuple (cached per session and group) for every chunk, so the

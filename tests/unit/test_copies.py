@@ -3,6 +3,7 @@ planner and the reference plan move, and reads back as a sequence of triples."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,3 +56,37 @@ def test_copies_read_back_as_triples() -> None:
     assert len(copies) == 6 and copies[0] == expected[0] and copies[-1] == expected[-1]
     assert copies[1:3] == expected[1:3]
     assert chunk_copies(spans, [], 70_000, copies) == 0 and len(copies) == 6
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(cases(), st.integers(1, 4))
+def test_a_run_of_chunks_plans_as_chunk_after_chunk(
+    case: tuple[list[KVRegion], GroupLayout, list[int], int, int, bool], chunks: int
+) -> None:
+    regions, layout, ids, bpc, first, load = case
+    bases = [100_000 * (i + 1) for i in range(len(regions))]
+    mappings = [(base, r.handle.size) for base, r in zip(bases, regions, strict=True)]
+    spans = group_spans(layout, regions, mappings, blocks_per_chunk=bpc)
+    # Chunk c takes the drawn ids shifted by c (still in range: num_blocks is ample below).
+    per_chunk = [[block + c for block in ids] for c in range(chunks)]
+    if any(block >= regions[0].num_blocks for run in per_chunk for block in run):
+        per_chunk = [ids] * chunks
+    addresses = [1_000_000_000 + c * 1_000_000 for c in range(chunks)]
+    one_by_one = Copies()
+    total = sum(
+        one_by_one.add_chunk(spans, run, address, first_sub_block=first, load=load)
+        for run, address in zip(per_chunk, addresses, strict=True)
+    )
+    run = Copies()
+    flat = [block for chunk in per_chunk for block in chunk]
+    assert run.add_chunks(spans, flat, addresses, first_sub_block=first, load=load) == total
+    assert list(run) == list(one_by_one)
+
+
+def test_a_run_needs_equal_chunks() -> None:
+    spans = (Span(1000, 128, 64, 0),)
+    copies = Copies()
+    assert copies.add_chunks(spans, [], []) == 0
+    with pytest.raises(ValueError, match="3 block ids for 2 chunks of equal length"):
+        copies.add_chunks(spans, [0, 1, 2], [5000, 6000])
+    assert len(copies) == 0
