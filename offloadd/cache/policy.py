@@ -29,12 +29,12 @@ remembers once the row is gone; ``touch`` and ``remove`` take live rows only; ``
 makes room for rows ``< n`` before any of them is used. They order exactly as ``LruPolicy``
 and ``ArcPolicy`` do (the unit tests run both side by side).
 
-How they do it without links: each list is an ``_Order``, a log of row numbers in a numpy
+How they do it without links: each list is an ``_Order``, a log of row numbers in an int
 array, appended to on every insert or touch. A row's valid entry is its latest one (``pos``)
 in the list it is in (``where``); stale entries are skipped and, once they outnumber the
-members, compacted away in one vectorised pass. A touch is one append (``pos`` is brought up
-to date lazily, before the order is read), where a doubly linked list would need eight
-reads and writes, most of them cache misses in a large index.
+members, compacted away in one vectorised pass. A touch is one append (``pos`` is set in
+bulk before the order is read), where a doubly linked list needs eight reads and writes,
+most of them cache misses in a large index.
 """
 
 from __future__ import annotations
@@ -257,7 +257,8 @@ class _Order:
 
     ``where[row] == tag`` says the row is a member; orders sharing ``where`` and ``pos`` (the
     lists of one ARC) give each row to at most one of them, and the caller discards a row
-    from one before pushing it onto another.
+    from one before pushing it onto another. ``pos`` is brought up to date lazily (``_sync``,
+    before the order is read or compacted), for this order's members only.
     """
 
     __slots__ = ("_head", "_limit", "_log", "_pos", "_synced", "_tag", "_where", "count")
@@ -278,8 +279,13 @@ class _Order:
         if where[row] != self._tag:
             where[row] = self._tag
             self.count += 1
-        self._log.append(row)
-        if len(self._log) >= self._limit:
+        log = self._log
+        end = len(log)
+        self._pos.v[row] = end  # at once: one entry costs one write
+        if self._synced == end:
+            self._synced = end + 1
+        log.append(row)
+        if end + 1 >= self._limit:
             self._compact()
 
     def extend(self, rows: Iterable[int]) -> None:
@@ -322,25 +328,27 @@ class _Order:
             index += 1
 
     def _sync(self) -> None:
-        """Bring ``pos`` up to date: each member's latest entry (vectorised)."""
+        """Set ``pos`` of each member appended since the last sync to its latest entry."""
         end, start = len(self._log), self._synced
         if start == end:
             return
-        if end - start == 1:
-            row = self._log[start]
-            if self._where.v[row] == self._tag:
-                self._pos.v[row] = start
-        else:
-            log = np.frombuffer(self._log, np.int32)
-            rows, first = np.unique(log[start:end][::-1], return_index=True)
-            latest = (end - 1) - first
-            mine = self._where.a[rows] == self._tag
-            self._pos.a[rows[mine]] = latest[mine]
-            del log  # the array cannot grow while a view of it exists
+        log = np.frombuffer(self._log, np.int32)
+        rows = log[start:end]
+        mine = self._where.a[rows] == self._tag
+        rows = rows[mine]
+        positions = np.arange(start, end, dtype=np.int32)[mine]
+        del log  # the array cannot grow while a view of it exists
+        pos = self._pos.a
+        pos[rows] = -1
+        np.maximum.at(pos, rows, positions)  # the latest entry wins, whatever the order
         self._synced = end
 
     def _compact(self) -> None:
         """Drop every stale entry; later pushes may fill the log up to twice the members."""
+        if len(self._log) - self._head == self.count:
+            # Nothing is stale (each member has one entry): only make room, copying nothing.
+            self._limit = max(_MIN_LOG, 2 * self.count)
+            return
         self._sync()
         end = len(self._log)
         log = np.frombuffer(self._log, np.int32)
@@ -349,7 +357,7 @@ class _Order:
             self._pos.a[tail] == np.arange(self._head, end, dtype=np.int64)
         )
         kept = tail[valid]
-        del log, tail
+        del log, tail  # the array cannot be replaced while a view of it exists
         self._log = _int_array(kept)
         self._pos.a[kept] = np.arange(len(kept), dtype=np.int32)
         self._head = 0
