@@ -12,8 +12,8 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   ZeroMQ DEALER/ROUTER echo of the same payload in the same kind of process.
 - ``handshake``: 8 ranks from first Hello to engine ready vs 8 bare echo round trips.
 - ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k (random
-  keys over the whole index, and keys from a 10k hot set), and index bytes per entry vs
-  the key bytes.
+  keys over the whole index, and keys from a 10k hot set), lookup cost vs a plain dict probe
+  of the same keys (``dict_probe_*``), and index bytes per entry vs the key bytes.
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
@@ -122,7 +122,13 @@ GROUPS = (
     Group("handshake", ("handshake_*",), _handshake),
     Group(
         "index",
-        ("lookup_cost_*", "lookup_hot_cost_*", "store_cost_*", "index_bytes_per_entry*"),
+        (
+            "lookup_cost_*",
+            "lookup_hot_cost_*",
+            "store_cost_*",
+            "dict_probe_*",
+            "index_bytes_per_entry*",
+        ),
         _index,
     ),
     Group("events", ("events_per_s",), _events),

@@ -217,7 +217,7 @@ def _rtt(
         if q == 50:
             # p50 per block of samples, pair by pair: drifting noise cancels within a pair.
             paired = paired_ratio([p for p, _ in block_p50], [p for _, p in block_p50])
-            extra = {"goal": "ratio <= 1.5", "ratio": "median of per-block p50 ratios"}
+            extra = {"goal": "ratio <= 1.25", "ratio": "median of per-block p50 ratios"}
         else:
             paired = ratio(value, base)
             extra = {"ratio": "pooled p99 over all blocks"}
@@ -314,6 +314,7 @@ async def _rate(
         "client": "AsyncOffloadClient, one loop (uvloop) in the benchmark process",
         "baseline": "asyncio DEALERs (one context each) -> uvloop ROUTER echo subprocess",
         "ratio": "median of per-round ratios, rounds back to back",
+        "goal": "ratio >= 0.7" if concurrency == 1 else "ratio >= 0.85",
     }
     return Result(name, value, "1/s", base, paired, params)
 
@@ -415,5 +416,6 @@ async def _handshake(ctx: Context, endpoint: str, echo: str, regions: list[KVReg
         "baseline": "8 concurrent asyncio DEALERs (own context each): connect, send the "
         "Hello bytes, receive the echo",
         "ratio": "median of per-repetition ratios, back to back",
+        "goal": "ratio <= 2",
     }
     return Result("handshake_8_ranks", value, "ms", base, paired, params)
