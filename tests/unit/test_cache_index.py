@@ -338,6 +338,33 @@ def test_pin_lease_expires_with_the_clock() -> None:
     assert cache.release_owner("s") == 0  # the expired pin went with the entry
 
 
+def test_refused_keys_are_counted_across_stores() -> None:
+    cache = ChunkCache(A)
+    store(cache, [k(0)])
+    cache.lookup(NS, [k(0)], pin_owner="s", lease=60.0)
+    assert cache.begin_store(NS, [k(1), k(2)], 0, one_shard).refused == [0, 1]
+    assert cache.begin_store(NS, [k(3)], 0, one_shard).refused == [0]
+    assert cache.stats().stores_refused == 3
+
+
+def test_release_skips_keys_without_pins() -> None:
+    cache = ChunkCache(2 * A)
+    store(cache, [k(0), k(1)])
+    cache.lookup(NS, [k(1)], pin_owner="s", lease=60.0)
+    assert cache.release(NS, [k(0), k(9), k(1)], "s") == 1
+
+
+def test_handles_stay_one_per_entry_across_many() -> None:
+    # More handles than the cache keeps references for before sweeping the dead ones.
+    cache = ChunkCache(6000 * A)
+    keys = [k(i) for i in range(6000)]
+    for start in range(0, 6000, 100):
+        store(cache, keys[start : start + 100])  # their handles die batch by batch
+    kept = [cache.get(NS, key) for key in keys[:10]]
+    assert [cache.get(NS, key) for key in keys[:10]] == kept
+    assert len(cache._handles) <= 4096  # the references of dead handles were swept
+
+
 def test_lookup_without_lease_does_not_pin() -> None:
     cache = ChunkCache(A)
     store(cache, [k(0)])

@@ -353,3 +353,14 @@ def test_a_row_log_is_compacted_and_keeps_its_order() -> None:
         p.remove(row)
     assert list(p.candidates()) == list(range(2998, -1, -2))
     assert len(p) == 1500
+
+
+def test_a_row_log_stays_within_twice_its_members() -> None:
+    p = RowLru()
+    p.grow(100)
+    for row in range(100):
+        p.insert(row, 0, b"")
+    for _ in range(200):
+        p.touch(list(range(0, 100, 3)))
+    assert len(p._order._log) < 2 * max(len(p), 1024)
+    assert list(p.candidates())[-1] == 0 and len(p) == 100

@@ -263,3 +263,22 @@ def test_an_acker_evicting_elsewhere_does_not_acknowledge_its_own_namespace() ->
     res = cache.reserve("other", [key(2)], "sched", sizes, acker="sched")
     assert [e.key for e in res.evicted] == [key(1)]  # unwatched: freed at once, nothing acked
     assert cache.stats().leaving == 1
+
+
+def test_a_reservation_ends_when_its_entry_commits_or_goes() -> None:
+    cache = ChunkCache(4 * SIZE)
+    cache.reserve(NS, [key(0), key(1), key(2)], "sched", sizes)
+    store = cache.begin_store(NS, [key(0)], 0, sizes, allocate=False)
+    cache.finish_store(store.writes, ok=True)  # committed: no longer reserved
+    cache.remove(NS, [key(1)])  # gone: no longer reserved either
+    assert cache.release_reservations("sched") == 1  # key(2) only
+    assert cache.get(NS, key(2)) is None and cache.lookup(NS, [key(0)]).hits == 1
+    assert cache.release_reservations("sched") == 0
+
+
+def test_releasing_unheld_keys_does_not_stop_at_them() -> None:
+    cache = ChunkCache(2 * SIZE)
+    commit(cache, [key(0)])
+    cache.hold(NS, "sched", "req", [key(0)])
+    assert cache.release_hold("sched", "req", [key(7), key(0)]) == 1
+    assert cache.stats().held == 0
