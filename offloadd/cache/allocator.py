@@ -5,7 +5,7 @@ Contract:
 - ``alloc(size)`` returns the offset of an extent of ``alloc_size(size)`` bytes (``size`` rounded
   up to ``align``), or None when no free extent is large enough. Offsets are multiples of
   ``align``. Best fit: a free extent of exactly that size if there is one, else the smallest
-  larger one, split.
+  larger one, split. ``take(need)`` is the same for a size already rounded.
 - ``free(offset, size)`` takes back an extent, with ``size`` as passed to ``alloc``, and merges it
   with free neighbours, so freeing everything always leaves one extent of ``capacity`` bytes
   (one per piece, see ``boundary``). Freeing something that is not allocated (or freeing
@@ -165,7 +165,11 @@ class ExtentAllocator:
 
     def alloc(self, size: int) -> int | None:
         """Offset of a new extent of ``alloc_size(size)`` bytes, or None if nothing fits."""
-        need = self.alloc_size(size)
+        return self.take(self.alloc_size(size))
+
+    def take(self, need: int) -> int | None:
+        """``alloc`` of a size that is ``alloc_size``'s already (a positive multiple of
+        ``align``): what a caller that rounded its sizes once calls per extent."""
         bucket = self._by_size.get(need)
         if bucket is None:
             i = bisect_right(self._sizes, need)

@@ -328,6 +328,7 @@ class ChunkCache:
         self._namespace_ids: dict[str, int] = {}
         self._shapes: list[tuple[int, ...]] = []
         self._shape_ids: dict[tuple[int, ...], int] = {}
+        self._needs: list[tuple[int, ...]] = []  # each shape's sizes as allocated (aligned)
         self._footprints: list[int] = []  # arena bytes of each shape
         self._fits: list[bool] = []  # whether each shape could ever fit the arena
         # What few rows have at a time; a state bit says whether a row is in each.
@@ -499,6 +500,8 @@ class ChunkCache:
         res = StoreReservation([], [], [], [])
         table = self._tables.get(namespace, _NO_ROWS)
         protected: frozenset[bytes] | None = None
+        checked: tuple[int, ...] | None = None  # the last new key's sizes, checked (see reserve)
+        shape = -1
         for i, key in enumerate(keys):
             row = table.get(key)
             if row is not None:
@@ -521,13 +524,16 @@ class ChunkCache:
             if not allocate:
                 res.skipped.append(i)
                 continue
-            sizes = tuple(shard_sizes(key))
-            if not sizes or shard >= len(sizes) or min(sizes) <= 0:
-                self._cancel(res.writes)
-                raise ValueError(f"bad shard sizes {sizes} for shard {shard} of {key.hex()}")
+            sizes = shard_sizes(key)
+            if sizes is not checked:
+                sizes = tuple(sizes)
+                if not sizes or shard >= len(sizes) or min(sizes) <= 0:
+                    self._cancel(res.writes)
+                    raise ValueError(f"bad shard sizes {sizes} for shard {shard} of {key.hex()}")
+                shape, checked = self._shape_id(sizes), sizes
             if protected is None:
                 protected = frozenset(keys)
-            row = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
+            row = self._new_entry(namespace, key, shape, protected, res.evicted, acker)
             if row is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
@@ -556,21 +562,31 @@ class ChunkCache:
         res = Reservation([], [], [])
         table = self._tables.get(namespace, _NO_ROWS)
         protected = frozenset(keys)
+        reserved_by = self._reserved_by
+        mine: set[int] | None = None  # the owner's reserved rows
+        # Keys of one group get the same sizes tuple: checked and interned once, not per key.
+        checked: tuple[int, ...] | None = None
+        shape = -1
         for i, key in enumerate(keys):
             if key in table:
                 continue
-            sizes = tuple(shard_sizes(key))
-            if not sizes or min(sizes) <= 0:
-                raise ValueError(f"bad shard sizes {sizes} for {key.hex()}")
-            row = self._new_entry(namespace, key, sizes, protected, res.evicted, acker)
+            sizes = shard_sizes(key)
+            if sizes is not checked:
+                sizes = tuple(sizes)
+                if not sizes or min(sizes) <= 0:
+                    raise ValueError(f"bad shard sizes {sizes} for {key.hex()}")
+                shape, checked = self._shape_id(sizes), sizes
+            row = self._new_entry(namespace, key, shape, protected, res.evicted, acker)
             if row is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
                 break
             table = self._tables[namespace]
-            self._reserved_by[row] = owner
+            reserved_by[row] = owner
             self._state.v[row] |= _RESERVED
-            self._reservations.setdefault(owner, set()).add(row)
+            if mine is None:
+                mine = self._reservations.setdefault(owner, set())
+            mine.add(row)
             res.reserved.append(i)
         return res
 
@@ -592,15 +608,23 @@ class ChunkCache:
         self,
         namespace: str,
         key: bytes,
-        sizes: tuple[int, ...],
+        shape: int,
         protected: frozenset[bytes],
         evicted: list[Entry],
         acker: str | None,
     ) -> int | None:
-        shape = self._shape_id(sizes)
-        offsets = self._place(namespace, shape, protected, evicted, acker)
+        needs = self._needs[shape]
+        offsets: list[int] | None = None
+        if len(needs) == 1 and self._fits[shape]:
+            # The usual case, first as _place would try it: one shard, room without evicting.
+            # A failed try changes nothing, so _place may try again.
+            offset = self._alloc.take(needs[0])
+            if offset is not None:
+                offsets = [offset]
         if offsets is None:
-            return None
+            offsets = self._place(namespace, shape, protected, evicted, acker)
+            if offsets is None:
+                return None
         return self._new_row(namespace, key, shape, offsets)
 
     def finish_store(self, writes: Sequence[ShardWrite], ok: bool) -> list[Entry]:
@@ -923,8 +947,10 @@ class ChunkCache:
         if shape is None:
             shape = self._shape_ids[sizes] = len(self._shapes)
             alloc = self._alloc
-            need = sum(alloc.alloc_size(size) for size in sizes)
+            needs = tuple(alloc.alloc_size(size) for size in sizes)
+            need = sum(needs)
             self._shapes.append(sizes)
+            self._needs.append(needs)
             self._footprints.append(need)
             self._fits.append(
                 need <= alloc.capacity
@@ -934,16 +960,17 @@ class ChunkCache:
 
     def _new_row(self, namespace: str, key: bytes, shape: int, offsets: list[int]) -> int:
         """A new live, pending row in the index and the policy, its extents at ``offsets``."""
+        state = self._state
         if self._free_rows:
             row = self._free_rows.pop()
             self._keys[row] = key
         else:
             row = len(self._keys)
             self._keys.append(key)
-            if row >= len(self._state):
-                for column in (self._state, self._ns, self._shape, self._base):
+            if row >= len(state.a):
+                for column in (state, self._ns, self._shape, self._base):
                     column.grow(row + 1)
-                self._policy.grow(len(self._state))
+                self._policy.grow(len(state.a))
         namespace_id = self._namespace_ids.get(namespace)
         if namespace_id is None:
             namespace_id = self._namespace_ids[namespace] = len(self._namespaces)
@@ -954,12 +981,13 @@ class ChunkCache:
             base = runs.pop()
         else:
             base = self._pool_top
-            self._pool_top += count
-            self._offsets.grow(self._pool_top)
+            self._pool_top = top = base + count
+            if top > len(self._offsets.a):
+                self._offsets.grow(top)
         pool, align = self._offsets.v, self._align
         for slot, offset in enumerate(offsets, base):
             pool[slot] = offset // align
-        self._state.v[row] = 0
+        state.v[row] = 0
         self._ns.v[row] = namespace_id
         self._shape.v[row] = shape
         self._base.v[row] = base
@@ -1072,13 +1100,18 @@ class ChunkCache:
                 del self._owners[owner]
         self._unpin(row)
 
-    def _try_alloc(self, sizes: tuple[int, ...]) -> list[int] | None:
+    def _try_alloc(self, shape: int) -> list[int] | None:
         """All shards' extents, or None (and nothing held) if one does not fit."""
+        take = self._alloc.take
+        needs = self._needs[shape]
+        if len(needs) == 1:  # the usual case: one shard per key (a rank's, or replicated)
+            offset = take(needs[0])
+            return None if offset is None else [offset]
         offsets: list[int] = []
-        for size in sizes:
-            offset = self._alloc.alloc(size)
+        for need in needs:
+            offset = take(need)
             if offset is None:
-                for held, held_size in zip(offsets, sizes, strict=False):
+                for held, held_size in zip(offsets, self._shapes[shape], strict=False):
                     self._alloc.free(held, held_size)
                 return None
             offsets.append(offset)
@@ -1114,9 +1147,8 @@ class ChunkCache:
         if not self._fits[shape]:
             return None
         need = self._footprints[shape]
-        sizes = self._shapes[shape]
         if alloc.free_bytes >= need:
-            offsets = self._try_alloc(sizes)
+            offsets = self._try_alloc(shape)
             if offsets is not None:
                 return offsets
         now = self._clock()
@@ -1140,7 +1172,7 @@ class ChunkCache:
                 self._evict(row, evicted, acker)
             if found_now < need:
                 return None
-            offsets = self._try_alloc(sizes)
+            offsets = self._try_alloc(shape)
             if offsets is not None:
                 return offsets
         # Enough bytes are free but no extent fits (mixed sizes fragment the arena): keep
@@ -1156,7 +1188,7 @@ class ChunkCache:
                 return None
             for row in more:
                 self._evict(row, evicted, acker)
-                offsets = self._try_alloc(sizes)
+                offsets = self._try_alloc(shape)
                 if offsets is not None:
                     return offsets
             batch *= 2

@@ -317,3 +317,11 @@ def test_a_256_gib_arena_in_64_gib_pieces_is_filled_without_a_straddle(page_kib:
         live.remove(offset)
     while (offset := alloc.alloc(shard // 3)) is not None:
         assert not alloc.straddles(offset, alloc.alloc_size(shard // 3))
+
+
+def test_take_is_alloc_of_a_rounded_size() -> None:
+    one, other = ExtentAllocator(8 * A), ExtentAllocator(8 * A)
+    for size in (A, 3 * A, 2 * A, 3 * A, 2 * A):  # the second 3 * A does not fit
+        assert one.take(size) == other.alloc(size - 1)
+    assert one.take(A) is None and other.alloc(1) is None
+    assert one.free_extents() == other.free_extents()

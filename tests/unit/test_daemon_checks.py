@@ -10,8 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from offloadd.checks import MAX_KEYS_PER_REQUEST, Refused, check_keys, ready_engine
-from offloadd.registry import Registry
+from offloadd.checks import (
+    MAX_KEYS_PER_REQUEST,
+    Refused,
+    check_keys,
+    check_offloaded,
+    ready_engine,
+)
+from offloadd.registry import Namespace, Registry
 from offloadd.sessions import SessionState, close_on, silent_sessions
 from protocol.errors import ErrorCode
 from tests.unit.test_registry import hello, register_engine
@@ -95,3 +101,17 @@ def test_import_closes_run_on_the_import_thread_or_inline_once_it_is_shut_down(
     with caplog.at_level(logging.ERROR, logger="offloadd.daemon"):
         closer(broken)  # logged, never raised into the handle table
     assert "closing a CUDA IPC import failed" in caplog.text
+
+
+def test_chunk_bytes_and_the_offloaded_check_read_each_key_s_group() -> None:
+    # Groups 3 and 9; group 9 has no layers on the second rank (a size of 0 there).
+    namespace = Namespace("ns", 1, [(10, 20), (30, 0)], False, {3: 0, 9: 1})
+    keys = [key(3), key(9), key(3, b"other"), key(9), key(3)]
+    assert namespace.chunk_bytes(keys) == [30, 30, 30, 30, 30]
+    assert namespace.chunk_bytes(keys[:2]) == [30, 30]
+    with pytest.raises(KeyError):
+        namespace.chunk_bytes([*keys, key(4)])  # a group the namespace lacks, as before
+    check_offloaded([key(3)] * 5, namespace)
+    with pytest.raises(Refused, match="group 9 has no layers on some rank") as refused:
+        check_offloaded([key(3), key(3), key(3), key(9)], namespace)
+    assert refused.value.code == ErrorCode.BAD_REQUEST
