@@ -170,23 +170,38 @@ class ExtentAllocator:
     def take(self, need: int) -> int | None:
         """``alloc`` of a size that is ``alloc_size``'s already (a positive multiple of
         ``align``): what a caller that rounded its sizes once calls per extent."""
-        bucket = self._by_size.get(need)
+        by_size, sizes = self._by_size, self._sizes
+        bucket = by_size.get(need)
+        split = False  # the one extent of its size, split in place
         if bucket is None:
-            i = bisect_right(self._sizes, need)
-            if i == len(self._sizes):
+            i = bisect_right(sizes, need)
+            if i == len(sizes):
                 return None
-            have = self._sizes[i]
-            bucket = self._by_size[have]
+            have = sizes[i]
+            bucket = by_size[have]
+            rest = have - need
+            split = len(bucket) == 1 and (i == 0 or sizes[i - 1] < rest)
         else:
             have = need
         start = bucket.pop()
-        if not bucket:
-            del self._by_size[have]
-            del self._sizes[bisect_left(self._sizes, have)]
-        del self._free_start[start]
-        del self._free_end[start + have]
-        if have > need:
-            self._add_free(start + need, have - need)
+        if split:
+            # The usual split (a fresh arena's tail): the rest keeps the extent's place among
+            # the sizes and its end, so it is updated where it is (as _add_free would leave it).
+            del by_size[have]
+            sizes[i] = rest
+            del self._free_start[start]
+            self._free_start[start + need] = rest
+            self._free_end[start + have] = start + need
+            bucket.add(start + need)
+            by_size[rest] = bucket
+        else:
+            if not bucket:
+                del by_size[have]
+                del sizes[bisect_left(sizes, have)]
+            del self._free_start[start]
+            del self._free_end[start + have]
+            if have > need:
+                self._add_free(start + need, have - need)
         first = start // self._align  # mark it: see _mark
         last = first + need // self._align - 1
         self._starts[first >> 3] |= 1 << (first & 7)

@@ -325,3 +325,16 @@ def test_take_is_alloc_of_a_rounded_size() -> None:
         assert one.take(size) == other.alloc(size - 1)
     assert one.take(A) is None and other.alloc(1) is None
     assert one.free_extents() == other.free_extents()
+
+
+def test_a_split_keeps_the_free_sizes_ordered_and_the_ends_mapped() -> None:
+    a = ExtentAllocator(16 * A)
+    held = [a.alloc(A) for _ in range(4)]  # the tail splits in place: [4A, 16A) stays free
+    a.free(held[1] or 0, A)  # a hole of A between used extents
+    assert a.take(A) == A  # the exact fit
+    a.free(held[2] or 0, 1)  # holes of A at 2A ...
+    assert a.alloc(A) == 2 * A
+    big = a.take(10 * A)  # from the 12A tail: the rest (2A) lands among the sizes in order
+    assert big == 4 * A and a.free_extents() == [(14 * A, 2 * A)]
+    a.free(big or 0, 10 * A)  # merges through the end map into one free extent again
+    assert a.free_extents() == [(4 * A, 12 * A)] and a.largest_free == 12 * A
