@@ -20,6 +20,9 @@ another but through what it was given:
 - ``offloadd.jobs``: the copies in flight, their completion, Wait, the drain.
 - ``offloadd.schedulers``: Reserve, UpdateHolds, Ack.
 - ``offloadd.announce``: the journal, the key mirrors and the KV events of each cache change.
+- ``offloadd.tiers.coordinator``: the tiers below the arena (``[disk]``, ``[mooncake]``;
+  built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
+  arena is unmapped.
 
 Who a peer is comes from the kernel, through the registration socket beside an ipc control
 socket (``offloadd.peer``); what it may see and share from ``offloadd.tenancy``; how much it
@@ -33,6 +36,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -60,9 +64,12 @@ from offloadd.settings import Settings
 from offloadd.storage import PIN_PIECE, open_arena, open_journal
 from offloadd.systemd import Notifier
 from offloadd.tenancy import Tenancy, Viewer
+from offloadd.tiers.base import Tier
+from offloadd.tiers.coordinator import Tiers, TierSlot
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.handles import HandleTable
 from protocol.errors import ErrorCode
+from protocol.events import MEDIUM_DISK
 from protocol.messages import (
     Ack,
     Bye,
@@ -98,6 +105,40 @@ class _Parts:
     sessions: Sessions
     requests: CacheRequests
     schedulers: Schedulers
+    tiers: Tiers | None
+
+
+def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
+    """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
+    built: list[Tier] = []
+    slots: list[TierSlot] = []
+    try:
+        if settings.disk.path:
+            from offloadd.tiers.disk import DiskTier  # type: ignore[import-not-found,unused-ignore]
+
+            disk: Tier = DiskTier(settings.disk)
+            built.append(disk)
+            # Its index is in memory: a lookup asks it on the loop.
+            slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
+        if settings.mooncake.master:
+            from offloadd.tiers.mooncake import (  # type: ignore[import-not-found,unused-ignore]
+                MooncakeTier,
+            )
+
+            cluster: Tier = MooncakeTier(settings.mooncake, arena)
+            built.append(cluster)
+            slots.append(
+                TierSlot(
+                    cluster,
+                    settings.mooncake.queue_bytes,
+                    lookup_timeout=settings.mooncake.lookup_timeout,
+                )
+            )
+    except BaseException:
+        for tier in built:
+            tier.close()
+        raise
+    return slots
 
 
 class Daemon:
@@ -109,8 +150,12 @@ class Daemon:
         *,
         copy_engine: CopyEngine | None = None,
         notifier: Notifier | None = None,
+        tiers: Sequence[TierSlot] | None = None,
     ) -> None:
         self.settings = settings
+        # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
+        self._tier_slots = list(tiers) if tiers is not None else None
+        self._tiers_closed = True  # False while tier threads may still use the arena
         self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
         self._copy = copy_engine
@@ -269,6 +314,20 @@ class Daemon:
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
         )
+        slots = self._tier_slots if self._tier_slots is not None else tier_slots(settings, arena)
+        tiers = None
+        if slots:
+            tiers = Tiers(
+                slots,
+                cache,
+                arena,
+                announce,
+                journal=self._journal,
+                capacity=settings.cache.capacity,
+            )
+            self._tiers_closed = False
+            announce.attach_tiers(tiers)
+            logger.info("tiers below the arena: %s", ", ".join(tiers.names))
         jobs = Jobs(
             settings.server,
             registry,
@@ -310,11 +369,13 @@ class Daemon:
             metrics=self.metrics,
             limits=self.limits,
             protection=self._protection,
+            tiers=tiers,
+            send=self._control.send,
         )
         schedulers = Schedulers(
             registry, cache, mirrors, announce, limits=self.limits, protection=self._protection
         )
-        return _Parts(announce, jobs, sessions, requests, schedulers)
+        return _Parts(announce, jobs, sessions, requests, schedulers, tiers)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
@@ -333,6 +394,7 @@ class Daemon:
             self._notify.stopping(f"draining {parts.jobs.in_flight} jobs")
             logger.info("stopping: no new jobs, draining copies in flight")
             await parts.jobs.drain()
+            await self._drain_tiers()
         finally:
             for task in background:
                 task.cancel()
@@ -351,8 +413,15 @@ class Daemon:
         """Publish the last events, then release everything; idempotent."""
         if self._parts is not None:
             self._parts.sessions.unwatch_all()
+        await self._drain_tiers()
         await self._close_events()
         self._release_resources()
+
+    async def _drain_tiers(self) -> None:
+        """Let the tiers finish their calls (bounded), then close them."""
+        tiers = self._parts.tiers if self._parts is not None else None
+        if tiers is not None and not self._tiers_closed:
+            self._tiers_closed = await tiers.drain(self.settings.server.drain_seconds)
 
     async def _close_events(self) -> None:
         if self._events is not None:
@@ -386,7 +455,11 @@ class Daemon:
             self._journal.close()
             self._journal = None
         if self._arena is not None:
-            self._arena.close()
+            if self._tiers_closed:
+                self._arena.close()
+            else:
+                # A tier's thread may still read or write it: unmapping would crash it.
+                logger.warning("tiers did not stop: the arena stays mapped until exit")
             self._arena = None
         if self._claim is not None:
             self._claim.release()
@@ -480,6 +553,7 @@ class Daemon:
             events_endpoint=events[0],
             events_replay_endpoint=events[1],
             copy_path=self._copy_path(),
+            tiers=parts.tiers.stats() if parts is not None and parts.tiers is not None else [],
         )
 
     def _copy_path(self) -> dict[str, bool]:
