@@ -114,9 +114,9 @@ def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
     slots: list[TierSlot] = []
     try:
         if settings.disk.path:
-            from offloadd.tiers.disk import DiskTier  # type: ignore[import-not-found,unused-ignore]
+            from offloadd.tiers.disk import DiskTier
 
-            disk: Tier = DiskTier(settings.disk)
+            disk: Tier = DiskTier.from_settings(settings.disk)
             built.append(disk)
             # Its index is in memory: a lookup asks it on the loop.
             slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
