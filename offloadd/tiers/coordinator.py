@@ -10,8 +10,11 @@ Contract of ``Tiers`` (the event loop's thread only):
   promotions included): each chunk is queued for every tier but ``source`` ("demote early,
   evict free": a chunk later evicted from the arena is already below it). A queued chunk is
   held against eviction (a cache reader, ``begin_load``) until its ``put`` ended. Beyond a
-  tier's queue bound (``queue_bytes``, at most a quarter of the arena) a chunk is skipped and
-  counted, never waited for. Each ``put`` takes everything queued (up to ``BATCH_CHUNKS``).
+  tier's queue bound (``queue_bytes``, at most a quarter of the arena) only the chunk's name
+  waits (in a backlog of at most ``BACKLOG_KEYS``, holding nothing); as the queue drains,
+  backlog chunks still in the arena are queued, and those evicted meanwhile, or beyond the
+  backlog, are skipped and counted. Nothing is ever waited for. Each ``put`` takes
+  everything queued (up to ``BATCH_CHUNKS``).
 - ``cleared(namespace)``: the engine cleared its namespace: queued chunks of it are dropped
   and every tier forgets it (after the calls already on its thread). Plain evictions from
   the arena never remove tier copies: that is the point of them.
@@ -64,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_CHUNKS = 256  # chunks per put or get call
 MAX_PROBES = 8  # contains calls waiting on a thread tier; beyond, lookups count it a miss
+BACKLOG_KEYS = 1 << 16  # names of chunks waiting for room in a tier's queue
 
 T = TypeVar("T")
 
@@ -135,6 +139,7 @@ class _Slot:
     worker: _Worker
     limit: int  # queued bytes at most
     demotions: deque[_Demotion] = field(default_factory=deque)
+    backlog: deque[tuple[str, bytes]] = field(default_factory=deque)  # no reader held
     queued_bytes: int = 0  # waiting and being written
     promotions: list[_Promotion] = field(default_factory=list)
     putting: bool = False
@@ -219,24 +224,39 @@ class Tiers:
         for slot in self._slots:
             if slot.name == source:
                 continue
-            queued: list[_Demotion] = []
             for entry in entries:
-                nbytes = entry.nbytes
-                if slot.queued_bytes + nbytes > slot.limit or entry.dead:
-                    slot.skipped += 1
-                    continue
-                # A reader keeps the chunk's extents (and bytes) until the put ended.
-                reading = self._cache.begin_load(namespace, [entry.key])
-                if reading.missing:
-                    slot.skipped += 1
-                    continue
-                slot.queued_bytes += nbytes
-                queued.append(_Demotion(namespace, reading.entries[0], nbytes))
-            slot.demotions.extend(queued)
+                if slot.backlog or not self._queue(slot, namespace, entry.key):
+                    # In order: behind the backlog, or into it (names only).
+                    if len(slot.backlog) < BACKLOG_KEYS:
+                        slot.backlog.append((namespace, entry.key))
+                    else:
+                        slot.skipped += 1
             self._next_put(slot)
 
+    def _queue(self, slot: _Slot, namespace: str, key: bytes) -> bool:
+        """Queue the committed chunk ``key`` if the queue has room for it."""
+        entry = self._cache.get(namespace, key)
+        if entry is None or not entry.committed:
+            slot.skipped += 1  # evicted (or removed) before its turn
+            return True
+        nbytes = entry.nbytes
+        if slot.queued_bytes + nbytes > slot.limit and slot.queued_bytes:
+            return False
+        # A reader keeps the chunk's extents (and bytes) until the put ended.
+        reading = self._cache.begin_load(namespace, [key])
+        if reading.missing:
+            slot.skipped += 1
+            return True
+        slot.queued_bytes += nbytes
+        slot.demotions.append(_Demotion(namespace, reading.entries[0], nbytes))
+        return True
+
     def _next_put(self, slot: _Slot) -> None:
-        if slot.putting or not slot.demotions or self._closing:
+        if slot.putting or self._closing:
+            return
+        while slot.backlog and self._queue(slot, *slot.backlog[0]):
+            slot.backlog.popleft()
+        if not slot.demotions:
             return
         batch: list[_Demotion] = []
         while slot.demotions and len(batch) < BATCH_CHUNKS:
@@ -293,6 +313,7 @@ class Tiers:
         if self._closing:
             return
         for slot in self._slots:
+            slot.backlog = deque(item for item in slot.backlog if item[0] != namespace)
             dropped = [d for d in slot.demotions if d.namespace == namespace]
             if dropped:
                 slot.demotions = deque(d for d in slot.demotions if d.namespace != namespace)
@@ -607,6 +628,8 @@ class Tiers:
         for slot in self._slots:
             dropped = list(slot.demotions)
             slot.demotions.clear()
+            slot.skipped += len(slot.backlog)
+            slot.backlog.clear()
             self._release_demotions(slot, dropped)
         try:
             await asyncio.wait_for(self._idle.wait(), grace)

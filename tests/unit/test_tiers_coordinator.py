@@ -22,6 +22,7 @@ from offloadd.cache.index import ChunkCache
 from offloadd.mirrors import Mirrors
 from offloadd.registry import Engine, Namespace, Registry
 from offloadd.settings import EventSettings
+from offloadd.tiers import coordinator
 from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
 from offloadd.tiers.coordinator import Tiers, TierSlot
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
@@ -215,25 +216,30 @@ def test_committed_chunks_are_written_through_and_their_readers_released(arena: 
     asyncio.run(main())
 
 
-def test_a_full_queue_skips_chunks_and_never_blocks(arena: Arena) -> None:
+def test_a_full_queue_holds_names_only_and_never_blocks(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(coordinator, "BACKLOG_KEYS", 2)
+
     async def main() -> None:
         rig = make_rig(arena, queue_bytes=2 * CHUNK)
         rig.tier.gate.clear()  # the tier is slow: the first put waits
-        keys = keys_named(b"a", b"b", b"c", b"d", b"e")
+        keys = keys_named(b"a", b"b", b"c", b"d", b"e", b"f")
         for key in keys:
             rig.store([key])
         stats = rig.tiers.stats()[0]
-        assert stats.demotions_skipped == 3
         assert stats.queued_bytes == 2 * CHUNK
-        # Queued chunks are held against eviction; skipped ones are not.
+        assert stats.demotions_skipped == 2  # e and f: beyond the backlog of 2 names (c, d)
+        # Queued chunks are held against eviction; the backlog holds nothing.
         held = [rig.cache.get(rig.namespace.name, k) for k in keys]
-        assert [e.readers if e else None for e in held] == [1, 1, 0, 0, 0]
+        assert [e.readers if e else None for e in held] == [1, 1, 0, 0, 0, 0]
+        rig.evict(keys[3:4])  # d leaves the arena before its turn: skipped
         rig.tier.gate.set()
-        await until(lambda: rig.tiers.stats()[0].demotions == 2)
-        assert sorted(k for _, k in rig.tier.chunks) == sorted(keys[:2])
-        assert all(e is not None and e.readers == 0 for e in held)
-        # Batched: the second chunk went in one put after the first.
-        assert rig.tier.puts == [[keys[0]], [keys[1]]]
+        await until(lambda: rig.tiers.stats()[0].demotions == 3)
+        assert sorted(k for _, k in rig.tier.chunks) == sorted(keys[:3])
+        assert rig.tiers.stats()[0].demotions_skipped == 3
+        assert all(e is not None and e.readers == 0 for e in held[:3])
+        assert rig.tier.puts[0] == [keys[0]]  # then the rest in batches
         await rig.tiers.drain(5.0)
 
     asyncio.run(main())
