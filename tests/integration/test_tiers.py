@@ -5,11 +5,20 @@ written through at commit); lookups report the chunks found on disk as pending, 
 them, and loads return every byte. A corrupted file is a miss and never served; Clear
 removes the tier copies. A tier probed on its own thread (as the cluster tier is) answers
 the lookup later, and one that does not answer in time leaves the lookup answered as a miss.
+``offloadd demo --phase load`` against a served daemon with a disk tier waits for its
+pending keys and verifies every byte promoted from disk.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +30,13 @@ from offloadd.tiers import chunkfile
 from offloadd.tiers.coordinator import TierSlot
 from protocol.messages import LookupResult, TierState
 from tests.integration.conftest import DaemonFactory
-from tests.integration.harness import Rank, chain_keys, chunk_block_ids, make_rank
+from tests.integration.harness import (
+    Rank,
+    ServeProcess,
+    chain_keys,
+    chunk_block_ids,
+    make_rank,
+)
 from tests.unit.test_tiers_coordinator import DictTier
 
 PAGE = 4096
@@ -224,3 +239,52 @@ def test_a_tier_that_does_not_answer_never_hangs_a_lookup(
         assert client.lookup(keys[ARENA_CHUNKS:]).hits == ARENA_CHUNKS  # arena hits go on
     finally:
         cluster.gate.set()
+
+
+def demo(endpoint: str, phase: str, seed: int) -> dict[str, int]:
+    options = ["--endpoint", endpoint, "--json", "--phase", phase, "--seed", str(seed)]
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadd", "demo", *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    summary: dict[str, int] = json.loads(result.stdout)
+    return summary
+
+
+def test_demo_load_verifies_chunks_promoted_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OFFLOADD_DISK__PATH", str(tmp_path / "disk"))
+    monkeypatch.setenv("OFFLOADD_DISK__CAPACITY", "256MiB")
+    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
+    arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+    # 16 MiB: exactly the demo's 64 chunks (2 ranks x 128 KiB each).
+    daemon = ServeProcess(workdir, arena, capacity="16MiB", persist=False).start()
+    try:
+        with OffloadClient(daemon.endpoint, timeout=5, heartbeat=0) as watcher:
+
+            def written(count: int) -> Callable[[], bool]:
+                def check() -> bool:
+                    (state,) = watcher.stats().tiers
+                    return state.demotions >= count and not state.queued_bytes
+
+                return check
+
+            assert demo(daemon.endpoint, "store", 5)["chunks_stored"] == 64
+            poll(written(64))
+            assert demo(daemon.endpoint, "store", 6)["chunks_stored"] == 64  # evicts seed 5
+            poll(written(128))
+            loaded = demo(daemon.endpoint, "load", 5)
+            assert loaded["hits"] == 128 and loaded["mismatches"] == 0
+            assert loaded["bytes_verified"] == 2 * 2 * 64 * 2 * 2 * (32 << 10)
+            (state,) = watcher.stats().tiers
+            assert state.promotions == 64 and state.promotion_failures == 0
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
+        assert not os.path.exists(arena)
