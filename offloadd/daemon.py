@@ -110,35 +110,38 @@ class _Parts:
 
 def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
     """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
-    built: list[Tier] = []
     slots: list[TierSlot] = []
-    try:
-        if settings.disk.path:
-            from offloadd.tiers.disk import DiskTier
+    if settings.disk.path:
+        from offloadd.tiers.disk import DiskTier
 
-            disk: Tier = DiskTier.from_settings(settings.disk)
-            built.append(disk)
-            # Its index is in memory: a lookup asks it on the loop.
-            slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
-        if settings.mooncake.master:
-            from offloadd.tiers.mooncake import (  # type: ignore[import-not-found,unused-ignore]
-                MooncakeTier,
-            )
-
-            cluster: Tier = MooncakeTier(settings.mooncake, arena)
-            built.append(cluster)
-            slots.append(
-                TierSlot(
-                    cluster,
-                    settings.mooncake.queue_bytes,
-                    lookup_timeout=settings.mooncake.lookup_timeout,
-                )
-            )
-    except BaseException:
-        for tier in built:
-            tier.close()
-        raise
+        disk = DiskTier.from_settings(settings.disk)
+        # Its index is in memory: a lookup asks it on the loop.
+        slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
+    if settings.mooncake.master:
+        cluster = _open_cluster(settings, arena)
+        if cluster is not None:
+            timeout = settings.mooncake.lookup_timeout
+            slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
     return slots
+
+
+def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
+    """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
+    or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
+    try:
+        from offloadd.tiers.mooncake import (  # type: ignore[import-not-found,unused-ignore]
+            MooncakeTier,
+        )
+
+        tier: Tier = MooncakeTier(settings.mooncake, arena)
+    except Exception as exc:
+        logger.error(
+            "cluster tier OFF: cannot open Mooncake Store at %s: %s (restart to retry)",
+            settings.mooncake.master,
+            exc,
+        )
+        return None
+    return tier
 
 
 class Daemon:
@@ -155,6 +158,7 @@ class Daemon:
         self.settings = settings
         # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
         self._tier_slots = list(tiers) if tiers is not None else None
+        self._tiers: Tiers | None = None
         self._tiers_closed = True  # False while tier threads may still use the arena
         self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
@@ -261,6 +265,7 @@ class Daemon:
                     socket_group=settings.server.socket_group,
                 )
         except BaseException:
+            await self._drain_tiers()
             await self._close_events()
             self._release_resources()
             raise
@@ -325,7 +330,7 @@ class Daemon:
                 journal=self._journal,
                 capacity=settings.cache.capacity,
             )
-            self._tiers_closed = False
+            self._tiers, self._tiers_closed = tiers, False
             announce.attach_tiers(tiers)
             logger.info("tiers below the arena: %s", ", ".join(tiers.names))
         jobs = Jobs(
@@ -419,9 +424,8 @@ class Daemon:
 
     async def _drain_tiers(self) -> None:
         """Let the tiers finish their calls (bounded), then close them."""
-        tiers = self._parts.tiers if self._parts is not None else None
-        if tiers is not None and not self._tiers_closed:
-            self._tiers_closed = await tiers.drain(self.settings.server.drain_seconds)
+        if self._tiers is not None and not self._tiers_closed:
+            self._tiers_closed = await self._tiers.drain(self.settings.server.drain_seconds)
 
     async def _close_events(self) -> None:
         if self._events is not None:

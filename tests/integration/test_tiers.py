@@ -255,15 +255,17 @@ def demo(endpoint: str, phase: str, seed: int) -> dict[str, int]:
     return summary
 
 
+@pytest.mark.parametrize("persist", [False, True], ids=["no-journal", "journal"])
 def test_demo_load_verifies_chunks_promoted_from_disk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: bool
 ) -> None:
+    # With a journal, promoted chunks are sealed and journaled like a rank's stores.
     monkeypatch.setenv("OFFLOADD_DISK__PATH", str(tmp_path / "disk"))
     monkeypatch.setenv("OFFLOADD_DISK__CAPACITY", "256MiB")
     workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
     arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
     # 16 MiB: exactly the demo's 64 chunks (2 ranks x 128 KiB each).
-    daemon = ServeProcess(workdir, arena, capacity="16MiB", persist=False).start()
+    daemon = ServeProcess(workdir, arena, capacity="16MiB", persist=persist).start()
     try:
         with OffloadClient(daemon.endpoint, timeout=5, heartbeat=0) as watcher:
 

@@ -13,15 +13,17 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
+from offloadd.daemon import tier_slots
 from offloadd.mirrors import Mirrors
 from offloadd.registry import Engine, Namespace, Registry
-from offloadd.settings import EventSettings
+from offloadd.settings import DiskSettings, EventSettings, MooncakeSettings, Settings
 from offloadd.tiers import coordinator
 from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
 from offloadd.tiers.coordinator import Tiers, TierSlot
@@ -362,3 +364,20 @@ def test_a_thread_tier_answers_later_or_counts_a_miss_after_its_timeout(arena: A
         assert rig.cache.get(rig.namespace.name, keys[0]) is None  # its late answer: no effect
 
     asyncio.run(main())
+
+
+def test_settings_turn_tiers_on_and_a_cluster_that_cannot_open_stays_off(
+    arena: Arena, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert tier_slots(Settings(), arena) == []  # off by default
+    settings = Settings(
+        disk=DiskSettings(path=str(tmp_path / "disk"), capacity=1 << 20),
+        mooncake=MooncakeSettings(master="127.0.0.1:1"),  # nobody there
+    )
+    slots = tier_slots(settings, arena)
+    try:
+        assert [(s.tier.name, s.inline, s.medium) for s in slots] == [("disk", True, "DISK")]
+        assert "cluster tier OFF" in caplog.text  # the node serves on without it
+    finally:
+        for slot in slots:
+            slot.tier.close()
