@@ -44,7 +44,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -84,29 +83,42 @@ class TierSlot:
 
 
 class _Worker:
-    """One daemon thread running a tier's calls in order (never joined at exit: a call
-    stuck in the medium must not keep the process alive)."""
+    """One daemon thread running a tier's calls one at a time, in order, except that urgent
+    calls (a lookup's ``contains``, which a client waits for) go before the others. Never
+    joined at exit: a call stuck in the medium must not keep the process alive."""
 
     def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
-        self._calls = queue.SimpleQueue()
+        self._ready = threading.Condition()
+        self._urgent: deque[tuple[Future[Any], Callable[[], Any]]] = deque()
+        self._calls: deque[tuple[Future[Any], Callable[[], Any]]] = deque()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"offloadd-tier-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, call: Callable[[], T]) -> Future[T]:
+    def submit(self, call: Callable[[], T], *, urgent: bool = False) -> Future[T]:
         future: Future[T] = Future()
-        self._calls.put((future, call))
+        with self._ready:
+            (self._urgent if urgent else self._calls).append((future, call))
+            self._ready.notify()
         return future
 
     def stop(self) -> None:
-        self._calls.put(None)
+        """End the thread once the calls submitted so far ran."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
 
     def _run(self) -> None:
         while True:
-            item = self._calls.get()
-            if item is None:
-                return
-            future, call = item
+            with self._ready:
+                while not (self._urgent or self._calls or self._stopping):
+                    self._ready.wait()
+                if self._urgent:
+                    future, call = self._urgent.popleft()
+                elif self._calls:
+                    future, call = self._calls.popleft()
+                else:
+                    return  # stopping, and nothing left
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -372,7 +384,8 @@ class Tiers:
                 continue  # its thread is behind: a miss there, rather than a queue
             slot.probes += 1
             contains = functools.partial(slot.config.tier.contains, walk.namespace.name, keys)
-            self._submit(slot, contains, self._probe_done, slot, (walk, index, wanted))
+            context = (walk, index, wanted)
+            self._submit(slot, contains, self._probe_done, slot, context, urgent=True)
             walk.timer = self._loop.call_later(
                 slot.config.lookup_timeout, self._probe_timed_out, walk, index
             )
@@ -558,6 +571,7 @@ class Tiers:
         call: Callable[[], T],
         done: Callable[..., None],
         *args: object,
+        urgent: bool = False,
     ) -> None:
         """Run ``call`` on the slot's thread, then ``done(*args, future)`` on the loop."""
         loop = self._loop
@@ -569,7 +583,7 @@ class Tiers:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._ended, slot, done, args, future)
 
-        slot.worker.submit(call).add_done_callback(back)
+        slot.worker.submit(call, urgent=urgent).add_done_callback(back)
 
     def _ended(
         self, slot: _Slot, done: Callable[..., None], args: tuple[object, ...], future: Future[T]

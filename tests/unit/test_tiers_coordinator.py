@@ -381,3 +381,17 @@ def test_settings_turn_tiers_on_and_a_cluster_that_cannot_open_stays_off(
     finally:
         for slot in slots:
             slot.tier.close()
+
+
+def test_a_lookups_contains_goes_before_queued_writes() -> None:
+    worker = coordinator._Worker("test")
+    release = threading.Event()
+    order: list[str] = []
+    busy = worker.submit(lambda: release.wait(10))
+    later = [worker.submit(lambda: order.append("put")), worker.submit(lambda: order.append("get"))]
+    urgent = worker.submit(lambda: order.append("contains"), urgent=True)
+    release.set()
+    worker.stop()
+    for future in [busy, *later, urgent]:
+        future.result(10)
+    assert order == ["contains", "put", "get"]
