@@ -12,8 +12,8 @@ pending keys and verifies every byte promoted from disk.
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -255,38 +255,73 @@ def demo(endpoint: str, phase: str, seed: int) -> dict[str, int]:
     return summary
 
 
-@pytest.mark.parametrize("persist", [False, True], ids=["no-journal", "journal"])
-def test_demo_load_verifies_chunks_promoted_from_disk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: bool
-) -> None:
-    # With a journal, promoted chunks are sealed and journaled like a rank's stores.
+def wait_written(endpoint: str, count: int) -> TierState:
+    """Poll the daemon's stats until its tier wrote ``count`` chunks and has no queue."""
+    with OffloadClient(endpoint, timeout=5, heartbeat=0) as watcher:
+        states: list[TierState] = []
+
+        def written() -> bool:
+            states[:] = watcher.stats().tiers
+            return states[0].demotions >= count and not states[0].queued_bytes
+
+        poll(written)
+        return states[0]
+
+
+@pytest.fixture
+def served_with_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[bool], ServeProcess]]:
+    """``offloadd serve`` with a disk tier (set through the environment) and a 16 MiB arena:
+    exactly the demo's 64 chunks (2 ranks x 128 KiB each)."""
     monkeypatch.setenv("OFFLOADD_DISK__PATH", str(tmp_path / "disk"))
     monkeypatch.setenv("OFFLOADD_DISK__CAPACITY", "256MiB")
     workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
-    # 16 MiB: exactly the demo's 64 chunks (2 ranks x 128 KiB each).
-    daemon = ServeProcess(workdir, arena, capacity="16MiB", persist=persist).start()
-    try:
-        with OffloadClient(daemon.endpoint, timeout=5, heartbeat=0) as watcher:
+    made: list[ServeProcess] = []
 
-            def written(count: int) -> Callable[[], bool]:
-                def check() -> bool:
-                    (state,) = watcher.stats().tiers
-                    return state.demotions >= count and not state.queued_bytes
+    def start(persist: bool) -> ServeProcess:
+        arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+        made.append(ServeProcess(workdir, arena, capacity="16MiB", persist=persist).start())
+        return made[-1]
 
-                return check
-
-            assert demo(daemon.endpoint, "store", 5)["chunks_stored"] == 64
-            poll(written(64))
-            assert demo(daemon.endpoint, "store", 6)["chunks_stored"] == 64  # evicts seed 5
-            poll(written(128))
-            loaded = demo(daemon.endpoint, "load", 5)
-            assert loaded["hits"] == 128 and loaded["mismatches"] == 0
-            assert loaded["bytes_verified"] == 2 * 2 * 64 * 2 * 2 * (32 << 10)
-            (state,) = watcher.stats().tiers
-            assert state.promotions == 64 and state.promotion_failures == 0
-        assert daemon.stop() == 0
-    finally:
+    yield start
+    for daemon in made:
         daemon.cleanup()
-        shutil.rmtree(workdir, ignore_errors=True)
-        assert not os.path.exists(arena)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("persist", [False, True], ids=["no-journal", "journal"])
+def test_demo_load_verifies_chunks_promoted_from_disk(
+    served_with_disk: Callable[[bool], ServeProcess], persist: bool
+) -> None:
+    # With a journal, promoted chunks are sealed and journaled like a rank's stores.
+    daemon = served_with_disk(persist)
+    assert demo(daemon.endpoint, "store", 5)["chunks_stored"] == 64
+    wait_written(daemon.endpoint, 64)
+    assert demo(daemon.endpoint, "store", 6)["chunks_stored"] == 64  # evicts seed 5
+    wait_written(daemon.endpoint, 128)
+    loaded = demo(daemon.endpoint, "load", 5)
+    assert loaded["hits"] == 128 and loaded["mismatches"] == 0
+    assert loaded["bytes_verified"] == 2 * 2 * 64 * 2 * 2 * (32 << 10)
+    with OffloadClient(daemon.endpoint, timeout=5, heartbeat=0) as client:
+        (state,) = client.stats().tiers
+    assert state.promotions == 64 and state.promotion_failures == 0
+    assert daemon.stop() == 0
+
+
+def test_disk_chunks_are_served_after_a_kill_and_a_restart_on_a_new_arena(
+    served_with_disk: Callable[[bool], ServeProcess],
+) -> None:
+    daemon = served_with_disk(False)
+    assert demo(daemon.endpoint, "store", 5)["chunks_stored"] == 64
+    wait_written(daemon.endpoint, 64)
+    assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+    daemon.cleanup()  # the arena is gone: only the disk has the chunks
+    daemon.arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+    daemon.start()
+    loaded = demo(daemon.endpoint, "load", 5)
+    assert loaded["hits"] == 128 and loaded["mismatches"] == 0
+    with OffloadClient(daemon.endpoint, timeout=5, heartbeat=0) as client:
+        (state,) = client.stats().tiers
+    assert (state.chunks, state.promotions) == (64, 64)
+    assert daemon.stop() == 0
