@@ -189,7 +189,7 @@ class _Probe:
         self.done = False
 
     def unresolved(self) -> list[int]:
-        """Candidates from the first one no tier holds (so far), not yet found."""
+        """Candidates no tier asked so far holds (the next tier is asked about these)."""
         return [i for i in self.candidates if i not in self.found]
 
 
