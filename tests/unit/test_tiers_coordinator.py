@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from offloadd.announce import Announcer
@@ -30,6 +31,7 @@ from offloadd.tiers.coordinator import Tiers, TierSlot
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
 from protocol.messages import KeysChanged, Reply
 from tests.unit.test_announce import FakePublishers, ready
+from tests.unit.test_registry import config, hello
 
 ARENA = 1 << 20
 CHUNK = 512  # two shards of 256 bytes (see test_registry.config)
@@ -150,7 +152,7 @@ def arena() -> Iterator[Arena]:
 
 
 def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
-             timeout: float = 0.05) -> Rig:  # fmt: skip
+             timeout: float = 0.05, mirror: bool = False) -> Rig:  # fmt: skip
     registry = Registry()
     engine = ready(registry, "a")
     assert engine.namespace is not None
@@ -162,6 +164,11 @@ def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
             notices.append(message)
 
     mirrors = Mirrors(cache, registry, send)
+    if mirror:  # a mirroring scheduler: it hears of commits and publishes the events itself
+        scheduler = msgspec.structs.replace(
+            hello(config(engine_id="a", rank=0), role="scheduler"), mirror=True
+        )
+        mirrors.start(registry.hello("a-sched", scheduler).session)
     publishers = FakePublishers()
     announce = Announcer(
         EventSettings(topic_template="kv@{engine_id}@{dp}", pod="pod"),
@@ -395,3 +402,21 @@ def test_a_lookups_contains_goes_before_queued_writes() -> None:
     for future in [busy, *later, urgent]:
         future.result(10)
     assert order == ["contains", "put", "get"]
+
+
+def test_a_mirrored_engine_hears_of_promotions_through_its_mirror_only(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena, mirror=True)
+        keys = keys_named(b"a", b"b")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 2)
+        rig.evict(keys)
+        assert rig.tiers.probe(rig.namespace, keys, 0, lambda _: None) == [0, 1]
+        await until(lambda: rig.tiers.stats()[0].promotions == 2)
+        # A snapshot, 2 stored, 2 evicted, the 2 promoted; no events (its scheduler's job).
+        changes = [(sorted(n.stored), sorted(n.removed)) for n in rig.notices]
+        assert changes == [([], []), (keys, []), ([], keys), (keys, [])]
+        assert rig.publishers.batches == []
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
