@@ -115,9 +115,9 @@ def _tier_lines(stats: DaemonStats) -> list[str]:
             f"    lookups found {tier.hits} keys; promoted {tier.promotions} chunks "
             f"({tier.promotion_failures} failed verification, "
             f"read {_rate(tier.bytes_read, tier.read_seconds)})",
-            f"    written {tier.demotions} chunks ({tier.demotions_skipped} skipped, queue full; "
-            f"{format_size(tier.queued_bytes)} queued; "
-            f"write {_rate(tier.bytes_written, tier.write_seconds)}); {tier.errors} errors",
+            f"    written {tier.demotions} chunks, skipped {tier.demotions_skipped} "
+            f"(gone before their turn); {format_size(tier.queued_bytes)} queued; "
+            f"write {_rate(tier.bytes_written, tier.write_seconds)}; {tier.errors} errors",
         ]
     return lines
 

@@ -51,5 +51,5 @@ def test_status_shows_each_tier_and_nothing_without_tiers() -> None:
     text = "\n".join(lines)
     assert "  disk       1.0GiB of 4.0GiB (25.0%); 12 chunks" in text
     assert "promoted 4 chunks (1 failed verification, read 2.00 GB/s)" in text
-    assert "written 12 chunks (2 skipped, queue full;" in text
+    assert "written 12 chunks, skipped 2 (gone before their turn); 0B queued;" in text
     assert "  mooncake   UNREACHABLE; " in text and "3 errors" in text
