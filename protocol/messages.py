@@ -255,6 +255,9 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     # socket; "" when the daemon publishes no events (or no replay).
     events_endpoint: str = ""
     events_replay_endpoint: str = ""
+    # The tiers below the daemon's arena ("disk", "mooncake"): a Lookup may then report keys
+    # as pending while it promotes them from one.
+    tiers: list[str] = []
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
