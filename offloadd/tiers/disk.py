@@ -228,8 +228,8 @@ class DiskTier(Tier):
                             bounce[offset : offset + len(view)] = view
                             offset += len(view)
                         bounce[offset:length] = bytes(length - offset)
-                        with memoryview(bounce) as whole:
-                            _write_all(fd, whole[:length])
+                        with memoryview(bounce) as whole, whole[:length] as region:
+                            _write_all(fd, region)
                     else:
                         padding = bytes(chunkfile.aligned(chunk.nbytes) - chunk.nbytes)
                         _write_all_vectored(fd, [header, *views, padding])
@@ -251,17 +251,20 @@ class DiskTier(Tier):
                 if self.direct_io:
                     length = chunkfile.aligned(known.size)
                     bounce = self._bounce_of(length)
-                    with memoryview(bounce) as whole:
-                        got = os.preadv(fd, [whole[:length]], 0)
-                        header = self._check_header(chunk, whole[:got], got)
-                        payload = whole[header.length : header.length + header.payload_length]
-                        if zlib.crc32(payload) != header.payload_crc:
-                            raise _Corrupt("payload checksum mismatch")
-                        offset = 0
-                        for view in views:
-                            view[:] = payload[offset : offset + len(view)]
-                            offset += len(view)
-                        payload.release()
+                    # Every slice of the bounce buffer is released explicitly: one kept
+                    # alive by a traceback would stop the buffer from being closed.
+                    with memoryview(bounce) as whole, whole[:length] as region:
+                        got = os.preadv(fd, [region], 0)
+                        with region[:got] as data:
+                            header = self._check_header(chunk, data, got)
+                        end = header.length + header.payload_length
+                        with region[header.length : end] as payload:
+                            if zlib.crc32(payload) != header.payload_crc:
+                                raise _Corrupt("payload checksum mismatch")
+                            offset = 0
+                            for view in views:
+                                view[:] = payload[offset : offset + len(view)]
+                                offset += len(view)
                 else:
                     first = os.pread(fd, chunkfile.ALIGN, 0)
                     try:
@@ -343,13 +346,17 @@ class DiskTier(Tier):
             self._fault("unlink", exc)
 
     def _fault(self, kind: str, exc: BaseException) -> None:
-        """Count an error; log the first of each kind as a warning, later ones at debug."""
+        """Count an error; log the first of each kind as a warning, later ones at debug.
+
+        The message is logged, not the exception: a record that kept its traceback alive
+        would keep views of the bounce buffer and the arena alive with it.
+        """
         with self._lock:
             self._errors += 1
             first = kind not in self._logged
             self._logged.add(kind)
         log = logger.warning if first else logger.debug
-        log("disk tier %s: %s failed: %s (further ones at debug)", self.path, kind, exc)
+        log("disk tier %s: %s failed: %s (further ones at debug)", self.path, kind, str(exc))
 
     # -- open -------------------------------------------------------------------------
 
@@ -445,7 +452,7 @@ def _views(arena: Arena, extents: Sequence[tuple[int, int]]) -> Iterator[list[me
 
 
 def _write_all(fd: int, data: memoryview) -> None:
-    written = 0
+    written = os.write(fd, data)
     while written < len(data):
         written += os.write(fd, data[written:])
 
