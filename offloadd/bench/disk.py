@@ -27,6 +27,7 @@ from offloadd.tiers.disk import DiskTier
 CHUNK = 1 << 20
 SHARDS = 2
 NS = "bench"
+THREADS = 4  # the tier's default: I/O threads within one put or get
 
 
 def run(ctx: Context) -> list[Result]:
@@ -40,7 +41,7 @@ def run(ctx: Context) -> list[Result]:
     total = count * CHUNK
     directory = os.path.join(ctx.scratch.workdir, "disk")
     arena = Arena(ctx.scratch.shm_path("disk-arena"), 2 * total)
-    tier = DiskTier(os.path.join(directory, "tier"), 4 * total)
+    tier = DiskTier(os.path.join(directory, "tier"), 4 * total, threads=THREADS)
     plain = os.path.join(directory, "plain")
     try:
         arena.view(0, total)[:] = os.urandom(total)
@@ -72,6 +73,7 @@ def run(ctx: Context) -> list[Result]:
             "shards": SHARDS,
             "reps": reps,
             "direct_io": tier.direct_io,
+            "tier_threads": THREADS,
             "reads_cached": not tier.direct_io,
             "directory": directory,
         }

@@ -16,6 +16,9 @@ A ``Tier`` (see ``offloadd.tiers.base`` for the contract); what this one adds:
 - Threads: ``put``, ``get``, ``remove``, ``clear`` and ``close`` come from the tier's
   worker thread, one at a time. ``contains`` and ``stats`` may be called from any thread
   (the event loop's too) at the same time: they read only the in-memory index, under a lock.
+  Within one ``put`` or ``get`` the chunks' files are moved by ``threads`` I/O threads (a
+  disk serves several requests at once far faster than one; checksums run on them too).
+  Room is made before the writes start, in chunk order, so evictions are deterministic.
 - Faults: an OSError (ENOSPC, EIO, ...) or a bad file is counted in ``stats().errors``,
   logged once per kind, and answered False; it never raises.
 """
@@ -31,8 +34,10 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from offloadd.cache.arena import Arena
 from offloadd.settings import DiskSettings
@@ -46,6 +51,7 @@ logger = logging.getLogger(__name__)
 _SCAN_PROGRESS_SECONDS = 5.0  # a progress line at most this often while scanning at open
 
 Name = tuple[str, bytes]
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -65,7 +71,9 @@ class DiskTier(Tier):
 
     name = "disk"
 
-    def __init__(self, path: str, capacity: int = 0, *, direct_io: bool = True) -> None:
+    def __init__(
+        self, path: str, capacity: int = 0, *, direct_io: bool = True, threads: int = 4
+    ) -> None:
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o700, exist_ok=True)
         for index in range(256):
@@ -85,7 +93,11 @@ class DiskTier(Tier):
         self._write_seconds = 0.0
         self._read_seconds = 0.0
         self._logged: set[str] = set()
-        self._bounce: mmap.mmap | None = None
+        self._local = threading.local()  # each thread's bounce buffer
+        self._bounces: list[mmap.mmap] = []
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="offloadd-disk") if threads > 1 else None
+        )
         self._closed = False
         self._scan()
 
@@ -97,8 +109,11 @@ class DiskTier(Tier):
     # -- Tier -------------------------------------------------------------------------
 
     def put(self, chunks: Sequence[ChunkAddress], arena: Arena) -> TierWrite:
-        result = TierWrite(stored=[])
-        for chunk in chunks:
+        # Room is made in chunk order here (so what is evicted does not depend on thread
+        # timing); the files are then written by the pool.
+        result = TierWrite(stored=[False] * len(chunks))
+        planned: dict[Name, tuple[int, ChunkAddress, int]] = {}
+        for index, chunk in enumerate(chunks):
             name = (chunk.namespace, chunk.key)
             with self._lock:
                 known = self._files.get(name)
@@ -106,59 +121,27 @@ class DiskTier(Tier):
                     self._files.move_to_end(name)
             if known is not None:
                 self._touch(known.name)
-                result.stored.append(True)
-                continue
-            header = chunkfile.header_size(chunk.namespace, chunk.key, len(chunk.extents))
-            size = header + chunkfile.aligned(chunk.nbytes)
-            if size > self.capacity:
-                result.stored.append(False)
-                continue
-            result.evicted += self._evict(self.capacity - size)
-            started = time.perf_counter()
-            relative = chunkfile.file_name(*name)
-            try:
-                self._write(chunk, arena, relative)
-            except OSError as exc:
-                self._fault(f"write:{errno.errorcode.get(exc.errno or 0, exc.errno)}", exc)
-                with self._lock:
-                    self._healthy = False
-                result.stored.append(False)
-                continue
-            with self._lock:
-                self._files[name] = _File(relative, size)
-                self._used += size
-                self._healthy = True
-                self._bytes_written += chunk.nbytes
-                self._write_seconds += time.perf_counter() - started
-            result.stored.append(True)
+                result.stored[index] = True
+            elif name not in planned:
+                size = chunkfile.header_size(chunk.namespace, chunk.key, len(chunk.extents))
+                size += chunkfile.aligned(chunk.nbytes)
+                room = self._reserve(size)
+                if room is not None:
+                    result.evicted += room
+                    planned[name] = (index, chunk, size)
+        writes = list(planned.values())
+        for (index, _, _), stored in zip(
+            writes, self._map(lambda w: self._write_one(w[1], w[2], arena), writes), strict=True
+        ):
+            result.stored[index] = stored
+        for index, chunk in enumerate(chunks):  # a name twice in one batch: as its first
+            first = planned.get((chunk.namespace, chunk.key))
+            if first is not None:
+                result.stored[index] = result.stored[first[0]]
         return result
 
     def get(self, chunks: Sequence[ChunkAddress], arena: Arena) -> list[bool]:
-        found: list[bool] = []
-        for chunk in chunks:
-            name = (chunk.namespace, chunk.key)
-            with self._lock:
-                known = self._files.get(name)
-            if known is None:
-                found.append(False)
-                continue
-            started = time.perf_counter()
-            try:
-                self._read(chunk, arena, known)
-            except (OSError, _Corrupt) as exc:
-                kind = "read:corrupt" if isinstance(exc, _Corrupt) else "read:os"
-                self._fault(kind, exc)
-                self._forget([name])
-                found.append(False)
-                continue
-            with self._lock:
-                if name in self._files:
-                    self._files.move_to_end(name)
-                self._bytes_read += chunk.nbytes
-                self._read_seconds += time.perf_counter() - started
-            self._touch(known.name)
-            found.append(True)
-        return found
+        return self._map(lambda chunk: self._read_one(chunk, arena), chunks)
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -188,13 +171,16 @@ class DiskTier(Tier):
             )
 
     def close(self) -> None:
-        """Release the bounce buffer; the files stay for the next open. Idempotent."""
+        """Stop the I/O threads and free their buffers; the files stay. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._bounce is not None:
-            self._bounce.close()
-            self._bounce = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._lock:
+            bounces, self._bounces = self._bounces, []
+        for bounce in bounces:
+            bounce.close()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -203,6 +189,72 @@ class DiskTier(Tier):
         self.close()
 
     # -- files ------------------------------------------------------------------------
+
+    def _map(self, work: Callable[[_T], bool], items: Sequence[_T]) -> list[bool]:
+        """``work`` of every item, on the pool when there are several."""
+        if len(items) <= 1 or self._pool is None:
+            return [work(item) for item in items]
+        return list(self._pool.map(work, items))
+
+    def _reserve(self, size: int) -> list[Name] | None:
+        """Count ``size`` bytes as used, evicting LRU files first; None: no room."""
+        if size > self.capacity:
+            return None
+        victims: list[tuple[Name, _File]] = []
+        with self._lock:
+            while self._files and self._used + size > self.capacity:
+                name, known = self._files.popitem(last=False)
+                self._used -= known.size
+                victims.append((name, known))
+            # Bytes of other writes still in flight cannot be evicted: then no room.
+            room = self._used + size <= self.capacity
+            if room:
+                self._used += size
+        for _, known in victims:
+            self._unlink(known.name)
+        return [name for name, _ in victims] if room else None
+
+    def _write_one(self, chunk: ChunkAddress, size: int, arena: Arena) -> bool:
+        """Write one chunk whose ``size`` is reserved; index it once it is in place."""
+        name = (chunk.namespace, chunk.key)
+        relative = chunkfile.file_name(*name)
+        started = time.perf_counter()
+        try:
+            self._write(chunk, arena, relative)
+        except OSError as exc:
+            self._fault(f"write:{errno.errorcode.get(exc.errno or 0, exc.errno)}", exc)
+            with self._lock:
+                self._used -= size
+                self._healthy = False
+            return False
+        with self._lock:
+            self._files[name] = _File(relative, size)
+            self._healthy = True
+            self._bytes_written += chunk.nbytes
+            self._write_seconds += time.perf_counter() - started
+        return True
+
+    def _read_one(self, chunk: ChunkAddress, arena: Arena) -> bool:
+        """Fill one chunk's extents; a bad or unreadable file is counted and dropped."""
+        name = (chunk.namespace, chunk.key)
+        with self._lock:
+            known = self._files.get(name)
+        if known is None:
+            return False
+        started = time.perf_counter()
+        try:
+            self._read(chunk, arena, known)
+        except (OSError, _Corrupt) as exc:
+            self._fault("read:corrupt" if isinstance(exc, _Corrupt) else "read:os", exc)
+            self._forget([name])
+            return False
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+            self._bytes_read += chunk.nbytes
+            self._read_seconds += time.perf_counter() - started
+        self._touch(known.name)
+        return True
 
     def _write(self, chunk: ChunkAddress, arena: Arena, relative: str) -> None:
         """Write the chunk to ``relative`` + TEMP_SUFFIX, then rename it into place."""
@@ -320,12 +372,17 @@ class DiskTier(Tier):
         return header
 
     def _bounce_of(self, length: int) -> mmap.mmap:
-        """The page-aligned bounce buffer, grown to at least ``length`` bytes."""
-        if self._bounce is None or len(self._bounce) < length:
-            if self._bounce is not None:
-                self._bounce.close()
-            self._bounce = mmap.mmap(-1, chunkfile.aligned(length))
-        return self._bounce
+        """This thread's page-aligned bounce buffer, grown to at least ``length`` bytes."""
+        bounce: mmap.mmap | None = getattr(self._local, "bounce", None)
+        if bounce is None or len(bounce) < length:
+            grown = mmap.mmap(-1, chunkfile.aligned(length))
+            with self._lock:
+                if bounce is not None:
+                    self._bounces.remove(bounce)
+                    bounce.close()
+                self._bounces.append(grown)
+            self._local.bounce = bounce = grown
+        return bounce
 
     def _touch(self, relative: str) -> None:
         # The mtime is the recency the next open starts from; losing one is harmless.

@@ -4,9 +4,11 @@ within capacity, restarts, and every fault (corruption, truncation, ENOSPC, EIO)
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -418,3 +420,50 @@ def test_settings_and_default_capacity(tmp_path: Path) -> None:
         half = info.f_bavail * info.f_frsize // 2
         assert abs(tier.capacity - half) < 64 << 20  # other writers share this disk
         tier.close()  # idempotent
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_one_batch_larger_than_the_capacity(
+    tmp_path: Path, arena: Arena, chunks: Chunks, threads: int
+) -> None:
+    with DiskTier(str(tmp_path), 3 * FILE_SIZE, threads=threads) as tier:
+        old = chunks.make(b"old")
+        tier.put([old], arena)
+        batch = [chunks.make(k) for k in (b"a", b"b", b"c", b"d")]
+        write = tier.put([batch[0], *batch, batch[1]], arena)
+        # Room for three: "old" goes, a-c are written, d finds no room (a-c are in flight).
+        assert write.stored == [True, True, True, True, False, True]
+        assert write.evicted == [(NS, b"old")]
+        assert tier.contains(NS, [b"a", b"b", b"c", b"d"]) == [True, True, True, False]
+        assert tier.stats().used_bytes == 3 * FILE_SIZE == len(files_in(tmp_path)) * FILE_SIZE
+        targets = [chunks.target(c) for c in batch[:3]]
+        assert tier.get(targets, arena) == [True, True, True]
+        assert [chunks.read(t) for t in targets] == [chunks.bytes[c.key] for c in batch[:3]]
+
+
+def test_contains_and_stats_from_another_thread_during_writes(
+    tmp_path: Path, arena: Arena, chunks: Chunks
+) -> None:
+    written = [chunks.make(bytes([k])) for k in range(20)]
+    keys = [c.key for c in written]
+    answers: list[list[bool]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            answers.append(tier.contains(NS, keys))
+            tier.stats()
+
+    with DiskTier(str(tmp_path), 1 << 20) as tier:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert all(tier.put(written, arena).stored)
+        finally:
+            done.set()
+            watcher.join()
+        answers.append(tier.contains(NS, keys))
+    # Each chunk, once seen, stays seen: visibility only ever grows during the writes.
+    for before, after in itertools.pairwise(answers):
+        assert all(a <= b for a, b in zip(before, after, strict=True))
+    assert answers[-1] == [True] * 20
