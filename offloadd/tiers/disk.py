@@ -130,9 +130,14 @@ class DiskTier(Tier):
                     result.evicted += room
                     planned[name] = (index, chunk, size)
         writes = list(planned.values())
-        for (index, _, _), stored in zip(
-            writes, self._map(lambda w: self._write_one(w[1], w[2], arena), writes), strict=True
-        ):
+        started = time.perf_counter()
+        done = self._map(lambda w: self._write_one(w[1], w[2], arena), writes)
+        with self._lock:
+            self._write_seconds += time.perf_counter() - started if writes else 0.0
+            for name in planned:  # recency in chunk order, not in the order writes finished
+                if name in self._files:
+                    self._files.move_to_end(name)
+        for (index, _, _), stored in zip(writes, done, strict=True):
             result.stored[index] = stored
         for index, chunk in enumerate(chunks):  # a name twice in one batch: as its first
             first = planned.get((chunk.namespace, chunk.key))
@@ -141,7 +146,12 @@ class DiskTier(Tier):
         return result
 
     def get(self, chunks: Sequence[ChunkAddress], arena: Arena) -> list[bool]:
-        return self._map(lambda chunk: self._read_one(chunk, arena), chunks)
+        started = time.perf_counter()
+        found = self._map(lambda chunk: self._read_one(chunk, arena), chunks)
+        if any(found):
+            with self._lock:  # wall time of the batch: its reads overlap
+                self._read_seconds += time.perf_counter() - started
+        return found
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -218,7 +228,6 @@ class DiskTier(Tier):
         """Write one chunk whose ``size`` is reserved; index it once it is in place."""
         name = (chunk.namespace, chunk.key)
         relative = chunkfile.file_name(*name)
-        started = time.perf_counter()
         try:
             self._write(chunk, arena, relative)
         except OSError as exc:
@@ -231,7 +240,6 @@ class DiskTier(Tier):
             self._files[name] = _File(relative, size)
             self._healthy = True
             self._bytes_written += chunk.nbytes
-            self._write_seconds += time.perf_counter() - started
         return True
 
     def _read_one(self, chunk: ChunkAddress, arena: Arena) -> bool:
@@ -241,7 +249,6 @@ class DiskTier(Tier):
             known = self._files.get(name)
         if known is None:
             return False
-        started = time.perf_counter()
         try:
             self._read(chunk, arena, known)
         except (OSError, _Corrupt) as exc:
@@ -252,7 +259,6 @@ class DiskTier(Tier):
             if name in self._files:
                 self._files.move_to_end(name)
             self._bytes_read += chunk.nbytes
-            self._read_seconds += time.perf_counter() - started
         self._touch(known.name)
         return True
 
@@ -276,7 +282,7 @@ class DiskTier(Tier):
                         bounce = self._bounce_of(len(header))
                         bounce[: len(header)] = header
                         with memoryview(bounce) as whole, whole[: len(header)] as head:
-                            _write_all_vectored(fd, [head, *views])
+                            _write_fully(fd, [head, *views])
                     elif self.direct_io:
                         # O_DIRECT: one aligned buffer of aligned length (the tail is padding).
                         length = len(header) + chunkfile.aligned(chunk.nbytes)
@@ -288,10 +294,10 @@ class DiskTier(Tier):
                             offset += len(view)
                         bounce[offset:length] = bytes(length - offset)
                         with memoryview(bounce) as whole, whole[:length] as region:
-                            _write_all(fd, region)
+                            _write_fully(fd, [region])
                     else:
                         padding = bytes(chunkfile.aligned(chunk.nbytes) - chunk.nbytes)
-                        _write_all_vectored(fd, [header, *views, padding])
+                        _write_fully(fd, [header, *views, padding])
                 finally:
                     os.close(fd)
             os.rename(temp, final)
@@ -535,15 +541,9 @@ def _views(arena: Arena, extents: Sequence[tuple[int, int]]) -> Iterator[list[me
             view.release()
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    written = os.write(fd, data)
-    while written < len(data):
-        written += os.write(fd, data[written:])
-
-
-def _write_all_vectored(fd: int, parts: list[bytes | memoryview]) -> None:
+def _write_fully(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """writev ``parts``; a short write (a file system filling up) counts as a failed one."""
     total = sum(len(part) for part in parts)
     written = os.writev(fd, parts)
-    if written < total:  # rare (signals, huge writes): finish the rest piece by piece
-        rest = b"".join(bytes(part) for part in parts)[written:]
-        _write_all(fd, memoryview(rest))
+    if written != total:
+        raise OSError(errno.ENOSPC, f"short write ({written} of {total} bytes)")

@@ -305,7 +305,6 @@ def test_a_full_disk_is_counted_logged_once_and_cleaned_up(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "write", full)
         patch.setattr(os, "writev", full)
         with caplog.at_level(logging.WARNING, logger="offloadd.tiers.disk"):
             write = tier.put(written, arena)
@@ -467,3 +466,18 @@ def test_contains_and_stats_from_another_thread_during_writes(
     for before, after in itertools.pairwise(answers):
         assert all(a <= b for a, b in zip(before, after, strict=True))
     assert answers[-1] == [True] * 20
+
+
+def test_a_short_write_is_a_failed_one(
+    tmp_path: Path, arena: Arena, chunks: Chunks, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    tier = DiskTier(str(tmp_path), 1 << 20, direct_io=direct)
+    real_writev = os.writev
+
+    def short(fd: int, parts: list[Any]) -> int:
+        return real_writev(fd, [memoryview(parts[0])[: chunkfile.ALIGN]])  # a filling disk
+
+    monkeypatch.setattr(os, "writev", short)
+    assert tier.put([chunks.make(b"a")], arena).stored == [False]
+    assert tier.stats().errors == 1 and files_in(tmp_path) == []
+    tier.close()
