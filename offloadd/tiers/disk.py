@@ -448,17 +448,13 @@ class DiskTier(Tier):
         last_report = started
         found: list[tuple[float, Name, _File]] = []
         removed = 0
-        for index in range(256):
-            directory = f"{index:02x}"
-            with os.scandir(os.path.join(self.path, directory)) as entries:
-                for entry in entries:
-                    relative = f"{directory}/{entry.name}"
-                    read = _read_entry(entry, relative)
-                    if read is None:
-                        self._unlink(relative)
-                        removed += 1
-                    else:
-                        found.append(read)
+        directories = [f"{index:02x}" for index in range(256)]
+        # One directory per task: a full disk holds up to millions of headers to read.
+        scans = self._pool.map(self._scan_directory, directories) if self._pool else None
+        for index, directory in enumerate(directories):
+            kept, dropped = next(scans) if scans else self._scan_directory(directory)
+            found += kept
+            removed += dropped
             now = time.monotonic()
             if now - last_report >= _SCAN_PROGRESS_SECONDS:
                 last_report = now
@@ -485,6 +481,21 @@ class DiskTier(Tier):
             len(evicted),
             time.monotonic() - started,
         )
+
+    def _scan_directory(self, directory: str) -> tuple[list[tuple[float, Name, _File]], int]:
+        """The intact chunk files of one fan-out directory; the others are deleted."""
+        kept = []
+        dropped = 0
+        with os.scandir(os.path.join(self.path, directory)) as entries:
+            for entry in entries:
+                relative = f"{directory}/{entry.name}"
+                read = _read_entry(entry, relative)
+                if read is None:
+                    self._unlink(relative)
+                    dropped += 1
+                else:
+                    kept.append(read)
+        return kept, dropped
 
 
 def _read_entry(entry: os.DirEntry[str], relative: str) -> tuple[float, Name, _File] | None:
