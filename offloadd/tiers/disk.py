@@ -5,14 +5,17 @@ A ``Tier`` (see ``offloadd.tiers.base`` for the contract); what this one adds:
 - Files: ``<path>/<xx>/<hash>`` in the format of ``offloadd.tiers.chunkfile``. ``put``
   writes ``<hash>.tmp`` and renames it into place, so a chunk file exists only once whole.
   No fsync: a file torn by a power loss fails its checksum and is dropped by ``get``.
-- Direct I/O (``direct_io``): files are opened with O_DIRECT and written and read through
-  one page-aligned bounce buffer, so demotions do not fill the page cache. Where the file
-  system refuses O_DIRECT (EINVAL), buffered I/O is used, straight from and into the arena.
+- Direct I/O (``direct_io``): files are opened with O_DIRECT, so demotions do not fill the
+  page cache. Page-aligned extents move straight between the arena and the file (only the
+  header passes through a page-aligned bounce buffer); others go through the bounce buffer.
+  Where the file system refuses O_DIRECT (EINVAL), buffered I/O is used, straight from and
+  into the arena.
 - Capacity: the sum of file sizes stays within ``capacity`` (0: half the file system's
   free space at open) by deleting the least recently used files; ``put`` and ``get`` hits
   make a chunk recent (and set its file's mtime, so the order survives a restart).
-- Restart: at open the index is rebuilt from the headers (payloads are checked by ``get``);
-  temporary files of a killed run and files with bad headers are deleted.
+- Restart: at open the index is rebuilt from the headers (payloads are checked by ``get``),
+  recency from the files' mtimes; temporary files of a killed run and files with bad headers
+  are deleted, and the oldest files beyond a (smaller) capacity too.
 - Threads: ``put``, ``get``, ``remove``, ``clear`` and ``close`` come from the tier's
   worker thread, one at a time. ``contains`` and ``stats`` may be called from any thread
   (the event loop's too) at the same time: they read only the in-memory index, under a lock.
@@ -323,7 +326,9 @@ class DiskTier(Tier):
                     crc = 0
                     for view in views:
                         crc = zlib.crc32(view, crc)
-                    if header.length != length or crc != header.payload_crc:
+                    if header.length != length:  # unreachable when the sizes match; cheap
+                        raise _Corrupt("header length differs from the chunk's")
+                    if crc != header.payload_crc:
                         raise _Corrupt("payload checksum mismatch")
                 elif self.direct_io:
                     length = chunkfile.aligned(known.size)
