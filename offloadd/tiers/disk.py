@@ -154,6 +154,10 @@ class DiskTier(Tier):
         if any(found):
             with self._lock:  # wall time of the batch: its reads overlap
                 self._read_seconds += time.perf_counter() - started
+                for chunk, hit in zip(chunks, found, strict=True):  # recency in chunk order
+                    name = (chunk.namespace, chunk.key)
+                    if hit and name in self._files:
+                        self._files.move_to_end(name)
         return found
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
@@ -259,8 +263,6 @@ class DiskTier(Tier):
             self._forget([name])
             return False
         with self._lock:
-            if name in self._files:
-                self._files.move_to_end(name)
             self._bytes_read += chunk.nbytes
         self._touch(known.name)
         return True

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from offloadd.cache.arena import Arena, memory_backed
 from offloadd.settings import DiskSettings
@@ -481,3 +483,115 @@ def test_a_short_write_is_a_failed_one(
     assert tier.put([chunks.make(b"a")], arena).stored == [False]
     assert tier.stats().errors == 1 and files_in(tmp_path) == []
     tier.close()
+
+
+class Model:
+    """What the tier should hold: LRU by whole file sizes, room made in chunk order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.files: dict[tuple[str, bytes], int] = {}  # insertion order: least recent first
+
+    def touch(self, name: tuple[str, bytes]) -> None:
+        self.files[name] = self.files.pop(name)
+
+    def put(self, batch: list[ChunkAddress]) -> tuple[list[bool], list[tuple[str, bytes]]]:
+        stored: list[bool] = []
+        evicted: list[tuple[str, bytes]] = []
+        planned: dict[tuple[str, bytes], int] = {}
+        used = sum(self.files.values())
+        for chunk in batch:
+            name = (chunk.namespace, chunk.key)
+            size = chunkfile.ALIGN + chunkfile.aligned(chunk.nbytes)
+            if name in self.files:
+                self.touch(name)
+                stored.append(True)
+            elif name in planned:
+                stored.append(stored[planned[name]])
+            elif size > self.capacity:
+                stored.append(False)
+            else:
+                while self.files and used + size > self.capacity:
+                    victim = next(iter(self.files))
+                    used -= self.files.pop(victim)
+                    evicted.append(victim)
+                fits = used + size <= self.capacity
+                if fits:
+                    used += size
+                    planned[name] = len(stored)
+                stored.append(fits)
+        for name in planned:
+            chunk = next(c for c in batch if (c.namespace, c.key) == name)
+            self.files[name] = chunkfile.ALIGN + chunkfile.aligned(chunk.nbytes)
+        return stored, evicted
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    threads=st.sampled_from([1, 4]),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "remove", "clear"]),
+            st.lists(st.tuples(st.sampled_from(["x", "y"]), st.integers(0, 5)), max_size=5),
+        ),
+        max_size=12,
+    ),
+)
+def test_the_tier_against_a_model(
+    tmp_path_factory: pytest.TempPathFactory,
+    threads: int,
+    steps: list[tuple[str, list[tuple[str, int]]]],
+) -> None:
+    sizes = {k: (4096 * (1 + k % 3), 1000 * k) for k in range(6)}  # 2-6 pages of file each
+
+    def address(namespace: str, k: int) -> ChunkAddress:
+        base = (k + 6 * (namespace == "y")) << 15  # a 32 KiB slot per chunk, no overlaps
+        extents = ((base, sizes[k][0]), (base + 16384, sizes[k][1]))
+        return ChunkAddress(namespace, bytes([k]), extents)
+
+    arena = Arena(f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena", 1 << 20)
+    directory = tmp_path_factory.mktemp("model")
+    model = Model(7 * chunkfile.ALIGN)
+    try:
+        with DiskTier(str(directory), model.capacity, threads=threads) as tier:
+            for op, names in steps:
+                batch = [address(ns, k) for ns, k in names]
+                if op == "put":
+                    for chunk in batch:  # a chunk's bytes: its name, so any read is checkable
+                        for offset, size in chunk.extents:
+                            arena.view(offset, size)[:] = (chunk.namespace.encode() + chunk.key) * (
+                                size // 2
+                            )
+                    write = tier.put(batch, arena)
+                    assert (write.stored, write.evicted) == model.put(batch)
+                elif op == "get":
+                    targets = [
+                        ChunkAddress(
+                            c.namespace, c.key, tuple((o + (1 << 19), s) for o, s in c.extents)
+                        )
+                        for c in batch
+                    ]
+                    hits = tier.get(targets, arena)
+                    assert hits == [(c.namespace, c.key) in model.files for c in batch]
+                    for target, hit in zip(targets, hits, strict=True):
+                        if hit:
+                            model.touch((target.namespace, target.key))
+                            for offset, size in target.extents:
+                                expected = (target.namespace.encode() + target.key) * (size // 2)
+                                assert bytes(arena.view(offset, size)) == expected
+                elif op == "remove":
+                    for ns in ("x", "y"):
+                        tier.remove(ns, [bytes([k]) for n, k in names if n == ns])
+                    for ns, k in names:
+                        model.files.pop((ns, bytes([k])), None)
+                else:
+                    for ns in {n for n, _ in names}:
+                        tier.clear(ns)
+                        model.files = {n: s for n, s in model.files.items() if n[0] != ns}
+                assert list(tier._files) == list(model.files)  # the LRU order itself
+                assert tier.stats().used_bytes == sum(model.files.values())
+                assert tier.stats().errors == 0
+        with DiskTier(str(directory), model.capacity) as reopened:
+            assert set(reopened._files) == set(model.files)
+    finally:
+        arena.close()
