@@ -116,6 +116,7 @@ class DiskTier(Tier):
         # timing); the files are then written by the pool.
         result = TierWrite(stored=[False] * len(chunks))
         planned: dict[Name, tuple[int, ChunkAddress, int]] = {}
+        pending = 0
         for index, chunk in enumerate(chunks):
             name = (chunk.namespace, chunk.key)
             with self._lock:
@@ -128,10 +129,11 @@ class DiskTier(Tier):
             elif name not in planned:
                 size = chunkfile.header_size(chunk.namespace, chunk.key, len(chunk.extents))
                 size += chunkfile.aligned(chunk.nbytes)
-                room = self._reserve(size)
+                room = self._reserve(size, pending)
                 if room is not None:
                     result.evicted += room
                     planned[name] = (index, chunk, size)
+                    pending += size
         writes = list(planned.values())
         started = time.perf_counter()
         done = self._map(lambda w: self._write_one(w[1], w[2], arena), writes)
@@ -213,9 +215,13 @@ class DiskTier(Tier):
             return [work(item) for item in items]
         return list(self._pool.map(work, items))
 
-    def _reserve(self, size: int) -> list[Name] | None:
-        """Count ``size`` bytes as used, evicting LRU files first; None: no room."""
-        if size > self.capacity:
+    def _reserve(self, size: int, pending: int) -> list[Name] | None:
+        """Count ``size`` bytes as used, evicting LRU files first; None: no room.
+
+        ``pending``: bytes reserved by this batch's earlier chunks, not yet files; what
+        they hold cannot be evicted, so when it leaves no room nothing is evicted.
+        """
+        if pending + size > self.capacity:
             return None
         victims: list[tuple[Name, _File]] = []
         with self._lock:
@@ -223,13 +229,10 @@ class DiskTier(Tier):
                 name, known = self._files.popitem(last=False)
                 self._used -= known.size
                 victims.append((name, known))
-            # Bytes of other writes still in flight cannot be evicted: then no room.
-            room = self._used + size <= self.capacity
-            if room:
-                self._used += size
+            self._used += size
         for _, known in victims:
             self._unlink(known.name)
-        return [name for name, _ in victims] if room else None
+        return [name for name, _ in victims]
 
     def _write_one(self, chunk: ChunkAddress, size: int, arena: Arena) -> bool:
         """Write one chunk whose ``size`` is reserved; index it once it is in place."""
@@ -527,16 +530,20 @@ def _read_entry(entry: os.DirEntry[str], relative: str) -> tuple[float, Name, _F
 
 def _direct_io_works(directory: str) -> bool:
     """Whether files in ``directory`` open with O_DIRECT (tmpfs before Linux 6.6 refuses)."""
-    probe = os.path.join(directory, f".direct-probe-{os.getpid()}{chunkfile.TEMP_SUFFIX}")
+    # One fixed name: a probe left by a killed run is reused, not piled up.
+    probe = os.path.join(directory, f".direct-probe{chunkfile.TEMP_SUFFIX}")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        logger.info("disk tier %s: no O_DIRECT on this file system, buffered I/O", directory)
-        return False
+        if exc.errno == errno.EINVAL:
+            logger.info("disk tier %s: no O_DIRECT on this file system, buffered I/O", directory)
+            return False
+        # Not an answer about O_DIRECT (a full disk, say): keep it; writes count the fault.
+        logger.warning("disk tier %s: cannot probe for O_DIRECT: %s", directory, exc.strerror)
+        return True
     os.close(fd)
-    os.unlink(probe)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return True
 
 

@@ -500,6 +500,7 @@ class Model:
         evicted: list[tuple[str, bytes]] = []
         planned: dict[tuple[str, bytes], int] = {}
         used = sum(self.files.values())
+        pending = 0  # this batch's bytes, not yet files
         for chunk in batch:
             name = (chunk.namespace, chunk.key)
             size = chunkfile.ALIGN + chunkfile.aligned(chunk.nbytes)
@@ -508,18 +509,17 @@ class Model:
                 stored.append(True)
             elif name in planned:
                 stored.append(stored[planned[name]])
-            elif size > self.capacity:
+            elif pending + size > self.capacity:  # no room even with every file evicted
                 stored.append(False)
             else:
-                while self.files and used + size > self.capacity:
+                while used + size > self.capacity:
                     victim = next(iter(self.files))
                     used -= self.files.pop(victim)
                     evicted.append(victim)
-                fits = used + size <= self.capacity
-                if fits:
-                    used += size
-                    planned[name] = len(stored)
-                stored.append(fits)
+                used += size
+                pending += size
+                planned[name] = len(stored)
+                stored.append(True)
         for name in planned:
             chunk = next(c for c in batch if (c.namespace, c.key) == name)
             self.files[name] = chunkfile.ALIGN + chunkfile.aligned(chunk.nbytes)
@@ -595,3 +595,22 @@ def test_the_tier_against_a_model(
             assert set(reopened._files) == set(model.files)
     finally:
         arena.close()
+
+
+def test_a_full_disk_at_open_still_opens(
+    tmp_path: Path, arena: Arena, chunks: Chunks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def full(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", full)
+        tier = DiskTier(str(tmp_path), 1 << 20)
+        assert tier.put([chunks.make(b"a")], arena).stored == [False]
+    assert tier.stats().errors == 1 and files_in(tmp_path) == []
+    assert tier.put([chunks.make(b"b")], arena).stored == [True]
+    tier.close()
