@@ -163,6 +163,7 @@ class DiskTier(Tier):
         return found
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        """From the in-memory index, under the lock: safe from any thread, no I/O."""
         with self._lock:
             return [(namespace, key) in self._files for key in keys]
 
