@@ -22,6 +22,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``guarded``: GB/s of copies through a rank file's descriptor (pread/pwrite, what the cpu
   engine does) vs memmove through a mapping of the same file (``guarded_store_<page>``,
   ``guarded_load_<page>``).
+- ``disk``: GB/s of the disk tier's writes and reads of 1 MiB chunks vs a plain sequential
+  file write/read of the same bytes in the same I/O mode (``disk_write_1MiB``,
+  ``disk_read_1MiB``).
 - ``cuda_marshal``: CPU cost per copy of a 128k-copy cuda store job, planning and the batched
   call's marshalling with the driver call stubbed (no GPU), vs the previous path.
 
@@ -109,6 +112,12 @@ def _guarded(ctx: Context) -> list[Result]:
     return guarded.run(ctx)
 
 
+def _disk(ctx: Context) -> list[Result]:
+    from offloadd.bench import disk
+
+    return disk.run(ctx)
+
+
 def _cuda_marshal(ctx: Context) -> list[Result]:
     from offloadd.bench import cuda_marshal
 
@@ -130,6 +139,7 @@ GROUPS = (
     Group("checksum", ("checksum_*",), _checksum),
     Group("guarded", ("guarded_*",), _guarded),
     Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
+    Group("disk", ("disk_*",), _disk),
 )
 
 

@@ -5,17 +5,23 @@ A ``Tier`` (see ``offloadd.tiers.base`` for the contract); what this one adds:
 - Files: ``<path>/<xx>/<hash>`` in the format of ``offloadd.tiers.chunkfile``. ``put``
   writes ``<hash>.tmp`` and renames it into place, so a chunk file exists only once whole.
   No fsync: a file torn by a power loss fails its checksum and is dropped by ``get``.
-- Direct I/O (``direct_io``): files are opened with O_DIRECT and written and read through
-  one page-aligned bounce buffer, so demotions do not fill the page cache. Where the file
-  system refuses O_DIRECT (EINVAL), buffered I/O is used, straight from and into the arena.
+- Direct I/O (``direct_io``): files are opened with O_DIRECT, so demotions do not fill the
+  page cache. Page-aligned extents move straight between the arena and the file (only the
+  header passes through a page-aligned bounce buffer); others go through the bounce buffer.
+  Where the file system refuses O_DIRECT (EINVAL), buffered I/O is used, straight from and
+  into the arena.
 - Capacity: the sum of file sizes stays within ``capacity`` (0: half the file system's
   free space at open) by deleting the least recently used files; ``put`` and ``get`` hits
   make a chunk recent (and set its file's mtime, so the order survives a restart).
-- Restart: at open the index is rebuilt from the headers (payloads are checked by ``get``);
-  temporary files of a killed run and files with bad headers are deleted.
+- Restart: at open the index is rebuilt from the headers (payloads are checked by ``get``),
+  recency from the files' mtimes; temporary files of a killed run and files with bad headers
+  are deleted, and the oldest files beyond a (smaller) capacity too.
 - Threads: ``put``, ``get``, ``remove``, ``clear`` and ``close`` come from the tier's
   worker thread, one at a time. ``contains`` and ``stats`` may be called from any thread
   (the event loop's too) at the same time: they read only the in-memory index, under a lock.
+  Within one ``put`` or ``get`` the chunks' files are moved by ``threads`` I/O threads (a
+  disk serves several requests at once far faster than one; checksums run on them too).
+  Room is made before the writes start, in chunk order, so evictions are deterministic.
 - Faults: an OSError (ENOSPC, EIO, ...) or a bad file is counted in ``stats().errors``,
   logged once per kind, and answered False; it never raises.
 """
@@ -31,8 +37,10 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from offloadd.cache.arena import Arena
 from offloadd.settings import DiskSettings
@@ -46,6 +54,7 @@ logger = logging.getLogger(__name__)
 _SCAN_PROGRESS_SECONDS = 5.0  # a progress line at most this often while scanning at open
 
 Name = tuple[str, bytes]
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -65,7 +74,9 @@ class DiskTier(Tier):
 
     name = "disk"
 
-    def __init__(self, path: str, capacity: int = 0, *, direct_io: bool = True) -> None:
+    def __init__(
+        self, path: str, capacity: int = 0, *, direct_io: bool = True, threads: int = 4
+    ) -> None:
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o700, exist_ok=True)
         for index in range(256):
@@ -85,7 +96,11 @@ class DiskTier(Tier):
         self._write_seconds = 0.0
         self._read_seconds = 0.0
         self._logged: set[str] = set()
-        self._bounce: mmap.mmap | None = None
+        self._local = threading.local()  # each thread's bounce buffer
+        self._bounces: list[mmap.mmap] = []
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="offloadd-disk") if threads > 1 else None
+        )
         self._closed = False
         self._scan()
 
@@ -97,8 +112,12 @@ class DiskTier(Tier):
     # -- Tier -------------------------------------------------------------------------
 
     def put(self, chunks: Sequence[ChunkAddress], arena: Arena) -> TierWrite:
-        result = TierWrite(stored=[])
-        for chunk in chunks:
+        # Room is made in chunk order here (so what is evicted does not depend on thread
+        # timing); the files are then written by the pool.
+        result = TierWrite(stored=[False] * len(chunks))
+        planned: dict[Name, tuple[int, ChunkAddress, int]] = {}
+        pending = 0
+        for index, chunk in enumerate(chunks):
             name = (chunk.namespace, chunk.key)
             with self._lock:
                 known = self._files.get(name)
@@ -106,61 +125,45 @@ class DiskTier(Tier):
                     self._files.move_to_end(name)
             if known is not None:
                 self._touch(known.name)
-                result.stored.append(True)
-                continue
-            header = chunkfile.header_size(chunk.namespace, chunk.key, len(chunk.extents))
-            size = header + chunkfile.aligned(chunk.nbytes)
-            if size > self.capacity:
-                result.stored.append(False)
-                continue
-            result.evicted += self._evict(self.capacity - size)
-            started = time.perf_counter()
-            relative = chunkfile.file_name(*name)
-            try:
-                self._write(chunk, arena, relative)
-            except OSError as exc:
-                self._fault(f"write:{errno.errorcode.get(exc.errno or 0, exc.errno)}", exc)
-                with self._lock:
-                    self._healthy = False
-                result.stored.append(False)
-                continue
-            with self._lock:
-                self._files[name] = _File(relative, size)
-                self._used += size
-                self._healthy = True
-                self._bytes_written += chunk.nbytes
-                self._write_seconds += time.perf_counter() - started
-            result.stored.append(True)
+                result.stored[index] = True
+            elif name not in planned:
+                size = chunkfile.header_size(chunk.namespace, chunk.key, len(chunk.extents))
+                size += chunkfile.aligned(chunk.nbytes)
+                room = self._reserve(size, pending)
+                if room is not None:
+                    result.evicted += room
+                    planned[name] = (index, chunk, size)
+                    pending += size
+        writes = list(planned.values())
+        started = time.perf_counter()
+        done = self._map(lambda w: self._write_one(w[1], w[2], arena), writes)
+        with self._lock:
+            self._write_seconds += time.perf_counter() - started if writes else 0.0
+            for name in planned:  # recency in chunk order, not in the order writes finished
+                if name in self._files:
+                    self._files.move_to_end(name)
+        for (index, _, _), stored in zip(writes, done, strict=True):
+            result.stored[index] = stored
+        for index, chunk in enumerate(chunks):  # a name twice in one batch: as its first
+            first = planned.get((chunk.namespace, chunk.key))
+            if first is not None:
+                result.stored[index] = result.stored[first[0]]
         return result
 
     def get(self, chunks: Sequence[ChunkAddress], arena: Arena) -> list[bool]:
-        found: list[bool] = []
-        for chunk in chunks:
-            name = (chunk.namespace, chunk.key)
-            with self._lock:
-                known = self._files.get(name)
-            if known is None:
-                found.append(False)
-                continue
-            started = time.perf_counter()
-            try:
-                self._read(chunk, arena, known)
-            except (OSError, _Corrupt) as exc:
-                kind = "read:corrupt" if isinstance(exc, _Corrupt) else "read:os"
-                self._fault(kind, exc)
-                self._forget([name])
-                found.append(False)
-                continue
-            with self._lock:
-                if name in self._files:
-                    self._files.move_to_end(name)
-                self._bytes_read += chunk.nbytes
+        started = time.perf_counter()
+        found = self._map(lambda chunk: self._read_one(chunk, arena), chunks)
+        if any(found):
+            with self._lock:  # wall time of the batch: its reads overlap
                 self._read_seconds += time.perf_counter() - started
-            self._touch(known.name)
-            found.append(True)
+                for chunk, hit in zip(chunks, found, strict=True):  # recency in chunk order
+                    name = (chunk.namespace, chunk.key)
+                    if hit and name in self._files:
+                        self._files.move_to_end(name)
         return found
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        """From the in-memory index, under the lock: safe from any thread, no I/O."""
         with self._lock:
             return [(namespace, key) in self._files for key in keys]
 
@@ -188,13 +191,16 @@ class DiskTier(Tier):
             )
 
     def close(self) -> None:
-        """Release the bounce buffer; the files stay for the next open. Idempotent."""
+        """Stop the I/O threads and free their buffers; the files stay. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._bounce is not None:
-            self._bounce.close()
-            self._bounce = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._lock:
+            bounces, self._bounces = self._bounces, []
+        for bounce in bounces:
+            bounce.close()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -203,6 +209,67 @@ class DiskTier(Tier):
         self.close()
 
     # -- files ------------------------------------------------------------------------
+
+    def _map(self, work: Callable[[_T], bool], items: Sequence[_T]) -> list[bool]:
+        """``work`` of every item, on the pool when there are several."""
+        if len(items) <= 1 or self._pool is None:
+            return [work(item) for item in items]
+        return list(self._pool.map(work, items))
+
+    def _reserve(self, size: int, pending: int) -> list[Name] | None:
+        """Count ``size`` bytes as used, evicting LRU files first; None: no room.
+
+        ``pending``: bytes reserved by this batch's earlier chunks, not yet files; what
+        they hold cannot be evicted, so when it leaves no room nothing is evicted.
+        """
+        if pending + size > self.capacity:
+            return None
+        victims: list[tuple[Name, _File]] = []
+        with self._lock:
+            while self._files and self._used + size > self.capacity:
+                name, known = self._files.popitem(last=False)
+                self._used -= known.size
+                victims.append((name, known))
+            self._used += size
+        for _, known in victims:
+            self._unlink(known.name)
+        return [name for name, _ in victims]
+
+    def _write_one(self, chunk: ChunkAddress, size: int, arena: Arena) -> bool:
+        """Write one chunk whose ``size`` is reserved; index it once it is in place."""
+        name = (chunk.namespace, chunk.key)
+        relative = chunkfile.file_name(*name)
+        try:
+            self._write(chunk, arena, relative)
+        except OSError as exc:
+            self._fault(f"write:{errno.errorcode.get(exc.errno or 0, exc.errno)}", exc)
+            with self._lock:
+                self._used -= size
+                self._healthy = False
+            return False
+        with self._lock:
+            self._files[name] = _File(relative, size)
+            self._healthy = True
+            self._bytes_written += chunk.nbytes
+        return True
+
+    def _read_one(self, chunk: ChunkAddress, arena: Arena) -> bool:
+        """Fill one chunk's extents; a bad or unreadable file is counted and dropped."""
+        name = (chunk.namespace, chunk.key)
+        with self._lock:
+            known = self._files.get(name)
+        if known is None:
+            return False
+        try:
+            self._read(chunk, arena, known)
+        except (OSError, _Corrupt) as exc:
+            self._fault("read:corrupt" if isinstance(exc, _Corrupt) else "read:os", exc)
+            self._forget([name])
+            return False
+        with self._lock:
+            self._bytes_read += chunk.nbytes
+        self._touch(known.name)
+        return True
 
     def _write(self, chunk: ChunkAddress, arena: Arena, relative: str) -> None:
         """Write the chunk to ``relative`` + TEMP_SUFFIX, then rename it into place."""
@@ -218,7 +285,14 @@ class DiskTier(Tier):
                 header = chunkfile.pack_header(chunk.namespace, chunk.key, sizes, crc)
                 fd = os.open(temp, flags | (os.O_DIRECT if self.direct_io else 0), 0o600)
                 try:
-                    if self.direct_io:
+                    if self.direct_io and _page_aligned(arena, chunk.extents):
+                        # The arena's pages go to the device as they are; only the header
+                        # passes through the (aligned) bounce buffer.
+                        bounce = self._bounce_of(len(header))
+                        bounce[: len(header)] = header
+                        with memoryview(bounce) as whole, whole[: len(header)] as head:
+                            _write_fully(fd, [head, *views])
+                    elif self.direct_io:
                         # O_DIRECT: one aligned buffer of aligned length (the tail is padding).
                         length = len(header) + chunkfile.aligned(chunk.nbytes)
                         bounce = self._bounce_of(length)
@@ -229,10 +303,10 @@ class DiskTier(Tier):
                             offset += len(view)
                         bounce[offset:length] = bytes(length - offset)
                         with memoryview(bounce) as whole, whole[:length] as region:
-                            _write_all(fd, region)
+                            _write_fully(fd, [region])
                     else:
                         padding = bytes(chunkfile.aligned(chunk.nbytes) - chunk.nbytes)
-                        _write_all_vectored(fd, [header, *views, padding])
+                        _write_fully(fd, [header, *views, padding])
                 finally:
                     os.close(fd)
             os.rename(temp, final)
@@ -248,7 +322,21 @@ class DiskTier(Tier):
         fd = os.open(path, flags)
         try:
             with _views(arena, chunk.extents) as views:
-                if self.direct_io:
+                if self.direct_io and _page_aligned(arena, chunk.extents):
+                    # Straight into the arena; only the header lands in the bounce buffer.
+                    length = chunkfile.header_size(chunk.namespace, chunk.key, len(views))
+                    bounce = self._bounce_of(length)
+                    with memoryview(bounce) as whole, whole[:length] as head:
+                        got = os.preadv(fd, [head, *views], 0)
+                        header = self._check_header(chunk, head, got)
+                    crc = 0
+                    for view in views:
+                        crc = zlib.crc32(view, crc)
+                    if header.length != length:  # unreachable when the sizes match; cheap
+                        raise _Corrupt("header length differs from the chunk's")
+                    if crc != header.payload_crc:
+                        raise _Corrupt("payload checksum mismatch")
+                elif self.direct_io:
                     length = chunkfile.aligned(known.size)
                     bounce = self._bounce_of(length)
                     # Every slice of the bounce buffer is released explicitly: one kept
@@ -301,12 +389,17 @@ class DiskTier(Tier):
         return header
 
     def _bounce_of(self, length: int) -> mmap.mmap:
-        """The page-aligned bounce buffer, grown to at least ``length`` bytes."""
-        if self._bounce is None or len(self._bounce) < length:
-            if self._bounce is not None:
-                self._bounce.close()
-            self._bounce = mmap.mmap(-1, chunkfile.aligned(length))
-        return self._bounce
+        """This thread's page-aligned bounce buffer, grown to at least ``length`` bytes."""
+        bounce: mmap.mmap | None = getattr(self._local, "bounce", None)
+        if bounce is None or len(bounce) < length:
+            grown = mmap.mmap(-1, chunkfile.aligned(length))
+            with self._lock:
+                if bounce is not None:
+                    self._bounces.remove(bounce)
+                    bounce.close()
+                self._bounces.append(grown)
+            self._local.bounce = bounce = grown
+        return bounce
 
     def _touch(self, relative: str) -> None:
         # The mtime is the recency the next open starts from; losing one is harmless.
@@ -366,17 +459,13 @@ class DiskTier(Tier):
         last_report = started
         found: list[tuple[float, Name, _File]] = []
         removed = 0
-        for index in range(256):
-            directory = f"{index:02x}"
-            with os.scandir(os.path.join(self.path, directory)) as entries:
-                for entry in entries:
-                    relative = f"{directory}/{entry.name}"
-                    read = _read_entry(entry, relative)
-                    if read is None:
-                        self._unlink(relative)
-                        removed += 1
-                    else:
-                        found.append(read)
+        directories = [f"{index:02x}" for index in range(256)]
+        # One directory per task: a full disk holds up to millions of headers to read.
+        scans = self._pool.map(self._scan_directory, directories) if self._pool else None
+        for index, directory in enumerate(directories):
+            kept, dropped = next(scans) if scans else self._scan_directory(directory)
+            found += kept
+            removed += dropped
             now = time.monotonic()
             if now - last_report >= _SCAN_PROGRESS_SECONDS:
                 last_report = now
@@ -404,6 +493,21 @@ class DiskTier(Tier):
             time.monotonic() - started,
         )
 
+    def _scan_directory(self, directory: str) -> tuple[list[tuple[float, Name, _File]], int]:
+        """The intact chunk files of one fan-out directory; the others are deleted."""
+        kept = []
+        dropped = 0
+        with os.scandir(os.path.join(self.path, directory)) as entries:
+            for entry in entries:
+                relative = f"{directory}/{entry.name}"
+                read = _read_entry(entry, relative)
+                if read is None:
+                    self._unlink(relative)
+                    dropped += 1
+                else:
+                    kept.append(read)
+        return kept, dropped
+
 
 def _read_entry(entry: os.DirEntry[str], relative: str) -> tuple[float, Name, _File] | None:
     """(mtime, name, file) of a chunk file whose header is intact; None: delete it."""
@@ -427,17 +531,29 @@ def _read_entry(entry: os.DirEntry[str], relative: str) -> tuple[float, Name, _F
 
 def _direct_io_works(directory: str) -> bool:
     """Whether files in ``directory`` open with O_DIRECT (tmpfs before Linux 6.6 refuses)."""
-    probe = os.path.join(directory, f".direct-probe-{os.getpid()}{chunkfile.TEMP_SUFFIX}")
+    # One fixed name: a probe left by a killed run is reused, not piled up.
+    probe = os.path.join(directory, f".direct-probe{chunkfile.TEMP_SUFFIX}")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        logger.info("disk tier %s: no O_DIRECT on this file system, buffered I/O", directory)
-        return False
+        if exc.errno == errno.EINVAL:
+            logger.info("disk tier %s: no O_DIRECT on this file system, buffered I/O", directory)
+            return False
+        # Not an answer about O_DIRECT (a full disk, say): keep it; writes count the fault.
+        logger.warning("disk tier %s: cannot probe for O_DIRECT: %s", directory, exc.strerror)
+        return True
     os.close(fd)
-    os.unlink(probe)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return True
+
+
+def _page_aligned(arena: Arena, extents: Sequence[tuple[int, int]]) -> bool:
+    """Whether O_DIRECT can move ``extents`` in place (aligned addresses and sizes)."""
+    align = chunkfile.ALIGN
+    return all(
+        (arena.address + offset) % align == 0 and size % align == 0 for offset, size in extents
+    )
 
 
 @contextlib.contextmanager
@@ -451,15 +567,9 @@ def _views(arena: Arena, extents: Sequence[tuple[int, int]]) -> Iterator[list[me
             view.release()
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    written = os.write(fd, data)
-    while written < len(data):
-        written += os.write(fd, data[written:])
-
-
-def _write_all_vectored(fd: int, parts: list[bytes | memoryview]) -> None:
+def _write_fully(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """writev ``parts``; a short write (a file system filling up) counts as a failed one."""
     total = sum(len(part) for part in parts)
     written = os.writev(fd, parts)
-    if written < total:  # rare (signals, huge writes): finish the rest piece by piece
-        rest = b"".join(bytes(part) for part in parts)[written:]
-        _write_all(fd, memoryview(rest))
+    if written != total:
+        raise OSError(errno.ENOSPC, f"short write ({written} of {total} bytes)")

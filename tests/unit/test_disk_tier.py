@@ -4,15 +4,19 @@ within capacity, restarts, and every fault (corruption, truncation, ENOSPC, EIO)
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from offloadd.cache.arena import Arena, memory_backed
 from offloadd.settings import DiskSettings
@@ -22,8 +26,10 @@ from offloadd.tiers.disk import DiskTier
 
 NS = "ns"
 ARENA_SIZE = 4 << 20
-SHARDS = (3000, 8192, 100)  # unaligned sizes on purpose: the files pad them
-FILE_SIZE = chunkfile.ALIGN + chunkfile.aligned(sum(SHARDS))  # one chunk's file, header included
+UNALIGNED = (3000, 8192, 100)  # the files pad them; O_DIRECT goes through the bounce buffer
+ALIGNED = (4096, 8192)  # at aligned offsets too: O_DIRECT moves them in place
+FILE_SIZE = chunkfile.ALIGN + chunkfile.aligned(sum(UNALIGNED))  # one chunk's file
+assert sum(ALIGNED) == chunkfile.aligned(sum(UNALIGNED))
 
 
 @pytest.fixture
@@ -41,17 +47,19 @@ def direct(request: pytest.FixtureRequest) -> bool:
 class Chunks:
     """Chunks of random bytes placed one after the other in the arena's first half."""
 
-    def __init__(self, arena: Arena) -> None:
+    def __init__(self, arena: Arena, aligned: bool) -> None:
         self.arena = arena
+        self.aligned = aligned
         self.next = 0
         self.next_target = ARENA_SIZE // 2
         self.bytes: dict[bytes, bytes] = {}
 
     def make(
-        self, key: bytes, sizes: tuple[int, ...] = SHARDS, namespace: str = NS
+        self, key: bytes, sizes: tuple[int, ...] | None = None, namespace: str = NS
     ) -> ChunkAddress:
         extents = []
-        for size in sizes:
+        for size in sizes or (ALIGNED if self.aligned else UNALIGNED):
+            self.next = self.place(self.next)
             data = os.urandom(size)
             self.arena.view(self.next, size)[:] = data
             extents.append((self.next, size))
@@ -65,6 +73,7 @@ class Chunks:
         offset = self.next_target
         extents = []
         for size in sizes or tuple(s for _, s in chunk.extents):
+            offset = self.place(offset)
             self.arena.view(offset, size)[:] = bytes(size)
             extents.append((offset, size))
             offset += size + 128
@@ -72,13 +81,16 @@ class Chunks:
         self.next_target = offset
         return ChunkAddress(chunk.namespace, chunk.key, tuple(extents))
 
+    def place(self, offset: int) -> int:
+        return chunkfile.aligned(offset) if self.aligned else offset
+
     def read(self, chunk: ChunkAddress) -> bytes:
         return b"".join(bytes(self.arena.view(o, s)) for o, s in chunk.extents)
 
 
-@pytest.fixture
-def chunks(arena: Arena) -> Chunks:
-    return Chunks(arena)
+@pytest.fixture(params=[False, True], ids=["unaligned", "aligned"])
+def chunks(arena: Arena, request: pytest.FixtureRequest) -> Chunks:
+    return Chunks(arena, bool(request.param))
 
 
 def path_of(tier: DiskTier, chunk: ChunkAddress) -> Path:
@@ -275,7 +287,7 @@ def test_shard_sizes_must_match(tmp_path: Path, arena: Arena, chunks: Chunks, di
     with DiskTier(str(tmp_path), 1 << 20, direct_io=direct) as tier:
         a = chunks.make(b"a")
         tier.put([a], arena)
-        other_split = chunks.target(a, (3000 + 8192, 100))  # same total, other shards
+        other_split = chunks.target(a, (a.nbytes,))  # same total, other shards
         assert tier.get([other_split], arena) == [False]
         assert tier.stats().errors == 1 and tier.contains(NS, [b"a"]) == [False]
 
@@ -295,7 +307,6 @@ def test_a_full_disk_is_counted_logged_once_and_cleaned_up(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "write", full)
         patch.setattr(os, "writev", full)
         with caplog.at_level(logging.WARNING, logger="offloadd.tiers.disk"):
             write = tier.put(written, arena)
@@ -410,3 +421,196 @@ def test_settings_and_default_capacity(tmp_path: Path) -> None:
         half = info.f_bavail * info.f_frsize // 2
         assert abs(tier.capacity - half) < 64 << 20  # other writers share this disk
         tier.close()  # idempotent
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_one_batch_larger_than_the_capacity(
+    tmp_path: Path, arena: Arena, chunks: Chunks, threads: int
+) -> None:
+    with DiskTier(str(tmp_path), 3 * FILE_SIZE, threads=threads) as tier:
+        old = chunks.make(b"old")
+        tier.put([old], arena)
+        batch = [chunks.make(k) for k in (b"a", b"b", b"c", b"d")]
+        write = tier.put([batch[0], *batch, batch[1]], arena)
+        # Room for three: "old" goes, a-c are written, d finds no room (a-c are in flight).
+        assert write.stored == [True, True, True, True, False, True]
+        assert write.evicted == [(NS, b"old")]
+        assert tier.contains(NS, [b"a", b"b", b"c", b"d"]) == [True, True, True, False]
+        assert tier.stats().used_bytes == 3 * FILE_SIZE == len(files_in(tmp_path)) * FILE_SIZE
+        targets = [chunks.target(c) for c in batch[:3]]
+        assert tier.get(targets, arena) == [True, True, True]
+        assert [chunks.read(t) for t in targets] == [chunks.bytes[c.key] for c in batch[:3]]
+
+
+def test_contains_and_stats_from_another_thread_during_writes(
+    tmp_path: Path, arena: Arena, chunks: Chunks
+) -> None:
+    written = [chunks.make(bytes([k])) for k in range(20)]
+    keys = [c.key for c in written]
+    answers: list[list[bool]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            answers.append(tier.contains(NS, keys))
+            tier.stats()
+
+    with DiskTier(str(tmp_path), 1 << 20) as tier:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert all(tier.put(written, arena).stored)
+        finally:
+            done.set()
+            watcher.join()
+        answers.append(tier.contains(NS, keys))
+    # Each chunk, once seen, stays seen: visibility only ever grows during the writes.
+    for before, after in itertools.pairwise(answers):
+        assert all(a <= b for a, b in zip(before, after, strict=True))
+    assert answers[-1] == [True] * 20
+
+
+def test_a_short_write_is_a_failed_one(
+    tmp_path: Path, arena: Arena, chunks: Chunks, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    tier = DiskTier(str(tmp_path), 1 << 20, direct_io=direct)
+    real_writev = os.writev
+
+    def short(fd: int, parts: list[Any]) -> int:
+        return real_writev(fd, [memoryview(parts[0])[: chunkfile.ALIGN]])  # a filling disk
+
+    monkeypatch.setattr(os, "writev", short)
+    assert tier.put([chunks.make(b"a")], arena).stored == [False]
+    assert tier.stats().errors == 1 and files_in(tmp_path) == []
+    tier.close()
+
+
+class Model:
+    """What the tier should hold: LRU by whole file sizes, room made in chunk order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.files: dict[tuple[str, bytes], int] = {}  # insertion order: least recent first
+
+    def touch(self, name: tuple[str, bytes]) -> None:
+        self.files[name] = self.files.pop(name)
+
+    def put(self, batch: list[ChunkAddress]) -> tuple[list[bool], list[tuple[str, bytes]]]:
+        stored: list[bool] = []
+        evicted: list[tuple[str, bytes]] = []
+        planned: dict[tuple[str, bytes], int] = {}
+        used = sum(self.files.values())
+        pending = 0  # this batch's bytes, not yet files
+        for chunk in batch:
+            name = (chunk.namespace, chunk.key)
+            size = chunkfile.ALIGN + chunkfile.aligned(chunk.nbytes)
+            if name in self.files:
+                self.touch(name)
+                stored.append(True)
+            elif name in planned:
+                stored.append(stored[planned[name]])
+            elif pending + size > self.capacity:  # no room even with every file evicted
+                stored.append(False)
+            else:
+                while used + size > self.capacity:
+                    victim = next(iter(self.files))
+                    used -= self.files.pop(victim)
+                    evicted.append(victim)
+                used += size
+                pending += size
+                planned[name] = len(stored)
+                stored.append(True)
+        for name in planned:
+            chunk = next(c for c in batch if (c.namespace, c.key) == name)
+            self.files[name] = chunkfile.ALIGN + chunkfile.aligned(chunk.nbytes)
+        return stored, evicted
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    threads=st.sampled_from([1, 4]),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "remove", "clear"]),
+            st.lists(st.tuples(st.sampled_from(["x", "y"]), st.integers(0, 5)), max_size=5),
+        ),
+        max_size=12,
+    ),
+)
+def test_the_tier_against_a_model(
+    tmp_path_factory: pytest.TempPathFactory,
+    threads: int,
+    steps: list[tuple[str, list[tuple[str, int]]]],
+) -> None:
+    sizes = {k: (4096 * (1 + k % 3), 1000 * k) for k in range(6)}  # 2-6 pages of file each
+
+    def address(namespace: str, k: int) -> ChunkAddress:
+        base = (k + 6 * (namespace == "y")) << 15  # a 32 KiB slot per chunk, no overlaps
+        extents = ((base, sizes[k][0]), (base + 16384, sizes[k][1]))
+        return ChunkAddress(namespace, bytes([k]), extents)
+
+    arena = Arena(f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena", 1 << 20)
+    directory = tmp_path_factory.mktemp("model")
+    model = Model(7 * chunkfile.ALIGN)
+    try:
+        with DiskTier(str(directory), model.capacity, threads=threads) as tier:
+            for op, names in steps:
+                batch = [address(ns, k) for ns, k in names]
+                if op == "put":
+                    for chunk in batch:  # a chunk's bytes: its name, so any read is checkable
+                        for offset, size in chunk.extents:
+                            arena.view(offset, size)[:] = (chunk.namespace.encode() + chunk.key) * (
+                                size // 2
+                            )
+                    write = tier.put(batch, arena)
+                    assert (write.stored, write.evicted) == model.put(batch)
+                elif op == "get":
+                    targets = [
+                        ChunkAddress(
+                            c.namespace, c.key, tuple((o + (1 << 19), s) for o, s in c.extents)
+                        )
+                        for c in batch
+                    ]
+                    hits = tier.get(targets, arena)
+                    assert hits == [(c.namespace, c.key) in model.files for c in batch]
+                    for target, hit in zip(targets, hits, strict=True):
+                        if hit:
+                            model.touch((target.namespace, target.key))
+                            for offset, size in target.extents:
+                                expected = (target.namespace.encode() + target.key) * (size // 2)
+                                assert bytes(arena.view(offset, size)) == expected
+                elif op == "remove":
+                    for ns in ("x", "y"):
+                        tier.remove(ns, [bytes([k]) for n, k in names if n == ns])
+                    for ns, k in names:
+                        model.files.pop((ns, bytes([k])), None)
+                else:
+                    for ns in {n for n, _ in names}:
+                        tier.clear(ns)
+                        model.files = {n: s for n, s in model.files.items() if n[0] != ns}
+                assert list(tier._files) == list(model.files)  # the LRU order itself
+                assert tier.stats().used_bytes == sum(model.files.values())
+                assert tier.stats().errors == 0
+        with DiskTier(str(directory), model.capacity) as reopened:
+            assert set(reopened._files) == set(model.files)
+    finally:
+        arena.close()
+
+
+def test_a_full_disk_at_open_still_opens(
+    tmp_path: Path, arena: Arena, chunks: Chunks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def full(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", full)
+        tier = DiskTier(str(tmp_path), 1 << 20)
+        assert tier.put([chunks.make(b"a")], arena).stored == [False]
+    assert tier.stats().errors == 1 and files_in(tmp_path) == []
+    assert tier.put([chunks.make(b"b")], arena).stored == [True]
+    tier.close()
