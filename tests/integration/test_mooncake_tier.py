@@ -1,0 +1,237 @@
+"""The cluster tier against a real mooncake_master on loopback: two tiers over two arenas,
+as two nodes would be, share chunks byte-exact; corrupted or missing objects are misses;
+a dead master makes every call a quick miss, and after a restart puts reach the cluster
+again."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from offloadd.cache.arena import Arena
+from offloadd.settings import MooncakeSettings
+from offloadd.tiers.base import ChunkAddress
+from offloadd.tiers.mooncake import (
+    MooncakeTier,
+    MooncakeUnavailable,
+    decode_companion,
+    encode_companion,
+    object_names,
+)
+from tests.mooncake_master import MooncakeMaster, free_port, require_mooncake
+
+require_mooncake()
+
+ARENA = 8 << 20
+SHARDS = (64 << 10, 100_000, 4096)  # one chunk: three shards of uneven sizes
+HANG_BOUND = 30.0  # a call against a dead master must return well within this
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[MooncakeMaster]:
+    with MooncakeMaster() as running:
+        yield running.start()
+
+
+def settings(master: MooncakeMaster) -> MooncakeSettings:
+    return MooncakeSettings(
+        master=master.address,
+        metadata=master.metadata,
+        segment=32 << 20,
+        local_buffer=8 << 20,
+        local_hostname="127.0.0.1",
+    )
+
+
+class Node:
+    """One daemon's share: an arena and a tier over it."""
+
+    def __init__(self, master: MooncakeMaster) -> None:
+        self.arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", ARENA)
+        try:
+            self.tier = MooncakeTier(settings(master), self.arena, backoff=0.5, backoff_max=2.0)
+        except BaseException:
+            self.arena.close()
+            raise
+
+    def chunks(self, namespace: str, count: int, base: int = 0) -> list[ChunkAddress]:
+        """``count`` chunks laid out from ``base``, filled with random bytes."""
+        chunks = []
+        offset = base
+        for _ in range(count):
+            extents = []
+            for size in SHARDS:
+                self.arena.view(offset, size)[:] = os.urandom(size)
+                extents.append((offset, size))
+                offset += size
+            chunks.append(ChunkAddress(namespace, os.urandom(16), tuple(extents)))
+        return chunks
+
+    def read(self, chunk: ChunkAddress) -> bytes:
+        return b"".join(bytes(self.arena.view(o, s)) for o, s in chunk.extents)
+
+    def close(self) -> None:
+        self.tier.close()
+        self.arena.close()
+
+
+@pytest.fixture
+def nodes(master: MooncakeMaster) -> Iterator[list[Node]]:
+    made: list[Node] = []
+    try:
+        made.append(Node(master))
+        made.append(Node(master))
+        yield made
+    finally:
+        for node in made:
+            node.close()
+
+
+def moved(chunks: list[ChunkAddress], base: int) -> list[ChunkAddress]:
+    """The same chunks at other offsets (where a cold arena would place them)."""
+    out = []
+    offset = base
+    for chunk in chunks:
+        extents = []
+        for _, size in chunk.extents:
+            extents.append((offset, size))
+            offset += size
+        out.append(ChunkAddress(chunk.namespace, chunk.key, tuple(extents)))
+    return out
+
+
+def raw(tier: MooncakeTier) -> Any:
+    """The tier's Mooncake client, to tamper with objects behind its back."""
+    return tier._client
+
+
+def test_companion_round_trip() -> None:
+    name = object_names("ns/a b", b"\x01\x02")[0]
+    assert name == "offloadd/ns%2Fa%20b/0102"
+    raw_bytes = encode_companion(name, [10, 20], 0xDEADBEEF)
+    assert decode_companion(name, raw_bytes, [10, 20]) == 0xDEADBEEF
+    assert decode_companion(name, raw_bytes, [10, 21]) is None
+    assert decode_companion(name + "x", raw_bytes, [10, 20]) is None
+    assert decode_companion(name, raw_bytes[:-1], [10, 20]) is None
+
+
+def test_put_on_one_node_get_on_another(nodes: list[Node]) -> None:
+    a, b = nodes
+    namespace = f"model-{uuid.uuid4().hex}"
+    chunks = a.chunks(namespace, 6)
+    write = a.tier.put(chunks, a.arena)
+    assert write.stored == [True] * 6
+    assert write.evicted == []
+    missing = os.urandom(16)
+    keys = [c.key for c in chunks]
+    assert b.tier.contains(namespace, [*keys, missing]) == [True] * 6 + [False]
+    assert b.tier.contains("another-namespace", keys) == [False] * 6
+    targets = moved(chunks, base=1 << 20)
+    assert b.tier.get(targets, b.arena) == [True] * 6
+    for source, target in zip(chunks, targets, strict=True):
+        assert b.read(target) == a.read(source)
+    stats_a, stats_b = a.tier.stats(), b.tier.stats()
+    assert stats_a.chunks == 6 and stats_a.used_bytes == 6 * sum(SHARDS)
+    assert stats_a.bytes_written == 6 * sum(SHARDS) and stats_a.write_seconds > 0
+    assert stats_b.bytes_read == 6 * sum(SHARDS) and stats_b.read_seconds > 0
+    assert stats_a.errors == stats_b.errors == 0
+    assert stats_a.healthy and stats_b.healthy
+    assert a.tier.put(chunks[:1], a.arena).stored == [True]  # already there: still True
+
+    a.tier.remove(namespace, keys[:2])
+    assert b.tier.contains(namespace, keys) == [False, False] + [True] * 4
+    assert a.tier.stats().chunks == 4
+    a.tier.clear(namespace)
+    assert b.tier.contains(namespace, keys) == [False] * 6
+    assert a.tier.stats().chunks == 0
+
+
+def test_missing_key_is_a_quick_miss(nodes: list[Node]) -> None:
+    a, _ = nodes
+    chunk = ChunkAddress("ns", os.urandom(16), ((0, 4096),))
+    started = time.monotonic()
+    assert a.tier.get([chunk], a.arena) == [False]
+    assert a.tier.contains("ns", [chunk.key]) == [False]
+    assert time.monotonic() - started < HANG_BOUND
+    assert a.tier.stats().errors == 0 and a.tier.healthy
+
+
+@pytest.mark.parametrize("target", ["data", "data-size", "companion", "data-only"])
+def test_corrupted_objects_are_never_served(nodes: list[Node], target: str) -> None:
+    a, b = nodes
+    namespace = f"model-{uuid.uuid4().hex}"
+    [chunk] = a.chunks(namespace, 1)
+    assert a.tier.put([chunk], a.arena).stored == [True]
+    data, companion = object_names(namespace, chunk.key)
+    client = raw(a.tier)
+    if target == "data":  # same size, one byte flipped
+        tampered = bytearray(a.read(chunk))
+        tampered[12345] ^= 0xFF
+        assert client.upsert(data, bytes(tampered)) == 0
+    elif target == "data-size":
+        assert client.upsert(data, a.read(chunk)[:-1]) == 0
+    elif target == "companion":
+        assert client.upsert(companion, os.urandom(len(encode_companion(data, SHARDS, 0)))) == 0
+    else:  # bytes without a companion: an unfinished put is invisible
+        assert client.remove(companion, True) == 0
+    [target_chunk] = moved([chunk], base=4 << 20)
+    assert b.tier.get([target_chunk], b.arena) == [False]
+    assert b.tier.contains(namespace, [chunk.key]) == [False]
+    if target != "data-only":
+        assert b.tier.stats().errors >= 1  # counted, and the objects dropped
+        assert client.batch_is_exist([data, companion]) == [0, 0]
+    assert b.tier.healthy
+
+
+def test_open_fails_fast_without_a_master() -> None:
+    arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", 1 << 20)
+    try:
+        dead = MooncakeSettings(master=f"127.0.0.1:{free_port()}", local_hostname="127.0.0.1")
+        started = time.monotonic()
+        with pytest.raises(MooncakeUnavailable, match="does not answer"):
+            MooncakeTier(dead, arena)
+        assert time.monotonic() - started < HANG_BOUND
+    finally:
+        arena.close()
+
+
+def test_dead_master_then_restart() -> None:
+    with MooncakeMaster() as master:
+        master.start()
+        a, b = Node(master), Node(master)
+        try:
+            namespace = f"model-{uuid.uuid4().hex}"
+            chunks = a.chunks(namespace, 2)
+            assert a.tier.put(chunks[:1], a.arena).stored == [True]
+
+            master.kill()
+            for _ in range(3):  # the first call fails, the next ones are skipped or fail
+                started = time.monotonic()
+                assert b.tier.contains(namespace, [chunks[0].key]) == [False]
+                assert b.tier.get(moved(chunks[:1], 4 << 20), b.arena) == [False]
+                assert a.tier.put(chunks[1:], a.arena).stored == [False]
+                assert time.monotonic() - started < HANG_BOUND
+            assert not a.tier.healthy and not b.tier.healthy
+            assert a.tier.stats().errors >= 1 and not a.tier.stats().healthy
+
+            master.start()  # a new master: every object is gone, clients reconnect
+            deadline = time.monotonic() + 60
+            while not a.tier.put(chunks[1:], a.arena).stored[0]:
+                assert time.monotonic() < deadline, "puts never reached the restarted master"
+                time.sleep(0.5)
+            assert a.tier.healthy
+            deadline = time.monotonic() + 30
+            target = moved(chunks[1:], 4 << 20)
+            while not b.tier.get(target, b.arena)[0]:
+                assert time.monotonic() < deadline, "gets never reached the restarted master"
+                time.sleep(0.5)
+            assert b.read(target[0]) == a.read(chunks[1])
+            assert b.tier.healthy
+        finally:
+            b.close()
+            a.close()
