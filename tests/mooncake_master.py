@@ -71,7 +71,8 @@ class MooncakeMaster:
         self.http_port = free_port()
         self.metrics_port = free_port()
         self._lease_ms = lease_ms
-        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log")
+        # Closed (and removed) in __exit__, after the process that writes it is gone.
+        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log")  # noqa: SIM115
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
