@@ -446,7 +446,8 @@ class MooncakeTier(Tier):
         )
         if codes is None or not self._answered(codes, "get"):
             return 0
-        bad: list[int] = []  # positions in valid whose objects are dropped
+        bad: list[int] = []  # positions in valid whose objects failed verification
+        gone: list[int] = []  # positions in valid whose data is missing
         candidates: list[tuple[int, int]] = []  # (position in valid, data crc)
         for n, code in enumerate(codes):
             if code == OBJECT_NOT_FOUND:
@@ -481,16 +482,20 @@ class MooncakeTier(Tier):
                     read += chunk.nbytes
                 elif code >= 0 or code in _SIZE_MISMATCH:
                     bad.append(n)
-                elif code != OBJECT_NOT_FOUND:  # data gone while its companion stays: a miss
+                elif code == OBJECT_NOT_FOUND:
+                    # The data went (evicted, or it lived in the segment of a daemon that
+                    # left) while its companion stays: a miss, and the companion goes too.
+                    gone.append(n)
+                else:
                     self._count_errors(1)
         if bad:
             self._count_errors(len(bad))
             logger.warning(
                 "mooncake tier: %d chunk(s) failed verification; dropping them", len(bad)
             )
-            self._call(
-                "get", "batch_remove", [name for n in bad for name in reversed(names[n])], True
-            )
+        if bad or gone:
+            dropped = [name for n in bad + gone for name in reversed(names[n])]
+            self._call("get", "batch_remove", dropped, True)
         return read
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:

@@ -241,3 +241,27 @@ def test_dead_master_then_restart() -> None:
         finally:
             b.close()
             a.close()
+
+
+def test_a_peer_that_left(master: MooncakeMaster, nodes: list[Node]) -> None:
+    """Objects in the segment of a daemon that closed are misses: never garbage, no fault."""
+    _, b = nodes
+    peer = Node(master)
+    try:
+        namespace = f"model-{uuid.uuid4().hex}"
+        chunks = peer.chunks(namespace, 8)
+        assert peer.tier.put(chunks, peer.arena).stored == [True] * 8
+        expected = [peer.read(chunk) for chunk in chunks]
+    finally:
+        peer.close()  # its segment, with whatever objects the master placed there, goes
+    keys = [chunk.key for chunk in chunks]
+    targets = moved(chunks, base=4 << 20)
+    started = time.monotonic()
+    found = b.tier.get(targets, b.arena)
+    assert time.monotonic() - started < HANG_BOUND
+    for ok, target, want in zip(found, targets, expected, strict=True):
+        if ok:
+            assert b.read(target) == want
+    # What was not found is dropped: the next lookup does not offer it again.
+    assert b.tier.contains(namespace, keys) == found
+    assert b.tier.healthy
