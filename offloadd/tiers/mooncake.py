@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import importlib
 import logging
+import os
 import re
 import socket
 import struct
@@ -46,6 +47,7 @@ import urllib.parse
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from offloadd.cache.arena import Arena
@@ -79,6 +81,10 @@ _VERSION = 1
 _HEADER = struct.Struct("<4sHHIII")  # magic, version, reserved, shards, name crc, data crc
 _SCRATCH = 1 << 20  # registered buffer for companions; a batch is split to fit it
 _CONNECT_TIMEOUT = 2.0
+# crc32 runs at about the speed of a loopback transfer, so it runs on a few threads (zlib
+# releases the GIL), a put's checksums while its data object is written.
+_CRC_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_CRC_JOB = 8 << 20  # bytes of chunks per checksum job
 _INSTALL_HINT = (
     "install the extra: pip install 'offloadd[mooncake]' "
     "(and the system library libibverbs1: apt-get install libibverbs1)"
@@ -129,6 +135,10 @@ def _chunk_crc(address: int, chunk: ChunkAddress) -> int:
     for offset, size in chunk.extents:
         crc = zlib.crc32((ctypes.c_char * size).from_address(address + offset), crc)
     return crc
+
+
+def _chunk_crcs(address: int, chunks: Sequence[ChunkAddress]) -> list[int]:
+    return [_chunk_crc(address, chunk) for chunk in chunks]
 
 
 def _load_store_class() -> Any:
@@ -219,6 +229,9 @@ class MooncakeTier(Tier):
                     client.close()
                 raise MooncakeUnavailable(f"mooncake could not register {what} (code {code})")
         self._client: Any = client
+        self._crc_pool = ThreadPoolExecutor(
+            _CRC_THREADS, thread_name_prefix="offloadd-mooncake-crc"
+        )
         self._lock = threading.Lock()  # around what stats() reads
         self._published: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._used = 0
@@ -320,6 +333,21 @@ class MooncakeTier(Tier):
         if group:
             yield group
 
+    def _start_crcs(self, chunks: Sequence[ChunkAddress]) -> list[Future[list[int]]]:
+        """The crc32 of each chunk, computed on the pool in jobs of about ``_CRC_JOB`` bytes."""
+        jobs: list[Future[list[int]]] = []
+        start, size = 0, 0
+        for end, chunk in enumerate(chunks, 1):
+            size += chunk.nbytes
+            if size >= _CRC_JOB or end == len(chunks):
+                jobs.append(self._crc_pool.submit(_chunk_crcs, self._address, chunks[start:end]))
+                start, size = end, 0
+        return jobs
+
+    @staticmethod
+    def _finish_crcs(jobs: list[Future[list[int]]]) -> list[int]:
+        return [crc for job in jobs for crc in job.result()]
+
     def _valid(self, chunk: ChunkAddress) -> bool:
         return bool(chunk.extents) and all(
             offset >= 0 and size > 0 and offset + size <= self._arena_size
@@ -347,7 +375,7 @@ class MooncakeTier(Tier):
         if not valid:
             return 0
         names = [object_names(chunks[i].namespace, chunks[i].key) for i in valid]
-        crcs = [_chunk_crc(self._address, chunks[i]) for i in valid]
+        pending = self._start_crcs([chunks[i] for i in valid])
         codes = self._call(
             "put",
             "batch_put_from_multi_buffers",
@@ -355,6 +383,7 @@ class MooncakeTier(Tier):
             [[self._address + offset for offset, _ in chunks[i].extents] for i in valid],
             [[size for _, size in chunks[i].extents] for i in valid],
         )
+        crcs = self._finish_crcs(pending)
         if codes is None or not self._answered(codes, "put"):
             return 0
         done = [n for n, code in enumerate(codes) if code in (0, OBJECT_ALREADY_EXISTS)]
@@ -475,9 +504,21 @@ class MooncakeTier(Tier):
             )
             if codes is None or not self._answered(codes, "get"):
                 return 0
+            arrived = [
+                n
+                for (n, _), code in zip(candidates, codes, strict=True)
+                if code == chunks[valid[n]].nbytes
+            ]
+            sums = dict(
+                zip(
+                    arrived,
+                    self._finish_crcs(self._start_crcs([chunks[valid[n]] for n in arrived])),
+                    strict=True,
+                )
+            )
             for (n, crc), code in zip(candidates, codes, strict=True):
                 chunk = chunks[valid[n]]
-                if code == chunk.nbytes and _chunk_crc(self._address, chunk) == crc:
+                if code == chunk.nbytes and sums[n] == crc:
                     found[valid[n]] = True
                     read += chunk.nbytes
                 elif code >= 0 or code in _SIZE_MISMATCH:
@@ -554,6 +595,7 @@ class MooncakeTier(Tier):
                 client.unregister_buffer(address)
         with contextlib.suppress(Exception):
             client.close()
+        self._crc_pool.shutdown()
         self._scratch = None
 
     def __enter__(self) -> MooncakeTier:
