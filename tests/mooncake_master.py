@@ -62,7 +62,7 @@ def free_port() -> int:
 class MooncakeMaster:
     """One master process on loopback; a context manager that kills it at exit."""
 
-    def __init__(self, *, lease_ms: int = 200) -> None:
+    def __init__(self, *, lease_ms: int = 5000) -> None:
         binary = master_binary()
         if binary is None:
             raise RuntimeError("mooncake_master is not installed")
@@ -96,7 +96,8 @@ class MooncakeMaster:
                 f"--http_metadata_server_port={self.http_port}",
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={self.metrics_port}",
-                # Short leases: a test may remove an object it has just read.
+                # Leases shorter than the default 10 s (a test rewrites objects it has read),
+                # long enough for any transfer of a loaded machine (an expired one: -707).
                 f"--default_kv_lease_ttl={self._lease_ms}",
             ],
             stdin=subprocess.DEVNULL,

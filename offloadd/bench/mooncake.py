@@ -67,7 +67,6 @@ def _master(binary: str):
                 f"--http_metadata_server_port={http}",
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={metrics}",
-                "--default_kv_lease_ttl=100",  # the bench removes what it just read
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,

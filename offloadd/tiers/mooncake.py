@@ -348,6 +348,17 @@ class MooncakeTier(Tier):
     def _finish_crcs(jobs: list[Future[list[int]]]) -> list[int]:
         return [crc for job in jobs for crc in job.result()]
 
+    def _ranges(self, chunk: ChunkAddress) -> list[tuple[int, int]]:
+        """``(address, size)`` of the chunk's shards, adjacent ones merged (fewer buffers)."""
+        ranges: list[tuple[int, int]] = []
+        for offset, size in chunk.extents:
+            address = self._address + offset
+            if ranges and ranges[-1][0] + ranges[-1][1] == address:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + size)
+            else:
+                ranges.append((address, size))
+        return ranges
+
     def _valid(self, chunk: ChunkAddress) -> bool:
         return bool(chunk.extents) and all(
             offset >= 0 and size > 0 and offset + size <= self._arena_size
@@ -376,12 +387,13 @@ class MooncakeTier(Tier):
             return 0
         names = [object_names(chunks[i].namespace, chunks[i].key) for i in valid]
         pending = self._start_crcs([chunks[i] for i in valid])
+        ranges = [self._ranges(chunks[i]) for i in valid]
         codes = self._call(
             "put",
             "batch_put_from_multi_buffers",
             [data for data, _ in names],
-            [[self._address + offset for offset, _ in chunks[i].extents] for i in valid],
-            [[size for _, size in chunks[i].extents] for i in valid],
+            [[address for address, _ in r] for r in ranges],
+            [[size for _, size in r] for r in ranges],
         )
         crcs = self._finish_crcs(pending)
         if codes is None or not self._answered(codes, "put"):
@@ -466,69 +478,55 @@ class MooncakeTier(Tier):
             slots.append(offset)
             sizes.append(size)
             offset += size
+        # Data and companions in one call: a chunk whose companion is missing (a put still
+        # under way) may have its extents filled, which a False answer allows.
+        ranges = [self._ranges(chunks[i]) for i in valid]
         codes = self._call(
             "get",
-            "batch_get_into",
-            [sum_name for _, sum_name in names],
-            [self._scratch_address + slot for slot in slots],
-            sizes,
+            "batch_get_into_multi_buffers",
+            [data for data, _ in names] + [sum_name for _, sum_name in names],
+            [[address for address, _ in r] for r in ranges]
+            + [[self._scratch_address + slot] for slot in slots],
+            [[size for _, size in r] for r in ranges] + [[size] for size in sizes],
         )
         if codes is None or not self._answered(codes, "get"):
             return 0
         bad: list[int] = []  # positions in valid whose objects failed verification
-        gone: list[int] = []  # positions in valid whose data is missing
-        candidates: list[tuple[int, int]] = []  # (position in valid, data crc)
-        for n, code in enumerate(codes):
-            if code == OBJECT_NOT_FOUND:
-                continue
+        gone: list[int] = []  # positions in valid whose data is missing under a companion
+        expected: dict[int, int] = {}  # position in valid -> the crc its companion holds
+        halves = zip(codes[: len(valid)], codes[len(valid) :], strict=True)
+        for n, (data_code, sum_code) in enumerate(halves):
+            chunk = chunks[valid[n]]
+            if sum_code == OBJECT_NOT_FOUND:
+                continue  # not there, or not complete yet
             crc = None
-            if code == sizes[n]:
+            if sum_code == sizes[n]:
                 raw = ctypes.string_at(self._scratch_address + slots[n], sizes[n])
-                crc = decode_companion(
-                    names[n][0], raw, [size for _, size in chunks[valid[n]].extents]
-                )
-            if crc is not None:
-                candidates.append((n, crc))
-            elif code >= 0 or code in _SIZE_MISMATCH:
+                crc = decode_companion(names[n][0], raw, [size for _, size in chunk.extents])
+            if crc is None:
+                if sum_code >= 0 or sum_code in _SIZE_MISMATCH:
+                    bad.append(n)
+                else:
+                    self._count_errors(1)
+            elif data_code == chunk.nbytes:
+                expected[n] = crc
+            elif data_code == OBJECT_NOT_FOUND:
+                # The data went (evicted, or it lived in the segment of a daemon that left)
+                # while its companion stays: a miss, and the companion goes too.
+                gone.append(n)
+            elif data_code >= 0 or data_code in _SIZE_MISMATCH:
                 bad.append(n)
             else:
                 self._count_errors(1)
         read = 0
-        if candidates:
-            codes = self._call(
-                "get",
-                "batch_get_into_multi_buffers",
-                [names[n][0] for n, _ in candidates],
-                [[self._address + o for o, _ in chunks[valid[n]].extents] for n, _ in candidates],
-                [[size for _, size in chunks[valid[n]].extents] for n, _ in candidates],
-            )
-            if codes is None or not self._answered(codes, "get"):
-                return 0
-            arrived = [
-                n
-                for (n, _), code in zip(candidates, codes, strict=True)
-                if code == chunks[valid[n]].nbytes
-            ]
-            sums = dict(
-                zip(
-                    arrived,
-                    self._finish_crcs(self._start_crcs([chunks[valid[n]] for n in arrived])),
-                    strict=True,
-                )
-            )
-            for (n, crc), code in zip(candidates, codes, strict=True):
-                chunk = chunks[valid[n]]
-                if code == chunk.nbytes and sums[n] == crc:
-                    found[valid[n]] = True
-                    read += chunk.nbytes
-                elif code >= 0 or code in _SIZE_MISMATCH:
-                    bad.append(n)
-                elif code == OBJECT_NOT_FOUND:
-                    # The data went (evicted, or it lived in the segment of a daemon that
-                    # left) while its companion stays: a miss, and the companion goes too.
-                    gone.append(n)
-                else:
-                    self._count_errors(1)
+        arrived = list(expected)
+        sums = self._finish_crcs(self._start_crcs([chunks[valid[n]] for n in arrived]))
+        for n, crc in zip(arrived, sums, strict=True):
+            if crc == expected[n]:
+                found[valid[n]] = True
+                read += chunks[valid[n]].nbytes
+            else:
+                bad.append(n)
         if bad:
             self._count_errors(len(bad))
             logger.warning(
