@@ -172,6 +172,46 @@ def default_metadata(master: str) -> str:
     return f"http://{host}:8080/metadata"
 
 
+def _open_client(settings: MooncakeSettings) -> Any:
+    """A set-up ``MooncakeDistributedStore`` contributing ``settings.segment`` bytes."""
+    if not settings.master:
+        raise MooncakeUnavailable("[mooncake] master is empty: the cluster tier is off")
+    store_class = _load_store_class()
+    metadata = settings.metadata or default_metadata(settings.master)
+    # setup() against a master that is not there blocks about 90 s before it fails.
+    _check_listening("master", *_host_port(settings.master, 50051))
+    parsed = urllib.parse.urlsplit(metadata)
+    if parsed.scheme == "http" and parsed.hostname:
+        _check_listening("metadata server", parsed.hostname, parsed.port or 80)
+    client = store_class()
+    hostname = settings.local_hostname or socket.gethostname()
+    code = client.setup(
+        hostname,
+        metadata,
+        settings.segment,
+        settings.local_buffer,
+        settings.protocol,
+        settings.rdma_devices,
+        settings.master,
+    )
+    if code != 0:
+        with contextlib.suppress(Exception):
+            client.close()
+        raise MooncakeUnavailable(
+            f"mooncake setup failed with code {code} (master {settings.master}, "
+            f"metadata {metadata}, local_hostname {hostname})"
+        )
+    logger.info(
+        "mooncake tier: master %s, metadata %s, %s as %s, contributing %d bytes",
+        settings.master,
+        metadata,
+        settings.protocol,
+        hostname,
+        settings.segment,
+    )
+    return client
+
+
 class MooncakeTier(Tier):
     """Whole chunks in Mooncake Store; see the module docstring."""
 
@@ -182,41 +222,20 @@ class MooncakeTier(Tier):
         settings: MooncakeSettings,
         arena: Arena,
         *,
+        client: Any = None,
         backoff: float = 1.0,
         backoff_max: float = 16.0,
     ) -> None:
-        if not settings.master:
-            raise MooncakeUnavailable("[mooncake] master is empty: the cluster tier is off")
-        store_class = _load_store_class()
-        metadata = settings.metadata or default_metadata(settings.master)
-        _check_listening("master", *_host_port(settings.master, 50051))
-        parsed = urllib.parse.urlsplit(metadata)
-        if parsed.scheme == "http" and parsed.hostname:
-            _check_listening("metadata server", parsed.hostname, parsed.port or 80)
-        self._settings = settings
+        """Open a Mooncake client from ``settings`` (or take ``client``, already set up: tests)
+        and register the arena with it; raises MooncakeUnavailable. Blocks up to seconds:
+        call it off the event loop."""
         self._capacity = settings.segment
         self._address = arena.address
         self._arena_size = arena.size
         self._backoff_min = backoff
         self._backoff_max = backoff_max
-        client = store_class()
-        hostname = settings.local_hostname or socket.gethostname()
-        code = client.setup(
-            hostname,
-            metadata,
-            settings.segment,
-            settings.local_buffer,
-            settings.protocol,
-            settings.rdma_devices,
-            settings.master,
-        )
-        if code != 0:
-            with contextlib.suppress(Exception):
-                client.close()
-            raise MooncakeUnavailable(
-                f"mooncake setup failed with code {code} (master {settings.master}, "
-                f"metadata {metadata}, local_hostname {hostname})"
-            )
+        if client is None:
+            client = _open_client(settings)
         self._scratch: ctypes.Array[ctypes.c_char] | None = (ctypes.c_char * _SCRATCH)()
         self._scratch_address = ctypes.addressof(self._scratch)
         for address, size, what in (
@@ -243,14 +262,6 @@ class MooncakeTier(Tier):
         self._bytes_read = 0
         self._write_seconds = 0.0
         self._read_seconds = 0.0
-        logger.info(
-            "mooncake tier: master %s, metadata %s, %s as %s, contributing %d bytes",
-            settings.master,
-            metadata,
-            settings.protocol,
-            hostname,
-            settings.segment,
-        )
 
     # -- health -------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import (
     MooncakeTier,
     MooncakeUnavailable,
-    decode_companion,
     encode_companion,
     object_names,
 )
@@ -109,16 +108,6 @@ def moved(chunks: list[ChunkAddress], base: int) -> list[ChunkAddress]:
 def raw(tier: MooncakeTier) -> Any:
     """The tier's Mooncake client, to tamper with objects behind its back."""
     return tier._client
-
-
-def test_companion_round_trip() -> None:
-    name = object_names("ns/a b", b"\x01\x02")[0]
-    assert name == "offloadd/ns%2Fa%20b/0102"
-    raw_bytes = encode_companion(name, [10, 20], 0xDEADBEEF)
-    assert decode_companion(name, raw_bytes, [10, 20]) == 0xDEADBEEF
-    assert decode_companion(name, raw_bytes, [10, 21]) is None
-    assert decode_companion(name + "x", raw_bytes, [10, 20]) is None
-    assert decode_companion(name, raw_bytes[:-1], [10, 20]) is None
 
 
 def test_put_on_one_node_get_on_another(nodes: list[Node]) -> None:
