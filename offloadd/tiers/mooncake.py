@@ -10,11 +10,12 @@ namespace, percent-encoded, is part of every name):
 - ``offloadd/<namespace>/<key hex>``: the chunk's shards, in shard order, as one object put
   from several arena ranges (``batch_put_from_multi_buffers``);
 - ``offloadd/<namespace>/<key hex>.sum``: its companion, put only AFTER the data object was
-  written: magic, version, the crc32 of the data name, the crc32 of every byte, the shard
-  sizes. Its existence is what makes the chunk visible (two-phase across the cluster):
-  ``contains`` asks for companions only, and ``get`` reads the companion first, then the
-  data into the extents, and answers True only when the sizes and every byte check out. A
-  mismatch drops both objects.
+  written: magic, version, the crc32 of the data name, each shard's size and crc32 (the
+  same sums as the journal's ``offloadd.cache.journal.checksum``). Its existence is what
+  makes the chunk visible (two-phase across the cluster): ``contains`` asks for companions
+  only, and ``get`` reads companion and data (into the extents) in one call and answers
+  True only when the sizes and every shard's crc32 check out. A mismatch drops both objects;
+  so does data missing under its companion (evicted, or its daemon left).
 
 Faults: Mooncake answers errors as negative codes, never exceptions (``-704`` not found,
 ``-900`` RPC failure, ...). An RPC failure marks the tier unhealthy; while unhealthy, calls
@@ -78,7 +79,7 @@ _HEALTH_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreach
 _PREFIX = "offloadd"
 _MAGIC = b"OFLD"
 _VERSION = 1
-_HEADER = struct.Struct("<4sHHIII")  # magic, version, reserved, shards, name crc, data crc
+_HEADER = struct.Struct("<4sHHII")  # magic, version, reserved, shards, name crc
 _SCRATCH = 1 << 20  # registered buffer for companions; a batch is split to fit it
 _CONNECT_TIMEOUT = 2.0
 # crc32 runs at about the speed of a loopback transfer, so it runs on a few threads (zlib
@@ -107,38 +108,40 @@ def _namespace_pattern(namespace: str) -> str:
 
 def companion_size(shards: int) -> int:
     """Bytes of the companion of a chunk of ``shards`` shards."""
-    return _HEADER.size + 8 * shards
+    return _HEADER.size + 12 * shards  # per shard: size (u64), crc32 (u32)
 
 
-def encode_companion(name: str, sizes: Sequence[int], crc: int) -> bytes:
-    """The companion of the data object ``name``: its shard sizes and the crc32 of its bytes."""
-    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(sizes), zlib.crc32(name.encode()), crc)
-    return header + struct.pack(f"<{len(sizes)}Q", *sizes)
+def encode_companion(name: str, sizes: Sequence[int], sums: Sequence[int]) -> bytes:
+    """The companion of the data object ``name``: its shards' sizes and crc32s."""
+    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(sizes), zlib.crc32(name.encode()))
+    return header + struct.pack(f"<{len(sizes)}Q{len(sums)}I", *sizes, *sums)
 
 
-def decode_companion(name: str, raw: bytes, sizes: Sequence[int]) -> int | None:
-    """The data crc a companion holds, or None unless it is one for ``name`` and ``sizes``."""
+def decode_companion(name: str, raw: bytes, sizes: Sequence[int]) -> tuple[int, ...] | None:
+    """The shard crc32s a companion holds, or None unless it is one for ``name`` and ``sizes``."""
     if len(raw) != companion_size(len(sizes)):
         return None
-    magic, version, _, shards, name_crc, crc = _HEADER.unpack_from(raw)
+    magic, version, _, shards, name_crc = _HEADER.unpack_from(raw)
     if magic != _MAGIC or version != _VERSION or shards != len(sizes):
         return None
     if name_crc != zlib.crc32(name.encode()):
         return None
-    if list(struct.unpack_from(f"<{shards}Q", raw, _HEADER.size)) != list(sizes):
+    fields = struct.unpack_from(f"<{shards}Q{shards}I", raw, _HEADER.size)
+    if list(fields[:shards]) != list(sizes):
         return None
-    return int(crc)
+    return tuple(fields[shards:])
 
 
-def _chunk_crc(address: int, chunk: ChunkAddress) -> int:
-    crc = 0
-    for offset, size in chunk.extents:
-        crc = zlib.crc32((ctypes.c_char * size).from_address(address + offset), crc)
-    return crc
+def _shard_sums(address: int, chunk: ChunkAddress) -> tuple[int, ...]:
+    """The crc32 of each shard (as ``offloadd.cache.journal.checksum`` computes it)."""
+    return tuple(
+        zlib.crc32((ctypes.c_char * size).from_address(address + offset))
+        for offset, size in chunk.extents
+    )
 
 
-def _chunk_crcs(address: int, chunks: Sequence[ChunkAddress]) -> list[int]:
-    return [_chunk_crc(address, chunk) for chunk in chunks]
+def _chunks_sums(address: int, chunks: Sequence[ChunkAddress]) -> list[tuple[int, ...]]:
+    return [_shard_sums(address, chunk) for chunk in chunks]
 
 
 def _load_store_class() -> Any:
@@ -344,19 +347,19 @@ class MooncakeTier(Tier):
         if group:
             yield group
 
-    def _start_crcs(self, chunks: Sequence[ChunkAddress]) -> list[Future[list[int]]]:
-        """The crc32 of each chunk, computed on the pool in jobs of about ``_CRC_JOB`` bytes."""
-        jobs: list[Future[list[int]]] = []
+    def _start_crcs(self, chunks: Sequence[ChunkAddress]) -> list[Future[list[tuple[int, ...]]]]:
+        """Each chunk's shard sums, computed on the pool in jobs of about ``_CRC_JOB`` bytes."""
+        jobs: list[Future[list[tuple[int, ...]]]] = []
         start, size = 0, 0
         for end, chunk in enumerate(chunks, 1):
             size += chunk.nbytes
             if size >= _CRC_JOB or end == len(chunks):
-                jobs.append(self._crc_pool.submit(_chunk_crcs, self._address, chunks[start:end]))
+                jobs.append(self._crc_pool.submit(_chunks_sums, self._address, chunks[start:end]))
                 start, size = end, 0
         return jobs
 
     @staticmethod
-    def _finish_crcs(jobs: list[Future[list[int]]]) -> list[int]:
+    def _finish_crcs(jobs: list[Future[list[tuple[int, ...]]]]) -> list[tuple[int, ...]]:
         return [crc for job in jobs for crc in job.result()]
 
     def _ranges(self, chunk: ChunkAddress) -> list[tuple[int, int]]:
@@ -504,7 +507,7 @@ class MooncakeTier(Tier):
             return 0
         bad: list[int] = []  # positions in valid whose objects failed verification
         gone: list[int] = []  # positions in valid whose data is missing under a companion
-        expected: dict[int, int] = {}  # position in valid -> the crc its companion holds
+        expected: dict[int, tuple[int, ...]] = {}  # position in valid -> its companion's sums
         halves = zip(codes[: len(valid)], codes[len(valid) :], strict=True)
         for n, (data_code, sum_code) in enumerate(halves):
             chunk = chunks[valid[n]]

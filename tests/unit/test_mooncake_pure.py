@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from offloadd.cache.arena import Arena
+from offloadd.cache.journal import checksum
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import (
@@ -152,8 +153,8 @@ def read(arena: Arena, chunk: ChunkAddress) -> bytes:
 def test_names_and_companions() -> None:
     data, companion = object_names("ns/a b", b"\x01\x02")
     assert (data, companion) == ("offloadd/ns%2Fa%20b/0102", "offloadd/ns%2Fa%20b/0102.sum")
-    raw = encode_companion(data, [10, 20], 0xDEADBEEF)
-    assert decode_companion(data, raw, [10, 20]) == 0xDEADBEEF
+    raw = encode_companion(data, [10, 20], [0xDEADBEEF, 7])
+    assert decode_companion(data, raw, [10, 20]) == (0xDEADBEEF, 7)
     assert decode_companion(data, raw, [10, 21]) is None
     assert decode_companion(data, raw, [10]) is None
     assert decode_companion(data + "x", raw, [10, 20]) is None  # another chunk's companion
@@ -185,6 +186,15 @@ def test_round_trip_and_namespaces(tier: MooncakeTier, arena: Arena, store: Fake
     assert len(store.objects) == 6
     tier.clear("a")
     assert store.objects == {} and tier.stats().chunks == 0
+
+
+def test_sums_are_the_journals(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    [chunk] = fill(arena, "a", 1)
+    tier.put([chunk], arena)
+    data, companion = object_names("a", chunk.key)
+    sizes = [size for _, size in chunk.extents]
+    sums = tuple(checksum(arena.address + offset, size) for offset, size in chunk.extents)
+    assert decode_companion(data, store.objects[companion], sizes) == sums
 
 
 def test_torn_data_is_dropped(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
