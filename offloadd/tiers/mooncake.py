@@ -544,7 +544,7 @@ class MooncakeTier(Tier):
         if bad:
             self._count_errors(len(bad))
             logger.warning(
-                "mooncake tier: %d chunk(s) failed verification; dropping them", len(bad)
+                "mooncake tier: %d chunk(s) failed (size, checksum or transfer); dropped", len(bad)
             )
         if bad or gone:
             dropped = [name for n in bad + gone for name in reversed(names[n])]

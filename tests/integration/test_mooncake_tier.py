@@ -5,7 +5,10 @@ again."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -254,4 +257,46 @@ def test_a_peer_that_left(master: MooncakeMaster, nodes: list[Node]) -> None:
             assert b.read(target) == want
     # What was not found is dropped: the next lookup does not offer it again.
     assert b.tier.contains(namespace, keys) == found
+    assert b.tier.healthy
+
+
+def test_a_peer_that_was_killed(master: MooncakeMaster, nodes: list[Node]) -> None:
+    """A peer SIGKILLed (its segment gone without a word to the master): its objects are
+    quick misses, dropped, never garbage; the tier stays healthy."""
+    _, b = nodes
+    namespace = f"model-{uuid.uuid4().hex}"
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.mooncake_peer",
+            master.address,
+            master.metadata,
+            namespace,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert peer.stdout is not None
+        published = json.loads(peer.stdout.readline())
+    finally:
+        peer.kill()
+        peer.wait()
+        if peer.stdout is not None:
+            peer.stdout.close()
+    chunks = [
+        ChunkAddress(namespace, bytes.fromhex(key), tuple((o, s) for o, s in extents))
+        for key, extents, _ in published
+    ]
+    targets = moved(chunks, base=4 << 20)
+    started = time.monotonic()
+    found = b.tier.get(targets, b.arena)
+    assert time.monotonic() - started < HANG_BOUND
+    for ok, target, (_, _, data) in zip(found, targets, published, strict=True):
+        if ok:
+            assert b.read(target) == bytes.fromhex(data)
+    assert b.tier.contains(namespace, [c.key for c in chunks]) == found
     assert b.tier.healthy
