@@ -145,6 +145,9 @@ def _chunks_sums(address: int, chunks: Sequence[ChunkAddress]) -> list[tuple[int
 
 
 def _load_store_class() -> Any:
+    # Mooncake logs (glog) every connection at INFO to stderr; warnings and errors are
+    # enough in a daemon's log unless the operator asks for more.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:  # imported here: the daemon runs without the extra
         store = importlib.import_module("mooncake.store")
     except ImportError as exc:
