@@ -47,7 +47,7 @@ import time
 import urllib.parse
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -86,6 +86,7 @@ _CONNECT_TIMEOUT = 2.0
 # releases the GIL), a put's checksums while its data object is written.
 _CRC_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _CRC_JOB = 8 << 20  # bytes of chunks per checksum job
+_GET_BATCH = 16 << 20  # bytes of chunks per get call: checksums overlap the next call
 _INSTALL_HINT = (
     "install the extra: pip install 'offloadd[mooncake]' "
     "(and the system library libibverbs1: apt-get install libibverbs1)"
@@ -142,6 +143,10 @@ def _shard_sums(address: int, chunk: ChunkAddress) -> tuple[int, ...]:
 
 def _chunks_sums(address: int, chunks: Sequence[ChunkAddress]) -> list[tuple[int, ...]]:
     return [_shard_sums(address, chunk) for chunk in chunks]
+
+
+def _nothing() -> int:
+    return 0
 
 
 def _load_store_class() -> Any:
@@ -335,18 +340,24 @@ class MooncakeTier(Tier):
 
     # -- Tier ---------------------------------------------------------------------------
 
-    def _batches(self, chunks: Sequence[ChunkAddress]) -> Iterator[list[int]]:
-        """Indexes of ``chunks`` in groups whose companions fit the scratch buffer."""
+    def _batches(
+        self, chunks: Sequence[ChunkAddress], limit: int | None = None
+    ) -> Iterator[list[int]]:
+        """Indexes of ``chunks`` in groups whose companions fit the scratch buffer (and whose
+        bytes stay within ``limit``, past the first chunk)."""
         group: list[int] = []
         used = 0
+        nbytes = 0
         for index, chunk in enumerate(chunks):
             need = companion_size(len(chunk.extents))
-            if group and used + need > _SCRATCH:
+            full = limit is not None and nbytes + chunk.nbytes > limit
+            if group and (used + need > _SCRATCH or full):
                 yield group
-                group, used = [], 0
+                group, used, nbytes = [], 0, 0
             if need <= _SCRATCH:
                 group.append(index)
                 used += need
+                nbytes += chunk.nbytes
         if group:
             yield group
 
@@ -469,11 +480,14 @@ class MooncakeTier(Tier):
     def get(self, chunks: Sequence[ChunkAddress], arena: Arena) -> list[bool]:
         found = [False] * len(chunks)
         started = time.perf_counter()
-        read = 0
-        for group in self._batches(chunks):
+        # Group by group, each group's checksums running on the pool while the next one
+        # transfers; verified (and the failures dropped) once every transfer is done.
+        verifications: list[Callable[[], int]] = []
+        for group in self._batches(chunks, _GET_BATCH):
             if not self._may_call():
                 break
-            read += self._get_group(chunks, group, found)
+            verifications.append(self._get_group(chunks, group, found))
+        read = sum(verify() for verify in verifications)
         with self._lock:
             self._bytes_read += read
             self._read_seconds += time.perf_counter() - started
@@ -481,11 +495,12 @@ class MooncakeTier(Tier):
 
     def _get_group(
         self, chunks: Sequence[ChunkAddress], group: list[int], found: list[bool]
-    ) -> int:
+    ) -> Callable[[], int]:
+        """Transfer one group; the returned function verifies it and answers the bytes read."""
         valid = [i for i in group if self._valid(chunks[i])]
         self._count_errors(len(group) - len(valid))
         if not valid:
-            return 0
+            return _nothing
         names = [object_names(chunks[i].namespace, chunks[i].key) for i in valid]
         slots: list[int] = []
         sizes: list[int] = []
@@ -507,7 +522,7 @@ class MooncakeTier(Tier):
             [[size for _, size in r] for r in ranges] + [[size] for size in sizes],
         )
         if codes is None or not self._answered(codes, "get"):
-            return 0
+            return _nothing
         bad: list[int] = []  # positions in valid whose objects failed verification
         gone: list[int] = []  # positions in valid whose data is missing under a companion
         expected: dict[int, tuple[int, ...]] = {}  # position in valid -> its companion's sums
@@ -535,24 +550,29 @@ class MooncakeTier(Tier):
                 bad.append(n)
             else:
                 self._count_errors(1)
-        read = 0
         arrived = list(expected)
-        sums = self._finish_crcs(self._start_crcs([chunks[valid[n]] for n in arrived]))
-        for n, crc in zip(arrived, sums, strict=True):
-            if crc == expected[n]:
-                found[valid[n]] = True
-                read += chunks[valid[n]].nbytes
-            else:
-                bad.append(n)
-        if bad:
-            self._count_errors(len(bad))
-            logger.warning(
-                "mooncake tier: %d chunk(s) failed (size, checksum or transfer); dropped", len(bad)
-            )
-        if bad or gone:
-            dropped = [name for n in bad + gone for name in reversed(names[n])]
-            self._call("get", "batch_remove", dropped, True)
-        return read
+        pending = self._start_crcs([chunks[valid[n]] for n in arrived])
+
+        def verify() -> int:
+            read = 0
+            for n, sums in zip(arrived, self._finish_crcs(pending), strict=True):
+                if sums == expected[n]:
+                    found[valid[n]] = True
+                    read += chunks[valid[n]].nbytes
+                else:
+                    bad.append(n)
+            if bad:
+                self._count_errors(len(bad))
+                logger.warning(
+                    "mooncake tier: %d chunk(s) failed (size, checksum or transfer); dropped",
+                    len(bad),
+                )
+            if (bad or gone) and self._healthy:
+                dropped = [name for n in bad + gone for name in reversed(names[n])]
+                self._call("get", "batch_remove", dropped, True)
+            return read
+
+        return verify
 
     def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         if not keys or not self._may_call():
