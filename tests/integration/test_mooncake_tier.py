@@ -32,6 +32,7 @@ require_mooncake()
 ARENA = 8 << 20
 SHARDS = (64 << 10, 100_000, 4096)  # one chunk: three shards of uneven sizes
 HANG_BOUND = 30.0  # a call against a dead master must return well within this
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +275,7 @@ def test_a_peer_that_was_killed(master: MooncakeMaster, nodes: list[Node]) -> No
             master.metadata,
             namespace,
         ],
+        cwd=ROOT,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
