@@ -1,6 +1,7 @@
 """A peer daemon's share in its own process, for tests that SIGKILL it: opens a node on the
 master named by argv (address, metadata), publishes 8 chunks, prints them as one JSON line
-(``[[key hex, extents, bytes hex], ...]``), then waits to be killed."""
+(``{"arena": path, "chunks": [[key hex, extents, bytes hex], ...]}``), then waits to be
+killed; the test removes the arena file it leaves."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def main() -> None:
     chunks = node.chunks(sys.argv[3], 8)
     assert all(node.tier.put(chunks, node.arena).stored)
     published = [[c.key.hex(), c.extents, node.read(c).hex()] for c in chunks]
-    print(json.dumps(published), flush=True)
+    print(json.dumps({"arena": node.arena.path, "chunks": published}), flush=True)
     time.sleep(600)
 
 
