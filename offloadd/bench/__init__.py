@@ -27,6 +27,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   ``disk_read_1MiB``).
 - ``cuda_marshal``: CPU cost per copy of a 128k-copy cuda store job, planning and the batched
   call's marshalling with the driver call stubbed (no GPU), vs the previous path.
+- ``mooncake``: GiB/s of the cluster tier's put and get (``MooncakeTier``, two nodes on a
+  loopback ``mooncake_master``) vs raw ``batch_put_from`` / ``batch_get_into`` of the same
+  chunks (``mooncake_put_<chunk>``, ``mooncake_get_<chunk>``); skipped without the extra.
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -124,6 +127,12 @@ def _cuda_marshal(ctx: Context) -> list[Result]:
     return cuda_marshal.run(ctx)
 
 
+def _mooncake(ctx: Context) -> list[Result]:
+    from offloadd.bench import mooncake
+
+    return mooncake.run(ctx)
+
+
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm),
     Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd),
@@ -140,6 +149,7 @@ GROUPS = (
     Group("guarded", ("guarded_*",), _guarded),
     Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
     Group("disk", ("disk_*",), _disk),
+    Group("mooncake", ("mooncake_*",), _mooncake),
 )
 
 
