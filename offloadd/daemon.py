@@ -129,9 +129,7 @@ def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
     """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
     or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
     try:
-        from offloadd.tiers.mooncake import (  # type: ignore[import-not-found,unused-ignore]
-            MooncakeTier,
-        )
+        from offloadd.tiers.mooncake import MooncakeTier
 
         tier: Tier = MooncakeTier(settings.mooncake, arena)
     except Exception as exc:
