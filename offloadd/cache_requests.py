@@ -136,7 +136,9 @@ class CacheRequests:
                     self._send(state.identity, result)
                 self.metrics.lookup_finished(time.perf_counter() - started)
 
-            promoted = tiers.probe(namespace, request.keys, hits, answer)
+            promoted = tiers.probe(
+                namespace, request.keys, hits, answer, acker=acker(self._mirrors, state)
+            )
             if promoted is None:
                 return None
             if promoted:

@@ -179,9 +179,11 @@ class _Probe:
         keys: Sequence[bytes],
         candidates: list[int],
         answer: Callable[[list[int]], None],
+        acker: str | None,
     ) -> None:
         self.namespace = namespace
         self.keys = keys
+        self.acker = acker  # the requester, when it applies the promotion's evictions first
         self.candidates = candidates  # indices after the hits that the arena does not have
         self.found: dict[int, int] = {}  # key index -> position of the tier that holds it
         self.answer = answer
@@ -349,8 +351,14 @@ class Tiers:
         keys: Sequence[bytes],
         hits: int,
         answer: Callable[[list[int]], None],
+        *,
+        acker: str | None = None,
     ) -> list[int] | None:
-        """Look for the keys after ``hits`` in the tiers; see the module docstring."""
+        """Look for the keys after ``hits`` in the tiers; see the module docstring.
+
+        ``acker``: the requesting scheduler, whose own mirror need not acknowledge the
+        evictions that make room for the promotion (``ChunkCache.reserve``'s ``acker``).
+        """
         if self._closing or hits >= len(keys):
             return []
         get = self._cache.get
@@ -358,7 +366,7 @@ class Tiers:
         candidates = [i for i in range(hits, len(keys)) if get(name, keys[i]) is None]
         if not candidates:
             return []
-        walk = _Probe(namespace, keys, candidates, answer)
+        walk = _Probe(namespace, keys, candidates, answer, acker)
         return self._advance(walk, 0)
 
     def _advance(self, walk: _Probe, position: int) -> list[int] | None:
@@ -453,7 +461,8 @@ class Tiers:
         for where, indices in runs:
             slot = self._slots[where]
             slot.hits += len(indices)
-            taken = self._promote(slot, walk.namespace, [walk.keys[i] for i in indices])
+            keys = [walk.keys[i] for i in indices]
+            taken = self._promote(slot, walk.namespace, keys, walk.acker)
             promoted.extend(indices[:taken])
             if taken < len(indices):
                 break  # no room: later keys gain nothing
@@ -461,13 +470,15 @@ class Tiers:
 
     # ----------------------------------------------------------------- promotions
 
-    def _promote(self, slot: _Slot, namespace: Namespace, keys: list[bytes]) -> int:
+    def _promote(
+        self, slot: _Slot, namespace: Namespace, keys: list[bytes], acker: str | None
+    ) -> int:
         """Reserve ``keys`` in the arena and queue their get; how many leading keys got room."""
         cache, name = self._cache, namespace.name
         if any(cache.get(name, key) is not None for key in keys):
             return 0  # stored meanwhile: the arena answers next time
         owner = f"offloadd-tier-{slot.name}-{next(self._owners)}"
-        reservation = cache.reserve(name, keys, owner, namespace.shard_sizes_for_key)
+        reservation = cache.reserve(name, keys, owner, namespace.shard_sizes_for_key, acker=acker)
         self._announce.chunks_removed(reservation.evicted)
         taken = len(reservation.reserved)
         keys = keys[:taken]

@@ -47,7 +47,7 @@ from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.probes import Probe, TierProbes
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
-from protocol.messages import HoldKeys
+from protocol.messages import HoldKeys, KeysChanged
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,13 @@ class OffloaddManager(OffloadingManager):
         """Apply what arrived with the last exchange (notices come before its reply)."""
         self._last_request = time.monotonic()
         if self._client is not None:
-            self._mirror.apply(self._client.take_notices())
+            self._apply(self._client.take_notices())
+
+    def _apply(self, notices: list[KeysChanged]) -> None:
+        self._mirror.apply(notices)
+        if len(self._probes):
+            # A key that left the arena may be in a tier now: an earlier miss is stale.
+            self._probes.forget(key for notice in notices for key in notice.removed)
 
     def _failed(self, what: str, exc: Exception, holds: Sequence[HoldKeys] = ()) -> None:
         """Log a failed exchange; holds it carried are sent again if the daemon was away."""
@@ -333,7 +339,7 @@ class OffloaddManager(OffloadingManager):
         client.poll(0)
         notices = client.take_notices()
         if notices:
-            self._mirror.apply(notices)
+            self._apply(notices)
         if time.monotonic() - self._last_request > KEEPALIVE_SECONDS:
             # A real exchange: a daemon that restarted is noticed here (and said Hello to
             # again, which sends a fresh snapshot), not at the next step's holds.

@@ -18,6 +18,8 @@ Contract of ``TierProbes``:
   ``hits`` leading keys are committed (the mirror has them already), ``pending`` indices are
   on their way, and the first key after the hits that is not pending is a miss (the daemon
   stops looking there, so later keys are left unknown).
+- ``forget(keys)``: drops what was said about keys (one that left the arena may be in a
+  tier now, so an earlier miss is stale).
 - ``forget_expired``: drops answers past their time, so the memory stays bounded by what
   a few seconds of lookups asked.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["Probe", "TierProbes"]
 
@@ -84,6 +86,11 @@ class TierProbes:
                 self._pending.pop(key, None)
                 break
         for key in keys[:hits]:
+            self._pending.pop(key, None)
+            self._missing.pop(key, None)
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
             self._pending.pop(key, None)
             self._missing.pop(key, None)
 

@@ -76,3 +76,11 @@ def test_forget_expired_bounds_the_memory() -> None:
     clock.now += 0.5
     probes.forget_expired()
     assert len(probes) == 0
+
+
+def test_forget_drops_what_was_said_about_keys() -> None:
+    probes, _ = make()
+    probes.answered([b"p", b"m"], hits=0, pending=[0])
+    probes.forget([b"m", b"p", b"unknown"])
+    assert len(probes) == 0
+    assert probes.lookup("r", b"m") is Probe.RETRY  # asked again: it may be in a tier now
