@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import hashlib
 import itertools
 import os
@@ -61,7 +62,9 @@ PENDING_WAIT = 30.0  # seconds a request waits for its pending keys
 CLUSTER_PAGE = 64 << 10  # chunk: 1 MiB
 
 
-def _engine(endpoint: str, engine_id: str, page: int, memory: RankMemory, slots: int) -> OffloadClient:
+def _engine(
+    endpoint: str, engine_id: str, page: int, memory: RankMemory, slots: int
+) -> OffloadClient:
     config = _engine_config(engine_id, 0, 1, page)
     client = OffloadClient.connect(
         endpoint,
@@ -105,7 +108,11 @@ def _settle(client: OffloadClient, keys: list[bytes]) -> tuple[int, int]:
 
 
 def _run_jobs(
-    client: OffloadClient, kind: str, keys: list[bytes], slots: list[int], jobs: itertools.count[int]
+    client: OffloadClient,
+    kind: str,
+    keys: list[bytes],
+    slots: list[int],
+    jobs: itertools.count[int],
 ) -> bool:
     """Store or load ``keys`` from/into chunk ``slots`` in jobs of JOB_CHUNKS; all ok?"""
     ids = []
@@ -150,7 +157,9 @@ class _Workload:
 class _HitSide:
     """One daemon of the hit-rate comparison and its engine."""
 
-    def __init__(self, ctx: Context, label: str, disk: str | None, stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self, ctx: Context, label: str, disk: str | None, stack: contextlib.ExitStack
+    ) -> None:
         self.label = label
         chunk = LAYERS * BLOCKS_PER_CHUNK * HIT_PAGE
         settings = daemon_settings(ctx, ARENA_CHUNKS * chunk)
@@ -179,7 +188,9 @@ class _HitSide:
         span = BLOCKS_PER_CHUNK * HIT_PAGE
         for slot in rest:
             for layer in range(LAYERS):
-                _slot_bytes(self.memory, HIT_PAGE, slot, layer)[:] = _content(keys[slot], layer, span)
+                _slot_bytes(self.memory, HIT_PAGE, slot, layer)[:] = _content(
+                    keys[slot], layer, span
+                )
         stored = _run_jobs(self.client, "store", [keys[s] for s in rest], rest, self.jobs)
         self.seconds += time.perf_counter() - started
         if not (loaded and stored):
@@ -190,7 +201,9 @@ class _HitSide:
         if verify and loaded:
             for key, slot in zip(keys[:hits], targets, strict=True):
                 for layer in range(LAYERS):
-                    if _slot_bytes(self.memory, HIT_PAGE, slot, layer) != _content(key, layer, span):
+                    if _slot_bytes(self.memory, HIT_PAGE, slot, layer) != _content(
+                        key, layer, span
+                    ):
                         raise RuntimeError(f"tiers bench ({self.label}): a loaded chunk differs")
                 self.verified += 1
 
@@ -235,7 +248,9 @@ def run_hit_rate(ctx: Context) -> list[Result]:
         "arena_chunks_held": stats["arena-only"].committed_entries,
         "disk_chunks_held": disk_state.chunks,
         "disk_promotions": disk_state.promotions,
+        # Chunks found on disk by the probe but evicted from it before their get: misses.
         "disk_promotion_failures": disk_state.promotion_failures,
+        "disk_errors": disk_state.errors,
         "disk_demotions": disk_state.demotions,
         "disk_demotions_skipped": disk_state.demotions_skipped,
         "lookups_per_request": tiered.lookups / requests,
@@ -253,5 +268,207 @@ def run_hit_rate(ctx: Context) -> list[Result]:
     return [r for r in results if ctx.wanted(r.name)]
 
 
+def _salted(client_id: str, page: int, salt: str) -> object:
+    import msgspec
+
+    from offloadd.registry import NAMESPACE_SALT_KEY
+
+    config = _engine_config(client_id, 0, 1, page)
+    return msgspec.structs.replace(config, extra_config={NAMESPACE_SALT_KEY: salt})
+
+
+def _cluster_engine(
+    endpoint: str, label: str, memory: RankMemory, slots: int, salt: str
+) -> OffloadClient:
+    """An engine in a namespace of its own (``salt``): each rep starts from an empty cluster."""
+    client = OffloadClient.connect(
+        endpoint,
+        _salted(f"bench-cluster-{label}", CLUSTER_PAGE, salt),  # type: ignore[arg-type]
+        memory.regions(CLUSTER_PAGE, slots * BLOCKS_PER_CHUNK),
+        name=f"bench cluster {label}",
+        files=memory.files_by_path(),
+    )
+    try:
+        client.wait_ready(30)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _cluster_state(client: OffloadClient):  # type: ignore[no-untyped-def]
+    tiers = client.stats().tiers
+    if not tiers:
+        raise RuntimeError("the daemon runs without its cluster tier (see its log above)")
+    return tiers[0]
+
+
+def _published(client: OffloadClient, demotions: int) -> bool:
+    """Whether the cluster tier wrote ``demotions`` chunks in all and has none queued."""
+    state = _cluster_state(client)
+    return bool(state.demotions >= demotions and not state.queued_bytes)
+
+
+def _poll(check, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"mooncake daemon bench: {what} not done in {timeout:.0f}s")
+        time.sleep(0.002)
+
+
 def run_cluster(ctx: Context) -> list[Result]:
-    return []
+    """``mooncake_daemon_publish`` and ``mooncake_daemon_promote``."""
+    names = ("mooncake_daemon_publish", "mooncake_daemon_promote")
+    if not any(ctx.wanted(name) for name in names):
+        return []
+    from offloadd.bench.mooncake import _master, _master_binary
+    from offloadd.cache.arena import Arena
+    from offloadd.settings import MooncakeSettings
+    from offloadd.tiers.mooncake import MooncakeTier, MooncakeUnavailable, _load_store_class
+
+    try:
+        _load_store_class()
+    except MooncakeUnavailable as exc:
+        ctx.progress(f"mooncake daemon: skipped ({exc})")
+        return []
+    binary = _master_binary()
+    if binary is None:
+        ctx.progress("mooncake daemon: skipped (mooncake_master is not installed)")
+        return []
+    count = 64 if ctx.quick else 128
+    reps = 3 if ctx.quick else 7
+    chunk = LAYERS * BLOCKS_PER_CHUNK * CLUSTER_PAGE
+    total = count * chunk
+    segment = 2 * total
+    with contextlib.ExitStack() as stack:
+        master, metadata = stack.enter_context(_master(binary))  # 127.0.0.1 only
+        cluster = {
+            "master": master,
+            "metadata": metadata,
+            "segment": segment,
+            "local_buffer": 16 << 20,
+            "local_hostname": "127.0.0.1",
+            "lookup_timeout": 10.0,
+        }
+        endpoints = []
+        for label in ("a", "b"):
+            settings = daemon_settings(ctx, 2 * total + (8 << 20))
+            settings["mooncake"] = cluster
+            stack.enter_context(
+                ServerProcess(
+                    "daemon", {"settings": settings}, profile=ctx.profile_path(f"mooncake-{label}")
+                )
+            )
+            endpoints.append(settings["server"]["endpoint"])  # type: ignore[index]
+        raw_settings = MooncakeSettings(
+            master=master,
+            metadata=metadata,
+            segment=segment,
+            local_buffer=16 << 20,
+            local_hostname="127.0.0.1",
+        )
+        raw_arenas, raws = [], []
+        for label in ("a", "b"):
+            arena = Arena(ctx.scratch.shm_path(f"mooncake-raw-{label}"), total + (1 << 20))
+            stack.callback(arena.close)
+            tier = MooncakeTier(raw_settings, arena)
+            stack.callback(tier.close)
+            raw_arenas.append(arena)
+            raws.append(tier._client)
+        memory_a = RankMemory(ctx, 0, count * BLOCKS_PER_CHUNK * CLUSTER_PAGE)
+        stack.callback(memory_a.close)
+        memory_b = RankMemory(ctx, 1, count * BLOCKS_PER_CHUNK * CLUSTER_PAGE)
+        stack.callback(memory_b.close)
+        # The raw objects carry the same bytes: chunk c is its pages, layer after layer.
+        span = BLOCKS_PER_CHUNK * CLUSTER_PAGE
+        for c in range(count):
+            for layer in range(LAYERS):
+                offset = c * chunk + layer * span
+                raw_arenas[0].view(offset, span)[:] = _slot_bytes(memory_a, CLUSTER_PAGE, c, layer)
+        ctx.progress(
+            f"mooncake daemon: {count} chunks of {chunk >> 20} MiB through daemons A -> B "
+            f"vs raw clients, {reps} reps"
+        )
+        times: dict[str, list[float]] = {"put": [], "raw_put": [], "get": [], "raw_get": []}
+        stored_seconds, settle_seconds = [], []
+        for rep in range(reps):
+            salt = uuid.uuid4().hex
+            keys = _Workload._chain(salt.encode(), count)
+            raw_names = [f"bench-raw/{salt}/{i}" for i in range(count)]
+            addresses = [[arena.address + i * chunk for i in range(count)] for arena in raw_arenas]
+            with contextlib.ExitStack() as engines:
+                on_a = _cluster_engine(endpoints[0], "a", memory_a, count, salt)
+                engines.callback(on_a.close)
+                on_b = _cluster_engine(endpoints[1], "b", memory_b, count, salt)
+                engines.callback(on_b.close)
+                jobs = itertools.count(1)
+                order = ("daemon", "raw") if rep % 2 == 0 else ("raw", "daemon")
+                for side in order:  # publish
+                    if side == "daemon":
+                        before = _cluster_state(on_a).demotions
+                        started = time.perf_counter()
+                        if not _run_jobs(on_a, "store", keys, list(range(count)), jobs):
+                            raise RuntimeError("mooncake daemon bench: a store failed")
+                        stored_seconds.append(time.perf_counter() - started)
+
+_poll(functools.partial(_published, on_a, before + count), "publishing")
+                        times["put"].append(time.perf_counter() - started)
+                        state = _cluster_state(on_a)
+                        if state.demotions_skipped or state.demotions != before + count:
+                            raise RuntimeError(f"mooncake daemon bench: A published {state}")
+                    else:
+                        started = time.perf_counter()
+                        codes = raws[0].batch_put_from(raw_names, addresses[0], [chunk] * count)
+                        times["raw_put"].append(time.perf_counter() - started)
+                        if any(code != 0 for code in codes):
+                            raise RuntimeError(f"mooncake daemon bench: raw put: {codes}")
+                for layer in range(LAYERS):
+                    memory_b.flat(layer).zero_()
+                raw_arenas[1].view(0, total)[:] = bytes(total)
+                for side in order:  # promote
+                    if side == "daemon":
+                        started = time.perf_counter()
+                        hits, _ = _settle(on_b, keys)
+                        settle_seconds.append(time.perf_counter() - started)
+                        if hits != count:
+                            raise RuntimeError(f"mooncake daemon bench: B hit {hits} of {count}")
+                        if not _run_jobs(on_b, "load", keys, list(range(count)), jobs):
+                            raise RuntimeError("mooncake daemon bench: a load on B failed")
+                        times["get"].append(time.perf_counter() - started)
+                    else:
+                        started = time.perf_counter()
+                        codes = raws[1].batch_get_into(raw_names, addresses[1], [chunk] * count)
+                        times["raw_get"].append(time.perf_counter() - started)
+                        if any(code != chunk for code in codes):
+                            raise RuntimeError(f"mooncake daemon bench: raw get: {codes}")
+                for layer in range(LAYERS):
+                    if not memory_b.flat(layer).equal(memory_a.flat(layer)):
+                        raise RuntimeError("mooncake daemon bench: B loaded other bytes than A")
+                if raw_arenas[1].view(0, total) != raw_arenas[0].view(0, total):
+                    raise RuntimeError("mooncake daemon bench: raw get returned other bytes")
+                promoted = _cluster_state(on_b).promotions
+                on_b.clear()
+                on_a.clear()  # the rep's namespace only: its objects leave the cluster
+                raws[0].batch_remove(raw_names, True)
+    params = {
+        "chunks": count,
+        "chunk_bytes": chunk,
+        "reps": reps,
+        "protocol": "tcp",
+        "segment_bytes": segment,
+        "b_promotions_total": promoted,
+        "store_into_arena_s": median(stored_seconds),
+        "lookup_until_hits_s": median(settle_seconds),
+        "publish": "store jobs sent on A -> A's cluster tier wrote all (demotions, none queued)",
+        "promote": "first lookup on B -> no key pending, all hit -> load of all done on B",
+        "baseline": "raw batch_put_from / batch_get_into of the same bytes, two raw clients",
+    }
+    results = []
+    for name, side, raw in ((names[0], "put", "raw_put"), (names[1], "get", "raw_get")):
+        value = total / median(times[side]) / GiB
+        base = total / median(times[raw]) / GiB
+        paired = paired_ratio(times[raw], times[side])  # throughput: raw time / daemon time
+        ctx.progress(f"  {name}: {value:.2f} GiB/s vs raw {base:.2f} GiB/s ({paired:.2f})")
+        results.append(Result(name, value, "GiB/s", base, paired, dict(params)))
+    return [r for r in results if ctx.wanted(r.name)]
