@@ -37,11 +37,14 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 from offloadd.bench._util import Context, Result, ServerProcess, median, paired_ratio, ratio
 from offloadd.bench.datapath import BLOCKS_PER_CHUNK, LAYERS, RankMemory, daemon_settings
 from offloadd.bench.datapath import engine_config as _engine_config
 from offloadd.client import OffloadClient
+from protocol.config import OffloadingConfig
+from protocol.messages import TierState
 
 GiB = 1 << 30
 SEED = 20261201
@@ -268,7 +271,7 @@ def run_hit_rate(ctx: Context) -> list[Result]:
     return [r for r in results if ctx.wanted(r.name)]
 
 
-def _salted(client_id: str, page: int, salt: str) -> object:
+def _salted(client_id: str, page: int, salt: str) -> OffloadingConfig:
     import msgspec
 
     from offloadd.registry import NAMESPACE_SALT_KEY
@@ -283,7 +286,7 @@ def _cluster_engine(
     """An engine in a namespace of its own (``salt``): each rep starts from an empty cluster."""
     client = OffloadClient.connect(
         endpoint,
-        _salted(f"bench-cluster-{label}", CLUSTER_PAGE, salt),  # type: ignore[arg-type]
+        _salted(f"bench-cluster-{label}", CLUSTER_PAGE, salt),
         memory.regions(CLUSTER_PAGE, slots * BLOCKS_PER_CHUNK),
         name=f"bench cluster {label}",
         files=memory.files_by_path(),
@@ -296,7 +299,7 @@ def _cluster_engine(
     return client
 
 
-def _cluster_state(client: OffloadClient):  # type: ignore[no-untyped-def]
+def _cluster_state(client: OffloadClient) -> TierState:
     tiers = client.stats().tiers
     if not tiers:
         raise RuntimeError("the daemon runs without its cluster tier (see its log above)")
@@ -309,7 +312,7 @@ def _published(client: OffloadClient, demotions: int) -> bool:
     return bool(state.demotions >= demotions and not state.queued_bytes)
 
 
-def _poll(check, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+def _poll(check: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -411,8 +414,7 @@ def run_cluster(ctx: Context) -> list[Result]:
                         if not _run_jobs(on_a, "store", keys, list(range(count)), jobs):
                             raise RuntimeError("mooncake daemon bench: a store failed")
                         stored_seconds.append(time.perf_counter() - started)
-
-_poll(functools.partial(_published, on_a, before + count), "publishing")
+                        _poll(functools.partial(_published, on_a, before + count), "publishing")
                         times["put"].append(time.perf_counter() - started)
                         state = _cluster_state(on_a)
                         if state.demotions_skipped or state.demotions != before + count:
