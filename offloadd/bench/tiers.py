@@ -60,9 +60,11 @@ SUFFIX_CHUNKS = 2
 ZIPF = 0.9
 VERIFY_EVERY = 8
 PENDING_WAIT = 30.0  # seconds a request waits for its pending keys
+QUICK_REQUESTS, FULL_REQUESTS = 300, 1200
 
 # The cluster comparison.
 CLUSTER_PAGE = 64 << 10  # chunk: 1 MiB
+QUICK_CHUNKS, FULL_CHUNKS = 64, 128  # per rep
 
 
 def _engine(
@@ -82,6 +84,12 @@ def _engine(
         client.close()
         raise
     return client
+
+
+def _endpoint(settings: dict[str, object]) -> str:
+    server = settings["server"]
+    assert isinstance(server, dict)
+    return str(server["endpoint"])
 
 
 def _blocks(slots: range | list[int]) -> list[int]:
@@ -171,7 +179,7 @@ class _HitSide:
         self.server = stack.enter_context(
             ServerProcess("daemon", {"settings": settings}, profile=ctx.profile_path(label))
         )
-        endpoint = settings["server"]["endpoint"]  # type: ignore[index]
+        endpoint = _endpoint(settings)
         self.slots = 2 * DOC_CHUNKS + SUFFIX_CHUNKS  # sources, then load targets
         self.memory = RankMemory(ctx, 0, self.slots * BLOCKS_PER_CHUNK * HIT_PAGE)
         stack.callback(self.memory.close)
@@ -216,7 +224,7 @@ def run_hit_rate(ctx: Context) -> list[Result]:
     names = ("tiers_hit_rate_disk4x", "tiers_request_time_disk4x")
     if not any(ctx.wanted(name) for name in names):
         return []
-    requests = 300 if ctx.quick else 1200
+    requests = QUICK_REQUESTS if ctx.quick else FULL_REQUESTS
     workload = _Workload(requests)
     root = "/var/tmp" if os.path.isdir("/var/tmp") else None
     disk_dir = tempfile.mkdtemp(prefix=f"{ctx.scratch.tag}-disk-", dir=root)
@@ -339,11 +347,11 @@ def run_cluster(ctx: Context) -> list[Result]:
     if binary is None:
         ctx.progress("mooncake daemon: skipped (mooncake_master is not installed)")
         return []
-    count = 64 if ctx.quick else 128
+    count = QUICK_CHUNKS if ctx.quick else FULL_CHUNKS
     reps = 3 if ctx.quick else 7
     chunk = LAYERS * BLOCKS_PER_CHUNK * CLUSTER_PAGE
     total = count * chunk
-    segment = 2 * total
+    segment = max(2 * total, 64 << 20)  # mooncake refuses small segments
     with contextlib.ExitStack() as stack:
         master, metadata = stack.enter_context(_master(binary))  # 127.0.0.1 only
         cluster = {
@@ -363,7 +371,7 @@ def run_cluster(ctx: Context) -> list[Result]:
                     "daemon", {"settings": settings}, profile=ctx.profile_path(f"mooncake-{label}")
                 )
             )
-            endpoints.append(settings["server"]["endpoint"])  # type: ignore[index]
+            endpoints.append(_endpoint(settings))
         raw_settings = MooncakeSettings(
             master=master,
             metadata=metadata,
