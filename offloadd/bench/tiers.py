@@ -402,7 +402,7 @@ def run_cluster(ctx: Context) -> list[Result]:
             f"vs raw clients, {reps} reps"
         )
         times: dict[str, list[float]] = {"put": [], "raw_put": [], "get": [], "raw_get": []}
-        stored_seconds, settle_seconds = [], []
+        stored_seconds, settle_seconds, first_seconds = [], [], []
         for rep in range(reps):
             salt = uuid.uuid4().hex
             keys = _Workload._chain(salt.encode(), count)
@@ -439,6 +439,10 @@ def run_cluster(ctx: Context) -> list[Result]:
                 for side in order:  # promote
                     if side == "daemon":
                         started = time.perf_counter()
+                        first = on_b.lookup(keys)  # deferred: the cluster answers
+                        first_seconds.append(time.perf_counter() - started)
+                        if len(first.pending) + first.hits != count:
+                            raise RuntimeError(f"mooncake daemon bench: B's lookup: {first}")
                         hits, _ = _settle(on_b, keys)
                         settle_seconds.append(time.perf_counter() - started)
                         if hits != count:
@@ -469,7 +473,14 @@ def run_cluster(ctx: Context) -> list[Result]:
         "segment_bytes": segment,
         "b_promotions_total": promoted,
         "store_into_arena_s": median(stored_seconds),
+        "publish_after_store_s": median(
+            p - s for p, s in zip(times["put"], stored_seconds, strict=True)
+        ),
+        "first_lookup_s": median(first_seconds),
         "lookup_until_hits_s": median(settle_seconds),
+        "load_after_hits_s": median(
+            g - s for g, s in zip(times["get"], settle_seconds, strict=True)
+        ),
         "publish": "store jobs sent on A -> A's cluster tier wrote all (demotions, none queued)",
         "promote": "first lookup on B -> no key pending, all hit -> load of all done on B",
         "baseline": "raw batch_put_from / batch_get_into of the same bytes, two raw clients",
