@@ -3,7 +3,8 @@
 - ``tiers_hit_rate_disk4x``: chunk hit rate of a prefix-sharing workload on a daemon with a
   disk tier of 4x its arena (value) vs a daemon with the same arena and no tier (baseline).
   ``tiers_request_time_disk4x``: milliseconds per request of the same two (value: with disk).
-  Both daemons run at once and get the same requests, interleaved one by one: DOCS
+  The time includes waiting for promotions (lookups every PENDING_POLL seconds until none
+  is pending). Both daemons run at once and get the same requests, interleaved one by one: DOCS
   documents (system prompts) of DOC_CHUNKS chunks each, drawn with Zipf-like popularity;
   each request is a whole document plus SUFFIX_CHUNKS chunks of its own. Per request:
   look up (with the disk, again until nothing is pending: the chunks found on disk are
@@ -60,6 +61,7 @@ SUFFIX_CHUNKS = 2
 ZIPF = 0.9
 VERIFY_EVERY = 8
 PENDING_WAIT = 30.0  # seconds a request waits for its pending keys
+PENDING_POLL = 0.001  # seconds between its lookups meanwhile
 QUICK_REQUESTS, FULL_REQUESTS = 300, 1200
 
 # The cluster comparison.
@@ -114,7 +116,7 @@ def _settle(client: OffloadClient, keys: list[bytes]) -> tuple[int, int]:
         answer = client.lookup(keys)
         if not answer.pending or time.monotonic() > deadline:
             return answer.hits, count
-        time.sleep(0.001)
+        time.sleep(PENDING_POLL)
     raise AssertionError("unreachable")
 
 
@@ -188,6 +190,7 @@ class _HitSide:
         self.jobs = itertools.count(1)
         self.hits = self.asked = self.lookups = self.verified = self.failed = 0
         self.seconds = 0.0
+        self.times: list[float] = []  # per request
 
     def request(self, keys: list[bytes], verify: bool) -> None:
         started = time.perf_counter()
@@ -203,7 +206,9 @@ class _HitSide:
                     keys[slot], layer, span
                 )
         stored = _run_jobs(self.client, "store", [keys[s] for s in rest], rest, self.jobs)
-        self.seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        self.times.append(elapsed)
         if not (loaded and stored):
             self.failed += 1
         self.hits += hits
@@ -265,6 +270,9 @@ def run_hit_rate(ctx: Context) -> list[Result]:
         "disk_demotions": disk_state.demotions,
         "disk_demotions_skipped": disk_state.demotions_skipped,
         "lookups_per_request": tiered.lookups / requests,
+        "pending_poll_s": PENDING_POLL,
+        "request_p50_ms": 1000 * median(tiered.times),
+        "baseline_request_p50_ms": 1000 * median(plain.times),
         "chunks_verified": plain.verified + tiered.verified,
         "failed_requests": plain.failed + tiered.failed,
         "baseline": "same arena, no tier, same requests interleaved",
