@@ -29,7 +29,14 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   call's marshalling with the driver call stubbed (no GPU), vs the previous path.
 - ``mooncake``: GiB/s of the cluster tier's put and get (``MooncakeTier``, two nodes on a
   loopback ``mooncake_master``) vs raw ``batch_put_from`` / ``batch_get_into`` of the same
-  chunks (``mooncake_put_<chunk>``, ``mooncake_get_<chunk>``); skipped without the extra.
+  chunks (``mooncake_put_<chunk>``, ``mooncake_get_<chunk>``); and through two served
+  daemons: an engine on A stores until A published all, an engine on B looks up, promotes
+  and loads them, vs raw puts and gets of the same bytes (``mooncake_daemon_publish``,
+  ``mooncake_daemon_promote``); skipped without the extra.
+- ``tiers``: chunk hit rate and time per request of a prefix-sharing workload (Zipf-popular
+  documents, each request a document plus its own chunks, several times the arena) on a
+  daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
+  interleaved (``tiers_hit_rate_disk4x``, ``tiers_request_time_disk4x``).
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -128,9 +135,15 @@ def _cuda_marshal(ctx: Context) -> list[Result]:
 
 
 def _mooncake(ctx: Context) -> list[Result]:
-    from offloadd.bench import mooncake
+    from offloadd.bench import mooncake, tiers
 
-    return mooncake.run(ctx)
+    return mooncake.run(ctx) + tiers.run_cluster(ctx)
+
+
+def _tiers(ctx: Context) -> list[Result]:
+    from offloadd.bench import tiers
+
+    return tiers.run_hit_rate(ctx)
 
 
 GROUPS = (
@@ -150,6 +163,7 @@ GROUPS = (
     Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
     Group("disk", ("disk_*",), _disk),
     Group("mooncake", ("mooncake_*",), _mooncake),
+    Group("tiers", ("tiers_*",), _tiers),
 )
 
 
