@@ -564,7 +564,7 @@ class Tiers:
             slot.promotion_failures += failed
             self._log(
                 logging.WARNING,
-                "tier %s: %d chunks failed verification; dropped, reported as misses",
+                "tier %s: %d chunks were gone or failed verification; dropped, never served",
                 slot.name,
                 failed,
             )
