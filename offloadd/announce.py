@@ -7,13 +7,19 @@ Contract of ``Announcer``:
 - ``journal_commits(entries)``: journal chunks that just became visible; those it cannot
   journal are taken back from the cache at once (never announced, extents freed) and
   returned; ``journal_failure()`` says why, for the job's error.
-- ``chunks_committed(namespace, entries)``: committed (and journaled) chunks: the mirrors of
-  the namespace and every engine of it that wants events hear of them.
+- ``chunks_committed(namespace, entries, source=)``: committed (and journaled) chunks: the
+  mirrors of the namespace and every engine of it that wants events hear of them, and the
+  tiers below the arena (``attach_tiers``) get a copy, all but ``source`` (the tier a
+  promoted chunk came from).
 - ``chunks_removed(entries)``: evicted or removed chunks: journaled before their extents can
   be reused, then told to the mirrors and engines of their own namespace (entries that never
   committed were never announced, so their removal is not either).
 - ``cleared(engine, namespace, removed)``: a Clear: ``AllBlocksCleared`` to the clearing
-  engine, ``BlockRemoved`` to the others; returns the committed keys dropped.
+  engine, ``BlockRemoved`` to the others, the tiers drop the namespace too; returns the
+  committed keys dropped.
+- ``tier_stored(namespace, keys, medium)`` / ``tier_removed(...)``: chunks a tier below the
+  arena now holds or dropped, as events with that tier's medium (``"DISK"``) to the engines
+  of the namespace that want events.
 - ``engine_ready(engine)``: routers learn at once what the node already holds for it (at
   most ``snapshot_keys`` chunks, the most recently used; a warning says how many not).
 - ``derived_topic(model, engine_id, dp)``: the topic ``events.topic_template`` gives an
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.index import ChunkCache, Entry
@@ -43,11 +50,19 @@ from offloadd.registry import Engine, Namespace, Registry
 from offloadd.settings import EventSettings
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
 
-__all__ = ["Announcer"]
+__all__ = ["Announcer", "TierListener"]
 
 # The daemon's parts log under the name they had inside daemon.py: operators filter its lines
 # (and set its level) by that name.
 logger = logging.getLogger("offloadd.daemon")
+
+
+class TierListener(Protocol):
+    """What the tiers below the arena hear (``offloadd.tiers.coordinator.Tiers``)."""
+
+    def committed(self, namespace: str, entries: list[Entry], source: str) -> None: ...
+
+    def cleared(self, namespace: str) -> None: ...
 
 
 class Announcer:
@@ -75,6 +90,11 @@ class Announcer:
         self._mirrors = mirrors
         self._journal = journal
         self._events = events
+        self._tiers: TierListener | None = None
+
+    def attach_tiers(self, tiers: TierListener | None) -> None:
+        """Commits and clears reach ``tiers`` from now on (None: no more)."""
+        self._tiers = tiers
 
     def events_closed(self) -> None:
         """Publish nothing more (the daemon is closing the publishers)."""
@@ -105,19 +125,41 @@ class Announcer:
         failure = self._journal.failed if self._journal is not None else ""
         return failure or "its bytes could not be checksummed"
 
-    def chunks_committed(self, namespace: Namespace, entries: list[Entry]) -> None:
+    def chunks_committed(
+        self, namespace: Namespace, entries: list[Entry], *, source: str = ""
+    ) -> None:
         """Chunks that just became visible (and journaled): every engine of the namespace
-        hears of them."""
+        hears of them, and every tier but ``source`` gets a copy."""
         if not entries:
             return
         keys = [entry.key for entry in entries]
         if self._protection is not None:  # reservations end when their keys commit
             self._protection.committed(namespace.name, keys)
         self._mirrors.changed(namespace.name, keys, [])
+        if self._tiers is not None:
+            self._tiers.committed(namespace.name, entries, source)
         if self._events is None:
             return
         for engine in self._event_engines(namespace):
             self.publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
+
+    def tier_stored(self, namespace: str, keys: list[bytes], medium: str) -> None:
+        """Chunks a tier below the arena now holds, announced with its ``medium``."""
+        self._tier_events(namespace, keys, medium, stored=True)
+
+    def tier_removed(self, namespace: str, keys: list[bytes], medium: str) -> None:
+        """Chunks a tier below the arena dropped, announced with its ``medium``."""
+        self._tier_events(namespace, keys, medium, stored=False)
+
+    def _tier_events(self, name: str, keys: list[bytes], medium: str, *, stored: bool) -> None:
+        if self._events is None or not keys:
+            return
+        namespace = self.registry.namespace(name)
+        if namespace is None:
+            return  # no engine of that namespace is connected: nobody to tell
+        make = stored_events if stored else removed_events
+        for engine in self._event_engines(namespace):
+            self.publish_to(engine, make(keys, raw_hashes=self._raw_hashes(engine), medium=medium))
 
     def chunks_removed(self, entries: list[Entry]) -> None:
         """Chunks evicted or removed: journaled before their extents can be reused, and
@@ -148,6 +190,8 @@ class Announcer:
             self._journal.removed(removed)
         keys = [entry.key for entry in removed if entry.committed]
         self._mirrors.changed(namespace.name, [], keys)
+        if self._tiers is not None:
+            self._tiers.cleared(namespace.name)
         self.publish_to(engine, [AllBlocksCleared()])
         for other in self._event_engines(namespace):
             if other is not engine:

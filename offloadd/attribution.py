@@ -3,6 +3,7 @@
 vLLM's CPU offloading announces one placeholder ``BlockStored`` per stored chunk key (the
 chunk's last block hash, no tokens, ``block_size=0``, medium ``"CPU"``, the key's group) and
 ``BlockRemoved`` grouped by group (its ``OffloadingEventsTracker`` in the default mode).
+Chunks on the daemon's disk tier are announced the same way with medium ``"DISK"``.
 Routers treat these as location updates for hashes they learned from GPU events. Hashes go
 out as vLLM sends them by default, the low 64 bits as an unsigned int, or as raw bytes when
 the engine asks.
@@ -18,8 +19,10 @@ from protocol.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent, hash
 MAX_EVENTS_PER_BATCH = 1000
 
 
-def stored_events(keys: Iterable[bytes], *, raw_hashes: bool) -> list[KVEvent]:
-    """One ``BlockStored`` per committed chunk key."""
+def stored_events(
+    keys: Iterable[bytes], *, raw_hashes: bool, medium: str = MEDIUM_CPU
+) -> list[KVEvent]:
+    """One ``BlockStored`` per committed chunk key (``medium``: where it now is)."""
     events: list[KVEvent] = [
         BlockStored(
             block_hashes=[hash_for_wire(key[:-4], as_int=not raw_hashes)],
@@ -27,7 +30,7 @@ def stored_events(keys: Iterable[bytes], *, raw_hashes: bool) -> list[KVEvent]:
             token_ids=[],
             block_size=0,
             lora_id=None,
-            medium=MEDIUM_CPU,
+            medium=medium,
             lora_name=None,
             group_idx=group_of_key(key),
         )
@@ -36,7 +39,9 @@ def stored_events(keys: Iterable[bytes], *, raw_hashes: bool) -> list[KVEvent]:
     return events
 
 
-def removed_events(keys: Iterable[bytes], *, raw_hashes: bool) -> list[KVEvent]:
+def removed_events(
+    keys: Iterable[bytes], *, raw_hashes: bool, medium: str = MEDIUM_CPU
+) -> list[KVEvent]:
     """``BlockRemoved`` events, one per group, listing the removed chunk hashes in order."""
     by_group: dict[int, list[int | bytes]] = {}
     for key in keys:
@@ -44,7 +49,7 @@ def removed_events(keys: Iterable[bytes], *, raw_hashes: bool) -> list[KVEvent]:
             hash_for_wire(key[:-4], as_int=not raw_hashes)
         )
     events: list[KVEvent] = [
-        BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=group)
+        BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
         for group, hashes in by_group.items()
     ]
     return events

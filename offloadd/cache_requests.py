@@ -9,7 +9,11 @@ Contract of ``CacheRequests`` (the event loop's thread only; each call handles o
 completion, raising ``Refused`` for one the daemon answers with an Error):
 - ``lookup``: the leading committed keys and the pending ones, pinned for a lease on request
   (the lease cut to ``limits.max_lease_seconds``; pins beyond the engine's share of the
-  capacity, ``offloadd.limits.Protection``, are given back at once and not counted).
+  capacity, ``offloadd.limits.Protection``, are given back at once and not counted). With
+  tiers below the arena (``offloadd.tiers.coordinator``), keys after the hits that a tier
+  holds are promoted and reported pending; a tier that answers off the loop (the cluster)
+  defers the reply, sent through ``send`` within its ``lookup_timeout``. Without tiers
+  nothing of this runs.
 - ``store`` and ``load``: worker ranks of a ready engine only, never while draining, a job id
   not in flight in the session, at most ``limits.jobs_per_session`` in flight, and only while
   the rank's files are as large as when it registered (a file that shrank is refused here,
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
@@ -37,6 +41,7 @@ from offloadd.registry import Engine, Namespace, Registry, group_of_key
 from offloadd.schedulers import acker
 from offloadd.sessions import SessionState
 from offloadd.settings import Settings
+from offloadd.tiers.coordinator import Tiers
 from offloadd.transfer.copies import ChunkRuns, Copies
 from offloadd.transfer.engine import Direction
 from offloadd.transfer.guarded import shrunk
@@ -77,8 +82,12 @@ class CacheRequests:
         metrics: Metrics,
         limits: Limits,
         protection: Protection,
+        tiers: Tiers | None = None,
+        send: Callable[[bytes, Reply], None] | None = None,
     ) -> None:
         self.settings = settings
+        self._tiers = tiers
+        self._send = send  # deferred Lookup replies (a tier answering off the loop)
         self._limits = limits
         self._protection = protection
         self.registry = registry
@@ -89,7 +98,7 @@ class CacheRequests:
         self._announce = announce
         self.metrics = metrics
 
-    def lookup(self, state: SessionState, request: Lookup) -> Reply:
+    def lookup(self, state: SessionState, request: Lookup) -> Reply | None:
         """Which leading keys are committed, which are pending; pin the hits if asked."""
         started = time.perf_counter()
         engine, namespace = ready_engine(self.registry, state.session)
@@ -114,8 +123,28 @@ class CacheRequests:
             if refused:
                 self._cache.release(namespace.name, refused, owner)
                 pinned -= len(refused)
+        pending = outcome.pending
+        tiers = self._tiers
+        if tiers is not None and outcome.hits < len(request.keys):
+            hits = outcome.hits
+
+            def answer(promoted: list[int]) -> None:
+                # A deferred reply: the session may have left meanwhile.
+                if state.alive and self._send is not None:
+                    found = sorted(pending + promoted)
+                    result = LookupResult(request.request_id, hits, found, pinned)
+                    self._send(state.identity, result)
+                self.metrics.lookup_finished(time.perf_counter() - started)
+
+            promoted = tiers.probe(
+                namespace, request.keys, hits, answer, acker=acker(self._mirrors, state)
+            )
+            if promoted is None:
+                return None
+            if promoted:
+                pending = sorted(pending + promoted)
         self.metrics.lookup_finished(time.perf_counter() - started)
-        return LookupResult(request.request_id, outcome.hits, outcome.pending, pinned)
+        return LookupResult(request.request_id, outcome.hits, pending, pinned)
 
     def release(self, state: SessionState, request: Release) -> Reply:
         """Drop the session's pins of ``request.keys``."""

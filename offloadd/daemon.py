@@ -20,6 +20,9 @@ another but through what it was given:
 - ``offloadd.jobs``: the copies in flight, their completion, Wait, the drain.
 - ``offloadd.schedulers``: Reserve, UpdateHolds, Ack.
 - ``offloadd.announce``: the journal, the key mirrors and the KV events of each cache change.
+- ``offloadd.tiers.coordinator``: the tiers below the arena (``[disk]``, ``[mooncake]``;
+  built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
+  arena is unmapped.
 
 Who a peer is comes from the kernel, through the registration socket beside an ipc control
 socket (``offloadd.peer``); what it may see and share from ``offloadd.tenancy``; how much it
@@ -33,6 +36,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -60,9 +64,12 @@ from offloadd.settings import Settings
 from offloadd.storage import PIN_PIECE, open_arena, open_journal
 from offloadd.systemd import Notifier
 from offloadd.tenancy import Tenancy, Viewer
+from offloadd.tiers.base import Tier
+from offloadd.tiers.coordinator import Tiers, TierSlot
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.handles import HandleTable
 from protocol.errors import ErrorCode
+from protocol.events import MEDIUM_DISK
 from protocol.messages import (
     Ack,
     Bye,
@@ -98,6 +105,41 @@ class _Parts:
     sessions: Sessions
     requests: CacheRequests
     schedulers: Schedulers
+    tiers: Tiers | None
+
+
+def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
+    """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
+    slots: list[TierSlot] = []
+    if settings.disk.path:
+        from offloadd.tiers.disk import DiskTier
+
+        disk = DiskTier.from_settings(settings.disk)
+        # Its index is in memory: a lookup asks it on the loop.
+        slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
+    if settings.mooncake.master:
+        cluster = _open_cluster(settings, arena)
+        if cluster is not None:
+            timeout = settings.mooncake.lookup_timeout
+            slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
+    return slots
+
+
+def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
+    """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
+    or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
+    try:
+        from offloadd.tiers.mooncake import MooncakeTier
+
+        tier: Tier = MooncakeTier(settings.mooncake, arena)
+    except Exception as exc:
+        logger.error(
+            "cluster tier OFF: cannot open Mooncake Store at %s: %s (restart to retry)",
+            settings.mooncake.master,
+            exc,
+        )
+        return None
+    return tier
 
 
 class Daemon:
@@ -109,8 +151,13 @@ class Daemon:
         *,
         copy_engine: CopyEngine | None = None,
         notifier: Notifier | None = None,
+        tiers: Sequence[TierSlot] | None = None,
     ) -> None:
         self.settings = settings
+        # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
+        self._tier_slots = list(tiers) if tiers is not None else None
+        self._tiers: Tiers | None = None
+        self._tiers_closed = True  # False while tier threads may still use the arena
         self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
         self._copy = copy_engine
@@ -216,6 +263,7 @@ class Daemon:
                     socket_group=settings.server.socket_group,
                 )
         except BaseException:
+            await self._drain_tiers()
             await self._close_events()
             self._release_resources()
             raise
@@ -269,6 +317,20 @@ class Daemon:
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
         )
+        slots = self._tier_slots if self._tier_slots is not None else tier_slots(settings, arena)
+        tiers = None
+        if slots:
+            tiers = Tiers(
+                slots,
+                cache,
+                arena,
+                announce,
+                journal=self._journal,
+                capacity=settings.cache.capacity,
+            )
+            self._tiers, self._tiers_closed = tiers, False
+            announce.attach_tiers(tiers)
+            logger.info("tiers below the arena: %s", ", ".join(tiers.names))
         jobs = Jobs(
             settings.server,
             registry,
@@ -310,11 +372,13 @@ class Daemon:
             metrics=self.metrics,
             limits=self.limits,
             protection=self._protection,
+            tiers=tiers,
+            send=self._control.send,
         )
         schedulers = Schedulers(
             registry, cache, mirrors, announce, limits=self.limits, protection=self._protection
         )
-        return _Parts(announce, jobs, sessions, requests, schedulers)
+        return _Parts(announce, jobs, sessions, requests, schedulers, tiers)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
@@ -333,6 +397,7 @@ class Daemon:
             self._notify.stopping(f"draining {parts.jobs.in_flight} jobs")
             logger.info("stopping: no new jobs, draining copies in flight")
             await parts.jobs.drain()
+            await self._drain_tiers()
         finally:
             for task in background:
                 task.cancel()
@@ -351,8 +416,14 @@ class Daemon:
         """Publish the last events, then release everything; idempotent."""
         if self._parts is not None:
             self._parts.sessions.unwatch_all()
+        await self._drain_tiers()
         await self._close_events()
         self._release_resources()
+
+    async def _drain_tiers(self) -> None:
+        """Let the tiers finish their calls (bounded), then close them."""
+        if self._tiers is not None and not self._tiers_closed:
+            self._tiers_closed = await self._tiers.drain(self.settings.server.drain_seconds)
 
     async def _close_events(self) -> None:
         if self._events is not None:
@@ -386,7 +457,11 @@ class Daemon:
             self._journal.close()
             self._journal = None
         if self._arena is not None:
-            self._arena.close()
+            if self._tiers_closed:
+                self._arena.close()
+            else:
+                # A tier's thread may still read or write it: unmapping would crash it.
+                logger.warning("tiers did not stop: the arena stays mapped until exit")
             self._arena = None
         if self._claim is not None:
             self._claim.release()
@@ -480,6 +555,7 @@ class Daemon:
             events_endpoint=events[0],
             events_replay_endpoint=events[1],
             copy_path=self._copy_path(),
+            tiers=parts.tiers.stats() if parts is not None and parts.tiers is not None else [],
         )
 
     def _copy_path(self) -> dict[str, bool]:

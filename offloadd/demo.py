@@ -6,7 +6,8 @@ seed and the rank, as identical models fed identical prompts would produce. Engi
 stores the chunks ``i`` with ``i % engines == e``; then every engine looks all chunks up,
 loads them into other (zeroed) block ids and compares every byte with what was stored.
 Because the expected bytes come from the seed alone, ``--phase store`` in one run and
-``--phase load`` in a later run against the same daemon verify the same bytes.
+``--phase load`` in a later run against the same daemon verify the same bytes. Keys a
+lookup reports pending (promoted from a tier below the arena) are waited for before loading.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ BLOCKS_PER_CHUNK = 2
 PAGE_SIZE = 32 << 10
 BLOCK_STRIDE = PAGE_SIZE + (4 << 10)  # padded pages: only PAGE_SIZE bytes per block move
 CHUNKS_PER_JOB = 16
+PENDING_WAIT_SECONDS = 30.0  # how long a load waits for pending keys (tier promotions)
 
 
 @dataclass
@@ -170,6 +172,14 @@ async def _store_phase(ranks: list[_Rank], keys: list[bytes], engines: int) -> i
     return sum(count for rank, count in zip(ranks, stored, strict=True) if rank.rank == 0)
 
 
+async def _settled(client: AsyncOffloadClient, keys: list[bytes]) -> None:
+    """Look up until no key is pending: being stored, or promoted from a tier below the
+    arena (a tiered daemon reports those pending first); gives up after a while."""
+    deadline = time.monotonic() + PENDING_WAIT_SECONDS
+    while (await client.lookup(keys)).pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def _load_phase(ranks: list[_Rank], keys: list[bytes]) -> tuple[int, int, int, int]:
     chunks = len(keys)
     destination_base = chunks * BLOCKS_PER_CHUNK
@@ -177,10 +187,12 @@ async def _load_phase(ranks: list[_Rank], keys: list[bytes]) -> tuple[int, int, 
     for rank in ranks:
         assert rank.client is not None
         if rank.rank == 0:
+            await _settled(rank.client, keys)
             hits += (await rank.client.lookup(keys)).hits
 
     async def load(rank: _Rank) -> tuple[int, int, int]:
         assert rank.client is not None
+        await _settled(rank.client, keys)
         lookup = await rank.client.lookup(keys, pin=True)
         present = list(range(lookup.hits))
         job_ids = []

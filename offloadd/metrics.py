@@ -15,8 +15,10 @@ The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
 Everything else is read when Prometheus scrapes: ``snapshot()`` (the daemon's ``stats``)
 gives the cache fill, entries, lookup keys, refused stores, evictions, sessions, engines and
 the copy path (``offloadd_copy_engine_degraded``: 1 when the cuda engine lost batching or
-the pinned arena), and ``pending_jobs()`` the copies in flight. Both are called on the
-daemon's event loop (the one ``start`` was called from), so they never race the handlers;
+the pinned arena), the tiers below the arena (``offloadd_tier_*{tier=...}``: fill, hits,
+promotions, demotions, skipped, errors, bytes and seconds for GB/s, healthy), and
+``pending_jobs()`` the copies in flight. Both are called on the daemon's event loop (the one
+``start`` was called from), so they never race the handlers;
 if the loop does not answer within ``snapshot_timeout`` the scrape carries the counters
 above and no gauges.
 
@@ -413,4 +415,52 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
             copy_path.add_metric([feature], 1.0 if ok else 0.0)
     families += [entries, lookup_keys, lookups, refused, evictions, sessions, ready]
     families += [degraded, copy_path]
+    families += _tier_families(stats)
+    return families
+
+
+# (name, help, TierState field) of each tier figure; counters end in _total on the wire.
+_TIER_GAUGES = (
+    ("offloadd_tier_capacity_bytes", "Bytes the tier may fill", "capacity"),
+    ("offloadd_tier_used_bytes", "Bytes the tier holds", "used_bytes"),
+    ("offloadd_tier_chunks", "Chunks the tier holds", "chunks"),
+    ("offloadd_tier_healthy", "1 while the tier's medium is reachable, else 0", "healthy"),
+    ("offloadd_tier_queued_bytes", "Chunks waiting to be written to the tier", "queued_bytes"),
+)
+_TIER_COUNTERS = (
+    ("offloadd_tier_hits", "Keys lookups found in the tier", "hits"),
+    ("offloadd_tier_promotions", "Chunks promoted into the arena, verified", "promotions"),
+    (
+        "offloadd_tier_promotion_failures",
+        "Chunks whose copy from the tier failed verification (never served)",
+        "promotion_failures",
+    ),
+    ("offloadd_tier_demotions", "Committed chunks written to the tier", "demotions"),
+    (
+        "offloadd_tier_demotions_skipped",
+        "Chunks not written to the tier because its queue was full",
+        "demotions_skipped",
+    ),
+    ("offloadd_tier_errors", "Faults of the tier's medium and failed calls", "errors"),
+    ("offloadd_tier_written_bytes", "Bytes written to the tier", "bytes_written"),
+    ("offloadd_tier_read_bytes", "Bytes read from the tier", "bytes_read"),
+    (
+        "offloadd_tier_write_seconds",
+        "Seconds spent writing; rate(written_bytes) / rate(write_seconds) is GB/s",
+        "write_seconds",
+    ),
+    ("offloadd_tier_read_seconds", "Seconds spent reading", "read_seconds"),
+)
+
+
+def _tier_families(stats: DaemonStats | None) -> list[Metric]:
+    """Per tier below the arena (label ``tier``); families without samples when none."""
+    families: list[Metric] = []
+    tiers = stats.tiers if stats is not None else []
+    for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
+        for name, text, field in table:
+            family = kind(name, text, labels=["tier"])
+            for tier in tiers:
+                family.add_metric([tier.name], float(getattr(tier, field)))
+            families.append(family)
     return families

@@ -334,7 +334,14 @@ class Sessions:
         events = self._announce.endpoints_for(dp)
         self._send(
             identity,
-            Welcome(hello.request_id, PROTOCOL_VERSION, session_id, engine.state(), *events),
+            Welcome(
+                hello.request_id,
+                PROTOCOL_VERSION,
+                session_id,
+                engine.state(),
+                *events,
+                tiers=self.settings.tier_names(),
+            ),
         )
         if outcome.became_ready:
             self._engine_became_ready(engine)

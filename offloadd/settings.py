@@ -218,6 +218,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     disk: DiskSettings = DiskSettings()
     mooncake: MooncakeSettings = MooncakeSettings()
 
+    def tier_names(self) -> list[str]:
+        """The tiers below the arena that are turned on, top down."""
+        return [
+            name
+            for name, on in (("disk", self.disk.path), ("mooncake", self.mooncake.master))
+            if on
+        ]
+
     def endpoint(self) -> str:
         """The control endpoint, defaulted."""
         return self.server.endpoint or default_endpoint()
@@ -574,6 +582,49 @@ def _arena_problem(path: str) -> str:
     return ""
 
 
+def _disk_path_problem(path: str) -> str:
+    problem = _absolute_path_problem(path)
+    return f'{problem}; or "" for no disk tier' if problem else ""
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+_DEVICE_NAMES = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+
+
+def _master_problem(address: str) -> str:
+    if not address:
+        return ""
+    try:
+        _, port = parse_address(address)
+    except ValueError:
+        port = 0
+    if port == 0 or not _HOST_NAME.fullmatch(address.rpartition(":")[0]):
+        return f'expected HOST:PORT of mooncake_master, or "" for no cluster tier, got {address!r}'
+    return ""
+
+
+def _metadata_problem(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if url and (scheme not in ("http", "etcd") or not sep or not rest or " " in rest):
+        return (
+            "expected http://HOST:PORT/metadata (or etcd://HOST:PORT), "
+            f'or "" for the master\'s host on port 8080, got {url!r}'
+        )
+    return ""
+
+
+def _host_name_problem(name: str) -> str:
+    if name and not _HOST_NAME.fullmatch(name):
+        return f'expected a host name or address, or "" for this host\'s name, got {name!r}'
+    return ""
+
+
+def _rdma_devices_problem(names: str) -> str:
+    if names and not _DEVICE_NAMES.fullmatch(names):
+        return f'expected device names such as mlx5_0,mlx5_1, or "" for all, got {names!r}'
+    return ""
+
+
 def _journal_problem(path: str) -> str:
     problem = _absolute_path_problem(path)
     return f'{problem}; or "" for <state dir>/<arena name>.journal' if problem else ""
@@ -681,6 +732,12 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "snapshot_keys"): _at_least(0),
     ("limits", "registrations_per_uid"): _at_least(1),
     ("limits", "token_seconds"): _at_least(0, above=True),
+    ("disk", "path"): _disk_path_problem,
+    ("mooncake", "master"): _master_problem,
+    ("mooncake", "metadata"): _metadata_problem,
+    ("mooncake", "rdma_devices"): _rdma_devices_problem,
+    ("mooncake", "local_hostname"): _host_name_problem,
+    ("mooncake", "lookup_timeout"): _at_least(0, above=True),
 }
 
 

@@ -66,6 +66,7 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"  refused    {stats.stores_refused} keys (no room); {stats.evictions} evictions; "
         f"{stats.protocol_errors} protocol errors",
         *_copy_lines(stats),
+        *_tier_lines(stats),
         f"  sessions   {stats.sessions}",
         f"  events     {_events_line(stats)}",
         f"  engines    {len(stats.engines)}" + ("" if stats.engines else " (none connected)"),
@@ -100,6 +101,29 @@ def _copy_lines(stats: DaemonStats) -> list[str]:
     if all(path.values()):
         return [f"  copies     cuda: {batched}, {pinned}"]
     return [f"  copies     cuda DEGRADED: {batched}, {pinned}; see the daemon log"]
+
+
+def _tier_lines(stats: DaemonStats) -> list[str]:
+    """One block per tier below the arena; nothing when there are none."""
+    lines = []
+    for tier in stats.tiers:
+        fill = f" ({tier.used_bytes / tier.capacity:.1%})" if tier.capacity else ""
+        health = "" if tier.healthy else "UNREACHABLE; "
+        lines += [
+            f"  {tier.name:<10} {health}{format_size(tier.used_bytes)} of "
+            f"{format_size(tier.capacity)}{fill}; {tier.chunks} chunks",
+            f"    lookups found {tier.hits} keys; promoted {tier.promotions} chunks "
+            f"({tier.promotion_failures} failed verification, "
+            f"read {_rate(tier.bytes_read, tier.read_seconds)})",
+            f"    written {tier.demotions} chunks, skipped {tier.demotions_skipped} "
+            f"(gone before their turn); {format_size(tier.queued_bytes)} queued; "
+            f"write {_rate(tier.bytes_written, tier.write_seconds)}; {tier.errors} errors",
+        ]
+    return lines
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "-"
 
 
 def _engine_line(engine: EngineState) -> str:

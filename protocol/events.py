@@ -37,6 +37,7 @@ import msgspec
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+MEDIUM_DISK = "DISK"  # the daemon's disk tier below host memory
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the replay end marker (all 0xFF)."""

@@ -255,6 +255,9 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     # socket; "" when the daemon publishes no events (or no replay).
     events_endpoint: str = ""
     events_replay_endpoint: str = ""
+    # The tiers below the daemon's arena ("disk", "mooncake"): a Lookup may then report keys
+    # as pending while it promotes them from one.
+    tiers: list[str] = []
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
@@ -333,6 +336,27 @@ class WaitResult(msgspec.Struct, frozen=True, tag="wait_r"):
     pending: list[int]
 
 
+class TierState(msgspec.Struct, frozen=True):
+    """One tier below the arena (``[disk]``, ``[mooncake]``): its fill and its counters."""
+
+    name: str
+    capacity: int
+    used_bytes: int
+    chunks: int
+    healthy: bool = True  # False while its medium is unreachable
+    errors: int = 0  # faults of the medium and copies that failed
+    hits: int = 0  # keys lookups found here (and asked to promote)
+    promotions: int = 0  # chunks promoted into the arena, every byte verified
+    promotion_failures: int = 0  # chunks gone from the tier or failing verification: never served
+    demotions: int = 0  # committed chunks written here
+    demotions_skipped: int = 0  # chunks not written: the queue to the tier was full
+    queued_bytes: int = 0  # chunks waiting for the tier (held in the arena)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0  # time spent in writes, for GB/s
+    read_seconds: float = 0.0
+
+
 class DaemonStats(msgspec.Struct, frozen=True):
     """Counters since the daemon started."""
 
@@ -359,6 +383,7 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # The cuda engine's fast path, {"batched": ..., "pinned": ...}: a False is a degraded
     # daemon (status and metrics say so). Empty on the cpu engine.
     copy_path: dict[str, bool] = {}
+    tiers: list[TierState] = []  # the tiers below the arena, in order (empty: none)
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

@@ -22,8 +22,21 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``guarded``: GB/s of copies through a rank file's descriptor (pread/pwrite, what the cpu
   engine does) vs memmove through a mapping of the same file (``guarded_store_<page>``,
   ``guarded_load_<page>``).
+- ``disk``: GB/s of the disk tier's writes and reads of 1 MiB chunks vs a plain sequential
+  file write/read of the same bytes in the same I/O mode (``disk_write_1MiB``,
+  ``disk_read_1MiB``).
 - ``cuda_marshal``: CPU cost per copy of a 128k-copy cuda store job, planning and the batched
   call's marshalling with the driver call stubbed (no GPU), vs the previous path.
+- ``mooncake``: GiB/s of the cluster tier's put and get (``MooncakeTier``, two nodes on a
+  loopback ``mooncake_master``) vs raw ``batch_put_from`` / ``batch_get_into`` of the same
+  chunks (``mooncake_put_<chunk>``, ``mooncake_get_<chunk>``); and through two served
+  daemons: an engine on A stores until A published all, an engine on B looks up, promotes
+  and loads them, vs raw puts and gets of the same bytes (``mooncake_daemon_publish``,
+  ``mooncake_daemon_promote``); skipped without the extra.
+- ``tiers``: chunk hit rate and time per request of a prefix-sharing workload (Zipf-popular
+  documents, each request a document plus its own chunks, several times the arena) on a
+  daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
+  interleaved (``tiers_hit_rate_disk4x``, ``tiers_request_time_disk4x``).
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -109,10 +122,28 @@ def _guarded(ctx: Context) -> list[Result]:
     return guarded.run(ctx)
 
 
+def _disk(ctx: Context) -> list[Result]:
+    from offloadd.bench import disk
+
+    return disk.run(ctx)
+
+
 def _cuda_marshal(ctx: Context) -> list[Result]:
     from offloadd.bench import cuda_marshal
 
     return cuda_marshal.run(ctx)
+
+
+def _mooncake(ctx: Context) -> list[Result]:
+    from offloadd.bench import mooncake, tiers
+
+    return mooncake.run(ctx) + tiers.run_cluster(ctx)
+
+
+def _tiers(ctx: Context) -> list[Result]:
+    from offloadd.bench import tiers
+
+    return tiers.run_hit_rate(ctx)
 
 
 GROUPS = (
@@ -136,6 +167,9 @@ GROUPS = (
     Group("checksum", ("checksum_*",), _checksum),
     Group("guarded", ("guarded_*",), _guarded),
     Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
+    Group("disk", ("disk_*",), _disk),
+    Group("mooncake", ("mooncake_*",), _mooncake),
+    Group("tiers", ("tiers_*",), _tiers),
 )
 
 

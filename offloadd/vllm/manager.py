@@ -10,6 +10,12 @@ fed by the daemon's ``KeysChanged``), a set probe. Each step costs at most:
 A key the mirror shows stays loadable: the daemon keeps a removed key's bytes until this
 scheduler acknowledged the removal, and this scheduler holds every key it hit before that.
 
+A daemon with tiers below its arena (disk, cluster; ``Welcome.tiers``) may hold a key the
+mirror lacks. Such a key answers ``RETRY`` and is asked of the daemon at ``on_schedule_end``
+(one ``Lookup`` per request that has such keys); the daemon promotes what it finds into the
+arena and says which keys are on their way, which then answer ``HIT_PENDING`` until their
+commit reaches the mirror (``offloadd.vllm.probes``).
+
 Threads: vLLM calls every method but ``shutdown`` holding ``lock``; a background thread takes
 the same lock to read notices, acknowledge them and keep the session alive while the engine
 idles, so the socket is only ever used under ``lock``.
@@ -38,11 +44,18 @@ from vllm.v1.kv_offload.base import (
 from offloadd.client import OffloadClient
 from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed
 from offloadd.vllm.mirror import KeyMirror
+from offloadd.vllm.probes import Probe, TierProbes
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
-from protocol.messages import HoldKeys
+from protocol.messages import HoldKeys, KeysChanged
 
 logger = logging.getLogger(__name__)
+
+_PROBE_RESULTS = {
+    Probe.PENDING: LookupResult.HIT_PENDING,
+    Probe.MISS: LookupResult.MISS,
+    Probe.RETRY: LookupResult.RETRY,
+}
 
 TICK_SECONDS = 0.02  # background: read notices and acknowledge them this often
 KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
@@ -67,6 +80,7 @@ class OffloaddManager(OffloadingManager):
         self._timeout = timeout
         self._lock = threading.Lock()
         self._mirror = KeyMirror(record_events=record_events)
+        self._probes = TierProbes()
         self._acked = 0
         self._in_flight: dict[bytes, int] = {}  # keys this scheduler reserved, being stored
         self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
@@ -97,12 +111,16 @@ class OffloaddManager(OffloadingManager):
     # -- lookups and loads ---------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT for a committed key (from the mirror); HIT_PENDING while this engine stores it."""
+        """HIT for a committed key (from the mirror); HIT_PENDING while this engine stores it
+        or the daemon promotes it from a lower tier; RETRY while that is being asked."""
         if key in self._mirror.keys:
             return LookupResult.HIT
         if key in self._in_flight:
             return LookupResult.HIT_PENDING
-        return LookupResult.MISS
+        client = self._client
+        if client is None or client.welcome is None or not client.welcome.tiers:
+            return LookupResult.MISS
+        return _PROBE_RESULTS[self._probes.lookup(req_context.req_id, key)]
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -167,8 +185,10 @@ class OffloaddManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send the step's holds before its loads reach the ranks; acknowledge notices."""
+        """Send the step's holds before its loads reach the ranks; acknowledge notices; ask
+        the daemon about the step's keys missing from the mirror."""
         self._flush()
+        self._ask_tiers()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The namespace's stored and removed chunks, as vLLM publishes them for this engine."""
@@ -234,6 +254,22 @@ class OffloaddManager(OffloadingManager):
         self._acked = self._mirror.seq
         self._after_request()
 
+    def _ask_tiers(self) -> None:
+        """One Lookup per request whose keys answered RETRY: the daemon promotes what its
+        tiers hold and says which keys are on their way."""
+        self._probes.forget_expired()
+        for keys in self._probes.take_queued():
+            client = self._client
+            if client is None:
+                return
+            try:
+                result = client.lookup(keys)
+            except OffloaddError as exc:
+                self._failed("lookup in the tiers", exc)
+                return
+            self._after_request()
+            self._probes.answered(keys, result.hits, result.pending)
+
     def _take_holds(self) -> list[HoldKeys]:
         holds = [HoldKeys(token, keys) for token, keys in self._holds.items()]
         self._holds = {}
@@ -256,7 +292,13 @@ class OffloaddManager(OffloadingManager):
         """Apply what arrived with the last exchange (notices come before its reply)."""
         self._last_request = time.monotonic()
         if self._client is not None:
-            self._mirror.apply(self._client.take_notices())
+            self._apply(self._client.take_notices())
+
+    def _apply(self, notices: list[KeysChanged]) -> None:
+        self._mirror.apply(notices)
+        if len(self._probes):
+            # A key that left the arena may be in a tier now: an earlier miss is stale.
+            self._probes.forget(key for notice in notices for key in notice.removed)
 
     def _failed(self, what: str, exc: Exception, holds: Sequence[HoldKeys] = ()) -> None:
         """Log a failed exchange; holds it carried are sent again if the daemon was away."""
@@ -297,7 +339,7 @@ class OffloaddManager(OffloadingManager):
         client.poll(0)
         notices = client.take_notices()
         if notices:
-            self._mirror.apply(notices)
+            self._apply(notices)
         if time.monotonic() - self._last_request > KEEPALIVE_SECONDS:
             # A real exchange: a daemon that restarted is noticed here (and said Hello to
             # again, which sends a fresh snapshot), not at the next step's holds.

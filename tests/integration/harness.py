@@ -26,6 +26,7 @@ from offloadd.errors import DaemonUnavailable
 from offloadd.peer import register
 from offloadd.settings import (
     CacheSettings,
+    DiskSettings,
     EventSettings,
     LimitsSettings,
     MetricsSettings,
@@ -34,6 +35,7 @@ from offloadd.settings import (
     TenancySettings,
 )
 from offloadd.shm import SharedKVTensor
+from offloadd.tiers.coordinator import TierSlot
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from protocol.config import OffloadingConfig
 from protocol.messages import Hello
@@ -72,6 +74,8 @@ class DaemonThread:
         *,
         limits: LimitsSettings | None = None,
         tenancy: TenancySettings | None = None,
+        disk: DiskSettings | None = None,
+        tiers: Sequence[TierSlot] | None = None,
         **server: object,
     ) -> None:
         self.workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
@@ -93,7 +97,9 @@ class DaemonThread:
             metrics=MetricsSettings(address=""),
             limits=limits or LimitsSettings(),
             tenancy=tenancy or TenancySettings(),
+            disk=disk or DiskSettings(),
         )
+        self.tiers = tiers  # given to the daemon in place of the settings' tiers
         self.events_endpoint = self.settings.events.endpoint
         self.replay_endpoint = self.settings.events.replay_endpoint
         self.copy_engine = copy_engine
@@ -117,7 +123,7 @@ class DaemonThread:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             try:
-                daemon = Daemon(self.settings, copy_engine=self.copy_engine)
+                daemon = Daemon(self.settings, copy_engine=self.copy_engine, tiers=self.tiers)
                 await daemon.start()
             except BaseException as exc:
                 self._error = exc

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from offloadd.settings import EventSettings, LimitsSettings
+from offloadd.settings import DiskSettings, EventSettings, LimitsSettings
 from offloadd.subscriber import Received, Subscriber
 from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_for_wire
 from tests.integration.harness import DaemonThread, Rank, chain_keys, chunk_block_ids, make_rank
@@ -320,3 +320,44 @@ def test_without_events_the_endpoints_are_empty(ranks: list[Rank]) -> None:
             created.close()
         ranks.clear()
         daemon.stop()
+
+
+@pytest.mark.asyncio
+async def test_chunks_on_the_disk_tier_are_announced_with_medium_disk(
+    daemon_factory: object, ranks: list[Rank], tmp_path: object
+) -> None:
+    chunk = BPC * 4096 * 3
+    # Room for 4 chunk files (two shards each, and a header), not 5.
+    disk = DiskSettings(path=f"{tmp_path}/disk", capacity=4 * chunk * 2 + 3 * 4096 * 2)
+    daemon = daemon_factory(capacity=8 * chunk * 2, disk=disk)  # type: ignore[operator]
+    subscriber = Subscriber(daemon.events_endpoint, daemon.replay_endpoint)
+    subscriber.connect()
+    stream = Stream(subscriber)
+    task = asyncio.create_task(stream.pump())
+    try:
+        a = await asyncio.to_thread(_engine, daemon.endpoint, ranks, "engine-a", 0)
+        keys = chain_keys(6)
+        await asyncio.to_thread(_store, a, keys, [0, 1, 2, 3], 1)
+
+        def on(kind: type, medium: str) -> list[int | bytes]:
+            return [
+                h
+                for e in stream.events(TOPIC_A, kind)
+                if e.medium == medium
+                for h in e.block_hashes
+            ]
+
+        # Written through to the disk: the same hashes, once on CPU and once on DISK.
+        await stream.until(lambda: len(on(BlockStored, "DISK")) == 4)
+        assert on(BlockStored, "DISK") == on(BlockStored, "CPU") == _hashes(keys[:4])
+        # The disk holds 4 chunks: two more evict its two oldest, announced as removed there.
+        await asyncio.to_thread(_store, a, keys, [4, 5], 2)
+        await stream.until(lambda: len(on(BlockStored, "DISK")) == 6)
+        await stream.until(lambda: len(on(BlockRemoved, "DISK")) == 2)
+        assert on(BlockRemoved, "DISK") == _hashes(keys[:2])
+        assert on(BlockRemoved, "CPU") == []  # the arena kept them all
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        subscriber.close()

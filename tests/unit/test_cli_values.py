@@ -221,6 +221,11 @@ EMPTY_MEANS_SOMETHING = {
     ("events", "topic_template"),  # the topic ""
     ("events", "pod"),  # the host name
     ("metrics", "address"),  # no metrics server
+    ("disk", "path"),  # no disk tier
+    ("mooncake", "master"),  # no cluster tier
+    ("mooncake", "metadata"),  # the master's host, port 8080
+    ("mooncake", "rdma_devices"),  # every device
+    ("mooncake", "local_hostname"),  # the host name
 }
 # Lists for which no entry is a documented meaning: "" (from the environment) and [] are ().
 EMPTY_LIST_MEANS_NONE = {("tenancy", "shared_groups")}  # no group shares across its users

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from offloadd.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
-from protocol.messages import DaemonStats, EngineState
+from protocol.messages import DaemonStats, EngineState, TierState
 
 
 def fake_stats(**changes: object) -> DaemonStats:
@@ -253,3 +253,17 @@ def test_endpoint_errors() -> None:
             metrics.start(f"127.0.0.1:{port}")
     finally:
         holder.close()
+
+
+def test_each_tier_below_the_arena_has_its_figures() -> None:
+    disk = TierState("disk", 4 << 30, 1 << 30, 12, promotions=4, demotions_skipped=2)
+    cluster = TierState("mooncake", 1 << 30, 0, 0, healthy=False, errors=3)
+    stats = fake_stats(tiers=[disk, cluster])
+    metrics = Metrics(lambda: stats)
+    assert value(metrics, "offloadd_tier_used_bytes", tier="disk") == 1 << 30
+    assert value(metrics, "offloadd_tier_chunks", tier="disk") == 12
+    assert value(metrics, "offloadd_tier_promotions_total", tier="disk") == 4
+    assert value(metrics, "offloadd_tier_demotions_skipped_total", tier="disk") == 2
+    assert value(metrics, "offloadd_tier_healthy", tier="mooncake") == 0
+    assert value(metrics, "offloadd_tier_errors_total", tier="mooncake") == 3
+    assert value(Metrics(fake_stats), "offloadd_tier_chunks", tier="disk") is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from offloadd.status import describe
-from protocol.messages import DaemonStats
+from protocol.messages import DaemonStats, TierState
 
 
 def _stats(**fields: object) -> DaemonStats:
@@ -38,3 +38,18 @@ def test_status_shows_where_events_are_published() -> None:
 
 def test_status_says_events_are_off() -> None:
     assert "  events     off" in describe(_stats(), "ipc:///x")
+
+
+def test_status_shows_each_tier_and_nothing_without_tiers() -> None:
+    assert not any("disk" in line for line in describe(_stats(), "ipc:///x"))
+    disk = TierState(
+        "disk", 4 << 30, 1 << 30, 12, hits=5, promotions=4, promotion_failures=1,
+        demotions=12, demotions_skipped=2, bytes_read=2_000_000_000, read_seconds=1.0,
+    )  # fmt: skip
+    cluster = TierState("mooncake", 1 << 30, 0, 0, healthy=False, errors=3)
+    lines = describe(_stats(tiers=[disk, cluster]), "ipc:///x")
+    text = "\n".join(lines)
+    assert "  disk       1.0GiB of 4.0GiB (25.0%); 12 chunks" in text
+    assert "promoted 4 chunks (1 failed verification, read 2.00 GB/s)" in text
+    assert "written 12 chunks, skipped 2 (gone before their turn); 0B queued;" in text
+    assert "  mooncake   UNREACHABLE; " in text and "3 errors" in text

@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from offloadd.errors import DaemonUnavailable
+from offloadd.settings import DiskSettings
 from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import LoadFailed
 from tests.integration.harness import DaemonThread, GatedCopyEngine
@@ -160,6 +161,45 @@ def test_arena_smaller_than_the_working_set(tmp_path: Path) -> None:
                 loaded += h.assert_loaded_pages(b)
                 h.reset_prefix_cache()
             assert loaded > 0
+    finally:
+        d.stop()
+
+
+def test_chunks_evicted_to_the_disk_tier_are_promoted_and_loaded(tmp_path: Path) -> None:
+    """A daemon with a disk tier: chunks evicted from its 8-chunk arena are found on disk,
+    reported HIT_PENDING while promoted, then hit and loaded with the right bytes."""
+    disk = DiskSettings(path=str(tmp_path / "disk"), capacity=64 << 20)
+    d = DaemonThread(capacity=8 * 4096, disk=disk).start()
+    try:
+        with VllmHarness(tmp_path, extra_for(d), num_blocks=64) as h:
+            assert d.daemon is not None
+            daemon = d.daemon
+
+            def written(chunks: int) -> bool:
+                (tier,) = daemon.stats().tiers
+                return tier.demotions >= chunks and tier.queued_bytes == 0
+
+            prompts = [prompt_of(64, seed) for seed in range(6)]  # 24 chunks through 8 slots
+            for i, prompt in enumerate(prompts):
+                compute(h, prompt)
+                # Each prompt's chunks reach the disk before the next one evicts them (a
+                # busy machine could otherwise outrun the writes: those chunks are skipped).
+                deadline = time.monotonic() + 20
+                while not written(4 * (i + 1)):
+                    assert time.monotonic() < deadline, daemon.stats().tiers
+                    time.sleep(0.02)
+            assert daemon.stats().tiers[0].demotions_skipped == 0
+            assert daemon.stats().evictions > 0
+            manager = h.offloading_manager
+            assert isinstance(manager, OffloaddManager)
+            first = prompts[0]
+            h.reset_prefix_cache()  # drop the GPU prefix cache and zero every rank's KV
+            b = compute(h, first[:48] + prompt_of(5, seed=100))
+            # The first request's chunks had left the arena: promoted from disk, then loaded.
+            assert h.external_tokens(b) == 48
+            assert h.assert_loaded_pages(b) == 3 * NUM_LAYERS
+            (tier,) = daemon.stats().tiers
+            assert tier.promotions >= 3 and tier.promotion_failures == 0
     finally:
         d.stop()
 

@@ -1,0 +1,215 @@
+"""The cluster tier vs Mooncake Store used raw, same chunks, same run.
+
+A ``mooncake_master`` on loopback (free ports) and two nodes in this process, each an arena
+and a ``MooncakeTier`` contributing a segment: node A publishes, node B promotes.
+
+- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (crc32 of every byte, the data
+  object from the chunk's shards, then its companion); baseline: raw ``batch_put_from`` of the
+  same chunks' bytes (shards laid out contiguously: one range per chunk) through the same
+  client, under other names.
+- ``mooncake_get_<chunk>``: GiB/s of ``MooncakeTier.get`` on B (companion, data into the
+  extents, crc32 check); baseline: raw ``batch_get_into`` of the raw objects into the same
+  extents of B's arena.
+
+Each rep puts new names (a put of an existing name costs nothing) and removes them after.
+Reps alternate tier and raw, and each pair is compared. Skipped when mooncake is not
+installed (``pip install 'offloadd[mooncake]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+from offloadd.bench._util import Context, Result, median, paired_ratio, size_name
+from offloadd.cache.arena import Arena
+from offloadd.settings import MooncakeSettings
+from offloadd.tiers.base import ChunkAddress
+
+GiB = 1 << 30
+SHARDS = 4
+BATCH_BYTES = 64 << 20  # one put / get call
+CHUNK_SIZES = (256 << 10, 4 << 20)
+ARENA = BATCH_BYTES + (1 << 20)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _master_binary() -> str | None:
+    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mooncake_master")
+
+
+@contextlib.contextmanager
+def _master(binary: str):
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            [
+                binary,
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc}",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            metadata = f"http://127.0.0.1:{http}/metadata"
+            deadline = time.monotonic() + 30
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError("mooncake_master exited at start")
+                try:
+                    socket.create_connection(("127.0.0.1", rpc), timeout=1).close()
+                    urllib.request.urlopen(f"{metadata}?key=probe", timeout=1).close()
+                    break
+                except urllib.error.HTTPError:
+                    break  # it answers (404 for an unknown key)
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("mooncake_master did not answer in 30s") from None
+                    time.sleep(0.05)
+            yield f"127.0.0.1:{rpc}", metadata
+        finally:
+            process.kill()
+            process.wait()
+
+
+def run(ctx: Context) -> list[Result]:
+    """``mooncake_put_<chunk>`` and ``mooncake_get_<chunk>`` for each chunk size."""
+    from offloadd.tiers.mooncake import MooncakeTier, MooncakeUnavailable, _load_store_class
+
+    try:
+        _load_store_class()
+    except MooncakeUnavailable as exc:
+        ctx.progress(f"mooncake: skipped ({exc})")
+        return []
+    binary = _master_binary()
+    if binary is None:
+        ctx.progress("mooncake: skipped (mooncake_master is not installed)")
+        return []
+    sizes = [
+        size
+        for size in CHUNK_SIZES
+        if ctx.wanted(f"mooncake_put_{size_name(size)}")
+        or ctx.wanted(f"mooncake_get_{size_name(size)}")
+    ]
+    if not sizes:
+        return []
+    reps = 3 if ctx.quick else 9
+    results: list[Result] = []
+    with contextlib.ExitStack() as stack:
+        master, metadata = stack.enter_context(_master(binary))
+        settings = MooncakeSettings(
+            master=master,
+            metadata=metadata,
+            segment=4 * BATCH_BYTES,
+            local_buffer=16 << 20,
+            local_hostname="127.0.0.1",
+        )
+        arenas, tiers = [], []
+        for label in ("a", "b"):
+            arena = Arena(ctx.scratch.shm_path(f"mooncake-{label}"), ARENA)
+            stack.callback(arena.close)
+            tier = MooncakeTier(settings, arena)
+            stack.callback(tier.close)
+            arenas.append(arena)
+            tiers.append(tier)
+        for size in sizes:
+            results += _measure(ctx, arenas, tiers, size, reps)
+    return results
+
+
+def _measure(ctx: Context, arenas, tiers, size: int, reps: int) -> list[Result]:
+    arena_a, arena_b = arenas
+    tier_a, tier_b = tiers
+    raw_a, raw_b = tier_a._client, tier_b._client
+    count = BATCH_BYTES // size
+    shard = size // SHARDS
+    label = size_name(size)
+    ctx.progress(f"mooncake: {count} chunks of {label} ({SHARDS} shards) per call, {reps} reps")
+    for offset in range(0, count * size, 1 << 20):  # random bytes: nothing compresses
+        arena_a.view(offset, min(1 << 20, count * size - offset))[:] = os.urandom(
+            min(1 << 20, count * size - offset)
+        )
+    offsets = [i * size for i in range(count)]
+    puts, raw_puts, gets, raw_gets = [], [], [], []
+    for rep in range(reps):
+        namespace = f"bench-{uuid.uuid4().hex}"
+        keys = [os.urandom(16) for _ in range(count)]
+        chunks = [
+            ChunkAddress(namespace, key, tuple((o + s * shard, shard) for s in range(SHARDS)))
+            for key, o in zip(keys, offsets, strict=True)
+        ]
+        raw_names = [f"bench-raw/{namespace}/{i}" for i in range(count)]
+        addresses_a = [arena_a.address + o for o in offsets]
+        addresses_b = [arena_b.address + o for o in offsets]
+        order = (0, 1) if rep % 2 == 0 else (1, 0)
+        for side in order:
+            started = time.perf_counter()
+            if side == 0:
+                ok = all(tier_a.put(chunks, arena_a).stored)
+            else:
+                codes = raw_a.batch_put_from(raw_names, addresses_a, [size] * count)
+                ok = all(c == 0 for c in codes)
+            elapsed = time.perf_counter() - started
+            if not ok:
+                raise RuntimeError(f"mooncake bench: a {'raw ' if side else ''}put failed")
+            (puts if side == 0 else raw_puts).append(BATCH_BYTES / elapsed / GiB)
+        for side in order:
+            started = time.perf_counter()
+            if side == 0:
+                ok = all(tier_b.get(chunks, arena_b))
+            else:
+                codes = raw_b.batch_get_into(raw_names, addresses_b, [size] * count)
+                ok = all(c == size for c in codes)
+            elapsed = time.perf_counter() - started
+            if not ok:
+                raise RuntimeError(f"mooncake bench: a {'raw ' if side else ''}get failed")
+            (gets if side == 0 else raw_gets).append(BATCH_BYTES / elapsed / GiB)
+        if rep == 0 and bytes(arena_b.view(0, size)) != bytes(arena_a.view(0, size)):
+            raise RuntimeError("mooncake bench: bytes differ after a get")
+        tier_a.remove(namespace, keys)
+        raw_a.batch_remove(raw_names, True)
+    params = {
+        "chunk_bytes": size,
+        "shards": SHARDS,
+        "chunks_per_call": count,
+        "reps": reps,
+        "protocol": "tcp",
+        "baseline": "raw batch_put_from / batch_get_into, same client",
+    }
+    results = []
+    for kind, values, baselines in (("put", puts, raw_puts), ("get", gets, raw_gets)):
+        name = f"mooncake_{kind}_{label}"
+        if ctx.wanted(name):
+            results.append(
+                Result(
+                    name,
+                    median(values),
+                    "GiB/s",
+                    median(baselines),
+                    paired_ratio(values, baselines),
+                    dict(params),
+                )
+            )
+    return results

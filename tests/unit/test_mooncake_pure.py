@@ -1,0 +1,277 @@
+"""MooncakeTier's logic against an in-memory stand-in for Mooncake's client (no mooncake
+needed): naming, companions, verification, and the back-off on an unreachable master."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from offloadd.cache.arena import Arena
+from offloadd.cache.journal import checksum
+from offloadd.settings import MooncakeSettings
+from offloadd.tiers.base import ChunkAddress
+from offloadd.tiers.mooncake import (
+    MooncakeTier,
+    MooncakeUnavailable,
+    decode_companion,
+    default_metadata,
+    encode_companion,
+    object_names,
+)
+
+RPC_FAIL = -900
+
+
+class FakeStore:
+    """The slice of ``MooncakeDistributedStore`` the tier calls, with its return codes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.down = False  # every call answers RPC_FAIL
+        self.health = 0  # what health_check answers
+        self.calls: list[str] = []
+
+    def _call(self, name: str) -> bool:
+        self.calls.append(name)
+        return not self.down
+
+    def register_buffer(self, address: int, size: int) -> int:
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0
+
+    def close(self) -> int:
+        return 0
+
+    def health_check(self) -> int:
+        return self.health
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], addresses: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        if not self._call("put"):
+            return [RPC_FAIL] * len(keys)
+        for key, parts, lengths in zip(keys, addresses, sizes, strict=True):
+            if key not in self.objects:
+                self.objects[key] = b"".join(
+                    ctypes.string_at(a, n) for a, n in zip(parts, lengths, strict=True)
+                )
+        return [0] * len(keys)
+
+    def batch_put_from(self, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        return self.batch_put_from_multi_buffers(
+            keys, [[a] for a in addresses], [[n] for n in sizes]
+        )
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], addresses: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        if not self._call("get"):
+            return [RPC_FAIL] * len(keys)
+        codes = []
+        for key, parts, lengths in zip(keys, addresses, sizes, strict=True):
+            data = self.objects.get(key)
+            if data is None:
+                codes.append(-704)
+            elif sum(lengths) < len(data):
+                codes.append(-600)
+            elif sum(lengths) > len(data):
+                codes.append(-800)
+            else:
+                at = 0
+                for address, length in zip(parts, lengths, strict=True):
+                    ctypes.memmove(address, data[at : at + length], length)
+                    at += length
+                codes.append(len(data))
+        return codes
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        if not self._call("exist"):
+            return [RPC_FAIL] * len(keys)
+        return [int(key in self.objects) for key in keys]
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        if not self._call("remove"):
+            return [RPC_FAIL] * len(keys)
+        return [0 if self.objects.pop(key, None) is not None else -704 for key in keys]
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        if not self._call("remove"):
+            return RPC_FAIL
+        doomed = [key for key in self.objects if re.search(pattern, key)]
+        for key in doomed:
+            del self.objects[key]
+        return len(doomed)
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    made = Arena(f"/dev/shm/offloadd-test-mooncake-pure-{uuid.uuid4().hex}", 1 << 20)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def store() -> FakeStore:
+    return FakeStore()
+
+
+@pytest.fixture
+def tier(arena: Arena, store: FakeStore) -> Iterator[MooncakeTier]:
+    made = MooncakeTier(MooncakeSettings(master="fake:1"), arena, client=store, backoff=60.0)
+    yield made
+    made.close()
+
+
+def fill(arena: Arena, namespace: str, count: int, base: int = 0) -> list[ChunkAddress]:
+    chunks = []
+    for n in range(count):
+        extents = ((base + n * 8192, 4096), (base + n * 8192 + 4096, 1000))
+        for offset, size in extents:
+            arena.view(offset, size)[:] = os.urandom(size)
+        chunks.append(ChunkAddress(namespace, os.urandom(8), extents))
+    return chunks
+
+
+def moved(chunks: Sequence[ChunkAddress], base: int) -> list[ChunkAddress]:
+    return [
+        ChunkAddress(c.namespace, c.key, tuple((o + base, s) for o, s in c.extents)) for c in chunks
+    ]
+
+
+def read(arena: Arena, chunk: ChunkAddress) -> bytes:
+    return b"".join(bytes(arena.view(o, s)) for o, s in chunk.extents)
+
+
+def test_names_and_companions() -> None:
+    data, companion = object_names("ns/a b", b"\x01\x02")
+    assert (data, companion) == ("offloadd/ns%2Fa%20b/0102", "offloadd/ns%2Fa%20b/0102.sum")
+    raw = encode_companion(data, [10, 20], [0xDEADBEEF, 7])
+    assert decode_companion(data, raw, [10, 20]) == (0xDEADBEEF, 7)
+    assert decode_companion(data, raw, [10, 21]) is None
+    assert decode_companion(data, raw, [10]) is None
+    assert decode_companion(data + "x", raw, [10, 20]) is None  # another chunk's companion
+    assert decode_companion(data, raw[:-1], [10, 20]) is None
+    assert decode_companion(data, b"XXXX" + raw[4:], [10, 20]) is None
+    assert default_metadata("10.0.0.7:50051") == "http://10.0.0.7:8080/metadata"
+    assert default_metadata("master") == "http://master:8080/metadata"
+
+
+def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch, arena: Arena) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails
+    with pytest.raises(MooncakeUnavailable, match=r"offloadd\[mooncake\].*libibverbs1"):
+        MooncakeTier(MooncakeSettings(master="127.0.0.1:1"), arena)
+    with pytest.raises(MooncakeUnavailable, match="master is empty"):
+        MooncakeTier(MooncakeSettings(), arena)
+
+
+def test_round_trip_and_namespaces(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    chunks = fill(arena, "a", 3)
+    assert tier.put(chunks, arena).stored == [True] * 3
+    assert tier.contains("a", [c.key for c in chunks]) == [True] * 3
+    assert tier.contains("b", [c.key for c in chunks]) == [False] * 3
+    targets = moved(chunks, 1 << 19)
+    assert tier.get(targets, arena) == [True] * 3
+    assert [read(arena, t) for t in targets] == [read(arena, c) for c in chunks]
+    stats = tier.stats()
+    assert (stats.chunks, stats.used_bytes, stats.errors) == (3, 3 * 5096, 0)
+    tier.clear("b")
+    assert len(store.objects) == 6
+    tier.clear("a")
+    assert store.objects == {} and tier.stats().chunks == 0
+
+
+def test_sums_are_the_journals(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    [chunk] = fill(arena, "a", 1)
+    tier.put([chunk], arena)
+    data, companion = object_names("a", chunk.key)
+    sizes = [size for _, size in chunk.extents]
+    sums = tuple(checksum(arena.address + offset, size) for offset, size in chunk.extents)
+    assert decode_companion(data, store.objects[companion], sizes) == sums
+
+
+def test_torn_data_is_dropped(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    [chunk, other] = fill(arena, "a", 2)
+    tier.put([chunk, other], arena)
+    data, companion = object_names("a", chunk.key)
+    store.objects[data] = bytes(len(store.objects[data]))  # same size, other bytes
+    assert tier.get(moved([chunk, other], 1 << 19), arena) == [False, True]
+    assert data not in store.objects and companion not in store.objects
+    assert tier.stats().errors == 1
+
+
+def test_a_wrong_size_is_dropped(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    [chunk] = fill(arena, "a", 1)
+    tier.put([chunk], arena)
+    data, _ = object_names("a", chunk.key)
+    store.objects[data] += b"x"
+    assert tier.get(moved([chunk], 1 << 19), arena) == [False]
+    assert store.objects == {}
+
+
+def test_an_unfinished_put_is_invisible(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    [chunk] = fill(arena, "a", 1)
+    tier.put([chunk], arena)
+    data, companion = object_names("a", chunk.key)
+    del store.objects[companion]  # the data written, its companion not yet
+    assert tier.contains("a", [chunk.key]) == [False]
+    assert tier.get(moved([chunk], 1 << 19), arena) == [False]
+    assert data in store.objects  # left to its writer
+    assert tier.stats().errors == 0
+
+
+def test_data_gone_under_its_companion(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    [chunk] = fill(arena, "a", 1)
+    tier.put([chunk], arena)
+    data, companion = object_names("a", chunk.key)
+    del store.objects[data]  # evicted, or in the segment of a daemon that left
+    assert tier.get(moved([chunk], 1 << 19), arena) == [False]
+    assert companion not in store.objects
+
+
+def test_extents_outside_the_arena(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    chunk = ChunkAddress("a", b"k", ((arena.size - 10, 20),))
+    assert tier.put([chunk], arena).stored == [False]
+    assert tier.get([chunk], arena) == [False]
+    assert store.calls == [] and tier.stats().errors == 2
+
+
+def test_unreachable_master_backs_off(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+    chunks = fill(arena, "a", 2)
+    store.down = True
+    assert tier.put(chunks, arena).stored == [False, False]
+    assert not tier.healthy and tier.stats().errors == 1 and not tier.stats().healthy
+    store.calls.clear()
+    # Backing off: nothing reaches the client.
+    assert tier.contains("a", [c.key for c in chunks]) == [False, False]
+    assert tier.get(chunks, arena) == [False, False]
+    tier.remove("a", [chunks[0].key])
+    assert store.calls == []
+    # Back-off over, but the client knows the master is unreachable: still no call.
+    tier._retry_at = 0.0
+    store.health = 2
+    assert tier.contains("a", [chunks[0].key]) == [False]
+    assert store.calls == []
+    # The master is back: the next call goes through and the tier is healthy again.
+    tier._retry_at = 0.0
+    store.down, store.health = False, 0
+    assert tier.put(chunks, arena).stored == [True, True]
+    assert tier.healthy
+    assert tier.get(moved(chunks, 1 << 19), arena) == [True, True]
+
+
+def test_closed_tier_answers_false(arena: Arena, store: FakeStore) -> None:
+    tier = MooncakeTier(MooncakeSettings(master="fake:1"), arena, client=store)
+    tier.close()
+    tier.close()
+    chunks = fill(arena, "a", 1)
+    assert tier.put(chunks, arena).stored == [False]
+    assert tier.contains("a", [chunks[0].key]) == [False]
+    assert store.calls == []

@@ -1,0 +1,422 @@
+"""offloadd.tiers.coordinator: write-through, probes, promotions and clears over a dict tier.
+
+A real cache, arena (a small file in /dev/shm), registry, mirrors and announcer; the tier is
+a dict that copies real bytes out of and into the arena (``DictTier``), the publishers a
+recorder. Each test runs its own event loop: the coordinator's results come back to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from offloadd.announce import Announcer
+from offloadd.cache.arena import Arena
+from offloadd.cache.index import ChunkCache
+from offloadd.daemon import tier_slots
+from offloadd.mirrors import Mirrors
+from offloadd.registry import Engine, Namespace, Registry
+from offloadd.settings import DiskSettings, EventSettings, MooncakeSettings, Settings
+from offloadd.tiers import coordinator
+from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
+from offloadd.tiers.coordinator import Tiers, TierSlot
+from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
+from protocol.messages import KeysChanged, Reply
+from tests.unit.test_announce import FakePublishers, ready
+from tests.unit.test_registry import config, hello
+
+ARENA = 1 << 20
+CHUNK = 512  # two shards of 256 bytes (see test_registry.config)
+
+
+class DictTier(Tier):
+    """A tier in a dict: chunks copied out of the arena on put and back on get."""
+
+    def __init__(self, name: str = "disk") -> None:
+        self.name = name
+        self.chunks: dict[tuple[str, bytes], list[bytes]] = {}
+        self.corrupt: set[bytes] = set()  # keys whose get fails verification
+        self.gate = threading.Event()  # put and contains wait for it
+        self.gate.set()
+        self.puts: list[list[bytes]] = []
+        self.gets: list[list[bytes]] = []
+        self.cleared: list[str] = []
+        self.closed = False
+
+    def put(self, chunks: Sequence[ChunkAddress], arena: Arena) -> TierWrite:
+        self.gate.wait(10)
+        self.puts.append([c.key for c in chunks])
+        for chunk in chunks:
+            shards = [bytes(arena.view(offset, size)) for offset, size in chunk.extents]
+            self.chunks[(chunk.namespace, chunk.key)] = shards
+        return TierWrite([True] * len(chunks))
+
+    def get(self, chunks: Sequence[ChunkAddress], arena: Arena) -> list[bool]:
+        self.gets.append([c.key for c in chunks])
+        verified = []
+        for chunk in chunks:
+            shards = self.chunks.get((chunk.namespace, chunk.key))
+            sizes = [size for _, size in chunk.extents]
+            if shards is None or [len(s) for s in shards] != sizes:
+                verified.append(False)
+                continue
+            for (offset, size), shard in zip(chunk.extents, shards, strict=True):
+                data = b"\xff" * size if chunk.key in self.corrupt else shard
+                arena.view(offset, size)[:] = data
+            verified.append(chunk.key not in self.corrupt)
+        return verified
+
+    def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        self.gate.wait(10)
+        return [(namespace, key) in self.chunks for key in keys]
+
+    def remove(self, namespace: str, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.chunks.pop((namespace, key), None)
+
+    def clear(self, namespace: str) -> None:
+        self.cleared.append(namespace)
+        for name, key in list(self.chunks):
+            if name == namespace:
+                del self.chunks[(name, key)]
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, 1 << 30, len(self.chunks) * CHUNK, len(self.chunks))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Rig:
+    cache: ChunkCache
+    arena: Arena
+    announce: Announcer
+    publishers: FakePublishers
+    engine: Engine
+    namespace: Namespace
+    notices: list[KeysChanged]
+    tier: DictTier
+    tiers: Tiers
+
+    def store(self, keys: list[bytes], seed: int = 1) -> None:
+        """Store every shard of ``keys`` as ranks would, then commit and announce."""
+        cache, name = self.cache, self.namespace.name
+        writes = []
+        for shard in range(2):
+            writes += cache.begin_store(
+                name, keys, shard, self.namespace.shard_sizes_for_key
+            ).writes
+        for write in writes:
+            self.arena.view(write.offset, write.size)[:] = pattern(
+                write.entry.key, write.shard, seed
+            )
+        committed = cache.finish_store(writes, ok=True)
+        self.announce.chunks_committed(self.namespace, committed)
+
+    def arena_bytes(self, key: bytes) -> list[bytes]:
+        entry = self.cache.get(self.namespace.name, key)
+        assert entry is not None and entry.committed
+        return [
+            bytes(self.arena.view(o, s)) for o, s in zip(entry.offsets, entry.sizes, strict=True)
+        ]
+
+    def evict(self, keys: list[bytes]) -> None:
+        """Take ``keys`` out of the arena as an eviction would (tiers keep their copies)."""
+        self.announce.chunks_removed(self.cache.remove(self.namespace.name, keys))
+
+
+def pattern(key: bytes, shard: int, seed: int) -> bytes:
+    return bytes((key[0] + shard * 7 + seed + i) % 256 for i in range(256))
+
+
+def keys_named(*names: bytes) -> list[bytes]:
+    return [name.ljust(8, b".") + bytes(4) for name in names]
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    path = f"/dev/shm/od-test-tiers-{uuid.uuid4().hex[:8]}.arena"
+    made = Arena(path, ARENA)
+    yield made
+    made.close()
+    assert not os.path.exists(path)
+
+
+def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
+             timeout: float = 0.05, mirror: bool = False) -> Rig:  # fmt: skip
+    registry = Registry()
+    engine = ready(registry, "a")
+    assert engine.namespace is not None
+    cache = ChunkCache(ARENA)
+    notices: list[KeysChanged] = []
+
+    def send(session: str, message: Reply) -> None:
+        if isinstance(message, KeysChanged):
+            notices.append(message)
+
+    mirrors = Mirrors(cache, registry, send)
+    if mirror:  # a mirroring scheduler: it hears of commits and publishes the events itself
+        scheduler = msgspec.structs.replace(
+            hello(config(engine_id="a", rank=0), role="scheduler"), mirror=True
+        )
+        mirrors.start(registry.hello("a-sched", scheduler).session)
+    publishers = FakePublishers()
+    announce = Announcer(
+        EventSettings(topic_template="kv@{engine_id}@{dp}", pod="pod"),
+        registry,
+        cache,
+        mirrors,
+        journal=None,
+        events=publishers,  # type: ignore[arg-type]
+    )
+    tier = DictTier()
+    slot = TierSlot(
+        tier,
+        queue_bytes,
+        inline=inline,
+        lookup_timeout=timeout,
+        medium=MEDIUM_DISK if inline else "",
+    )
+    tiers = Tiers([slot], cache, arena, announce, capacity=ARENA)
+    announce.attach_tiers(tiers)
+    return Rig(cache, arena, announce, publishers, engine, engine.namespace, notices, tier, tiers)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Let the loop run until ``condition`` holds (the tier's results come back through it)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
+
+
+def events(rig: Rig, kind: type, medium: str) -> list[object]:
+    return [
+        event
+        for _topic, _dp, batch in rig.publishers.batches
+        for event in batch.events
+        if isinstance(event, kind) and getattr(event, "medium", None) == medium
+    ]
+
+
+def test_committed_chunks_are_written_through_and_their_readers_released(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena)
+        keys = keys_named(b"a", b"b", b"c")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 3)
+        for key in keys:
+            assert rig.tier.chunks[(rig.namespace.name, key)] == rig.arena_bytes(key)
+            entry = rig.cache.get(rig.namespace.name, key)
+            assert entry is not None and entry.readers == 0
+        assert len(events(rig, BlockStored, MEDIUM_DISK)) == 3
+        assert rig.tiers.stats()[0].queued_bytes == 0
+        assert await rig.tiers.drain(5.0) and rig.tier.closed
+
+    asyncio.run(main())
+
+
+def test_a_full_queue_holds_names_only_and_never_blocks(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(coordinator, "BACKLOG_KEYS", 2)
+
+    async def main() -> None:
+        rig = make_rig(arena, queue_bytes=2 * CHUNK)
+        rig.tier.gate.clear()  # the tier is slow: the first put waits
+        keys = keys_named(b"a", b"b", b"c", b"d", b"e", b"f")
+        for key in keys:
+            rig.store([key])
+        stats = rig.tiers.stats()[0]
+        assert stats.queued_bytes == 2 * CHUNK
+        assert stats.demotions_skipped == 2  # e and f: beyond the backlog of 2 names (c, d)
+        # Queued chunks are held against eviction; the backlog holds nothing.
+        held = [rig.cache.get(rig.namespace.name, k) for k in keys]
+        assert [e.readers if e else None for e in held] == [1, 1, 0, 0, 0, 0]
+        rig.evict(keys[3:4])  # d leaves the arena before its turn: skipped
+        rig.tier.gate.set()
+        await until(lambda: rig.tiers.stats()[0].demotions == 3)
+        assert sorted(k for _, k in rig.tier.chunks) == sorted(keys[:3])
+        assert rig.tiers.stats()[0].demotions_skipped == 3
+        assert all(e is not None and e.readers == 0 for e in held[:3])
+        assert rig.tier.puts[0] == [keys[0]]  # then the rest in batches
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
+
+
+def test_a_lookup_promotes_the_prefix_found_below_and_a_later_lookup_hits(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena)
+        keys = keys_named(b"a", b"b", b"c", b"d")
+        rig.store(keys, seed=5)
+        await until(lambda: rig.tiers.stats()[0].demotions == 4)
+        expected = {key: rig.arena_bytes(key) for key in keys}
+        rig.evict(keys[1:])
+        rig.tier.chunks.pop((rig.namespace.name, keys[3]))  # the prefix stops at d
+        hits = rig.cache.lookup(rig.namespace.name, keys).hits
+        assert hits == 1
+        answered: list[list[int]] = []
+        promoted = rig.tiers.probe(rig.namespace, keys, hits, answered.append)
+        assert promoted == [1, 2]
+        # Pending until the get ended; then committed, announced, byte for byte.
+        assert rig.cache.lookup(rig.namespace.name, keys).pending == [1, 2]
+        await until(lambda: rig.tiers.stats()[0].promotions == 2)
+        assert rig.cache.lookup(rig.namespace.name, keys).hits == 3
+        for key in keys[:3]:
+            assert rig.arena_bytes(key) == expected[key]
+        assert rig.tier.gets == [keys[1:3]]  # one batched get
+        # CPU events for the 4 stored and the 2 promoted chunks, DISK ones for the 4 stored.
+        assert len(events(rig, BlockStored, MEDIUM_CPU)) == 6
+        assert len(events(rig, BlockStored, MEDIUM_DISK)) == 4
+        # Not written back to the tier they came from.
+        assert sum(len(put) for put in rig.tier.puts) == 4
+        stats = rig.tiers.stats()[0]
+        assert (stats.hits, stats.promotion_failures) == (2, 0)
+        assert answered == []  # an inline tier answers at once
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
+
+
+def test_a_chunk_that_fails_verification_is_never_visible(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena)
+        keys = keys_named(b"a", b"b", b"c")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 3)
+        expected = rig.arena_bytes(keys[2])
+        rig.evict(keys)
+        rig.tier.corrupt.add(keys[1])
+        assert rig.tiers.probe(rig.namespace, keys, 0, lambda _: None) == [0, 1, 2]
+        await until(lambda: rig.tiers.stats()[0].promotion_failures == 1)
+        assert rig.cache.get(rig.namespace.name, keys[1]) is None  # gone, not pending
+        outcome = rig.cache.lookup(rig.namespace.name, keys)
+        assert (outcome.hits, outcome.pending) == (1, [])
+        assert rig.arena_bytes(keys[2]) == expected  # verified ones commit
+        assert len(events(rig, BlockStored, MEDIUM_CPU)) == 3 + 2
+        assert rig.cache.stats().used_bytes == 2 * 2 * 4096  # the failed one's extents freed
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
+
+
+def test_clear_reaches_the_tiers_and_evictions_do_not(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena)
+        keys = keys_named(b"a", b"b")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 2)
+        rig.evict(keys[:1])
+        assert len(rig.tier.chunks) == 2  # an eviction keeps the tier's copy
+        removed = rig.cache.clear_namespace(rig.namespace.name)
+        rig.announce.cleared(rig.engine, rig.namespace, removed)
+        await until(lambda: not rig.tier.chunks)
+        assert rig.tier.cleared == [rig.namespace.name]
+        assert rig.tiers.probe(rig.namespace, keys, 0, lambda _: None) == []
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
+
+
+def test_no_room_in_the_arena_promotes_nothing(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena)
+        keys = keys_named(b"a")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 1)
+        rig.evict(keys)
+        # Fill the arena with pinned chunks of another namespace: nothing is evictable.
+        other = keys_named(*(bytes([65 + i % 26, 97 + i // 26]) for i in range(128)))
+        writes = rig.cache.begin_store("other", other, 0, lambda _: (ARENA // 128,)).writes
+        assert rig.cache.stats().used_bytes == ARENA
+        assert rig.tiers.probe(rig.namespace, keys, 0, lambda _: None) == []
+        assert rig.cache.get(rig.namespace.name, keys[0]) is None
+        rig.cache.finish_store(writes, ok=False)
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
+
+
+def test_a_thread_tier_answers_later_or_counts_a_miss_after_its_timeout(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena, inline=False, timeout=0.05)
+        keys = keys_named(b"a", b"b")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 2)
+        rig.evict(keys)
+        answered: list[list[int]] = []
+        assert rig.tiers.probe(rig.namespace, keys, 0, answered.append) is None
+        await until(lambda: bool(answered))
+        assert answered == [[0, 1]]
+        await until(lambda: rig.tiers.stats()[0].promotions == 2)
+        # A tier that does not answer in time: the lookup is answered, as a miss.
+        rig.evict(keys)
+        rig.tier.gate.clear()
+        answered.clear()
+        assert rig.tiers.probe(rig.namespace, keys, 0, answered.append) is None
+        await until(lambda: bool(answered))
+        assert answered == [[]]
+        rig.tier.gate.set()
+        await rig.tiers.drain(5.0)
+        assert rig.cache.get(rig.namespace.name, keys[0]) is None  # its late answer: no effect
+
+    asyncio.run(main())
+
+
+def test_settings_turn_tiers_on_and_a_cluster_that_cannot_open_stays_off(
+    arena: Arena, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert tier_slots(Settings(), arena) == []  # off by default
+    settings = Settings(
+        disk=DiskSettings(path=str(tmp_path / "disk"), capacity=1 << 20),
+        mooncake=MooncakeSettings(master="127.0.0.1:1"),  # nobody there
+    )
+    slots = tier_slots(settings, arena)
+    try:
+        assert [(s.tier.name, s.inline, s.medium) for s in slots] == [("disk", True, "DISK")]
+        assert "cluster tier OFF" in caplog.text  # the node serves on without it
+    finally:
+        for slot in slots:
+            slot.tier.close()
+
+
+def test_a_lookups_contains_goes_before_queued_writes() -> None:
+    worker = coordinator._Worker("test")
+    release = threading.Event()
+    order: list[str] = []
+    busy = worker.submit(lambda: release.wait(10))
+    later = [worker.submit(lambda: order.append("put")), worker.submit(lambda: order.append("get"))]
+    urgent = worker.submit(lambda: order.append("contains"), urgent=True)
+    release.set()
+    worker.stop()
+    for future in [busy, *later, urgent]:
+        future.result(10)
+    assert order == ["contains", "put", "get"]
+
+
+def test_a_mirrored_engine_hears_of_promotions_through_its_mirror_only(arena: Arena) -> None:
+    async def main() -> None:
+        rig = make_rig(arena, mirror=True)
+        keys = keys_named(b"a", b"b")
+        rig.store(keys)
+        await until(lambda: rig.tiers.stats()[0].demotions == 2)
+        rig.evict(keys)
+        assert rig.tiers.probe(rig.namespace, keys, 0, lambda _: None) == [0, 1]
+        await until(lambda: rig.tiers.stats()[0].promotions == 2)
+        # A snapshot, 2 stored, 2 evicted, the 2 promoted; no events (its scheduler's job).
+        changes = [(sorted(n.stored), sorted(n.removed)) for n in rig.notices]
+        assert changes == [([], []), (keys, []), ([], keys), (keys, [])]
+        assert rig.publishers.batches == []
+        await rig.tiers.drain(5.0)
+
+    asyncio.run(main())
