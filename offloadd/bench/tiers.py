@@ -80,12 +80,7 @@ def _engine(
         name=f"bench {engine_id}",
         files=memory.files_by_path(),
     )
-    try:
-        client.wait_ready(30)
-    except BaseException:
-        client.close()
-        raise
-    return client
+    return _ready(client)
 
 
 def _endpoint(settings: dict[str, object]) -> str:
@@ -307,6 +302,11 @@ def _cluster_engine(
         name=f"bench cluster {label}",
         files=memory.files_by_path(),
     )
+    return _ready(client)
+
+
+def _ready(client: OffloadClient) -> OffloadClient:
+    """``client`` once its engine is ready; closed if it never gets there."""
     try:
         client.wait_ready(30)
     except BaseException:
