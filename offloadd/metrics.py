@@ -432,7 +432,7 @@ _TIER_COUNTERS = (
     ("offloadd_tier_promotions", "Chunks promoted into the arena, verified", "promotions"),
     (
         "offloadd_tier_promotion_failures",
-        "Chunks whose copy from the tier failed verification (never served)",
+        "Chunks gone from the tier or failing verification when promoted (never served)",
         "promotion_failures",
     ),
     ("offloadd_tier_demotions", "Committed chunks written to the tier", "demotions"),
