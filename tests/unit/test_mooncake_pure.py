@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from offloadd.cache.arena import Arena
-from offloadd.cache.journal import checksum
+from offloadd.checksum import checksum
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import (
