@@ -3,12 +3,12 @@
 A ``mooncake_master`` on loopback (free ports) and two nodes in this process, each an arena
 and a ``MooncakeTier`` contributing a segment: node A publishes, node B promotes.
 
-- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (crc32 of every byte, the data
+- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (xxh3_64 of every byte, the data
   object from the chunk's shards, then its companion); baseline: raw ``batch_put_from`` of the
   same chunks' bytes (shards laid out contiguously: one range per chunk) through the same
   client, under other names.
 - ``mooncake_get_<chunk>``: GiB/s of ``MooncakeTier.get`` on B (companion, data into the
-  extents, crc32 check); baseline: raw ``batch_get_into`` of the raw objects into the same
+  extents, xxh3_64 check); baseline: raw ``batch_get_into`` of the raw objects into the same
   extents of B's arena.
 
 Each rep puts new names (a put of an existing name costs nothing) and removes them after.

@@ -2,7 +2,8 @@
 never anything else.
 
 The arena is a file, so its bytes outlive the daemon (SIGTERM, SIGKILL, a crash). The journal
-records which extents hold which committed chunk, and a checksum of each shard's bytes.
+records which extents hold which committed chunk, and a checksum of each shard's bytes
+(``offloadd.checksum``: xxh3_64).
 
 Contract (the daemon calls everything from its event loop, except ``seal``):
 
@@ -40,7 +41,6 @@ correctness: the checksums verified at start catch whatever the journal got wron
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hmac
 import logging
 import os
@@ -49,7 +49,6 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Protocol
@@ -57,12 +56,16 @@ from typing import Annotated, Protocol
 import msgspec
 
 from offloadd.cache.index import Entry, RestoredChunk, ShardWrite
+from offloadd.checksum import checksum
 from offloadd.safety import private_dir_problem, secret_file_problem
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"offloadd-journal-2\n"
+_MAGIC = b"offloadd-journal-3\n"
 _LEGACY_MAGIC = b"offloadd-journal-1\n"  # unauthenticated, kept beside the arena
+# Journals of earlier versions: discarded at open (a cold start, logged at INFO). Version 2
+# recorded crc32s, which no shard checksum equals any more.
+_EARLIER_MAGICS = (_LEGACY_MAGIC, b"offloadd-journal-2\n")
 _HEADER = struct.Struct(">QQQ16s")  # arena st_dev, st_ino, size; boot id (zeros on a disk)
 _MAC_SIZE = 16
 _LENGTH = struct.Struct(">I")
@@ -74,7 +77,9 @@ _VERIFY_BATCH = 1024
 
 _Offset = Annotated[int, msgspec.Meta(ge=0)]
 _Size = Annotated[int, msgspec.Meta(gt=0)]
-_Sum = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+# A shard's xxh3_64: msgpack holds no integer above 2**64 - 1, so ge=0 is the whole bound
+# (msgspec accepts no bound beyond int64's).
+_Sum = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _Commit(msgspec.Struct, array_like=True, frozen=True, tag="+"):
@@ -130,11 +135,6 @@ class JournalIO:
 
 
 _SYSTEM_IO = JournalIO()
-
-
-def checksum(address: int, size: int) -> int:
-    """The crc32 of ``size`` bytes at ``address`` (zlib releases the GIL while it runs)."""
-    return zlib.crc32((ctypes.c_char * size).from_address(address))
 
 
 def boot_id() -> bytes:
@@ -317,8 +317,12 @@ class Journal:
             return []
         if data[: _HEAD_SIZE - _MAC_SIZE] != self._head[: _HEAD_SIZE - _MAC_SIZE]:
             os.close(fd)
-            why = "belongs to another arena or boot" if data.startswith(_MAGIC) else "unknown"
-            self._unusable(why, warn=not data.startswith(_MAGIC))
+            if data.startswith(_EARLIER_MAGICS):
+                self._unusable("a journal of an earlier version", warn=False)
+            elif data.startswith(_MAGIC):
+                self._unusable("belongs to another arena or boot", warn=False)
+            else:
+                self._unusable("unknown")
             return []
         if not hmac.compare_digest(data[_HEAD_SIZE - _MAC_SIZE : _HEAD_SIZE], self._head_mac):
             os.close(fd)

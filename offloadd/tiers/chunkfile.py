@@ -6,9 +6,10 @@ Layout (little endian)::
     payload : the shards back to back, zero-padded to a multiple of ALIGN
 
 Both parts are ALIGN-aligned so the whole file can be written and read with O_DIRECT. The
-header carries the crc32 of the payload and a crc32 of itself, so a torn, truncated or
-corrupted file is recognised from its own bytes. The file's name is a hash of the chunk's
-name (``file_name``); the header still names the chunk, and a reader compares it.
+header carries the checksum of the payload and one of itself (``offloadd.checksum``:
+xxh3_64), so a torn, truncated or corrupted file is recognised from its own bytes. The file's
+name is a hash of the chunk's name (``file_name``); the header still names the chunk, and a
+reader compares it.
 
 Pure functions only: no I/O here.
 """
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from offloadd.checksum import checksum_of
 
 __all__ = [
     "ALIGN",
@@ -36,13 +38,14 @@ __all__ = [
 
 ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block
 MAGIC = b"ODKC"
-VERSION = 1
+VERSION = 2  # 1 had crc32s; its files fail header_length and are deleted at open
 TEMP_SUFFIX = ".tmp"  # a file still being written; never read, removed at open
 
 # magic, version, header length, namespace length, key length, shard count, payload length,
-# payload crc32, header crc32 (computed with this field zeroed).
-_FIXED = struct.Struct("<4sHIHHIQII")
-_CRC_OFFSET = _FIXED.size - 4
+# payload checksum, header checksum (computed with this field zeroed).
+_FIXED = struct.Struct("<4sHIHHIQQQ")
+_CRC_OFFSET = _FIXED.size - 8
+_CRC = struct.Struct("<Q")
 _SHARD = struct.Struct("<Q")
 
 
@@ -58,7 +61,7 @@ class Header:
     key: bytes
     shard_sizes: tuple[int, ...]
     payload_length: int
-    payload_crc: int
+    payload_sum: int  # the payload's offloadd.checksum (xxh3_64)
     length: int  # bytes of header, padding included: where the payload starts
 
     @property
@@ -90,7 +93,7 @@ def header_size(namespace: str, key: bytes, shards: int) -> int:
     return aligned(_FIXED.size + len(namespace.encode()) + len(key) + shards * _SHARD.size)
 
 
-def pack_header(namespace: str, key: bytes, shard_sizes: Sequence[int], payload_crc: int) -> bytes:
+def pack_header(namespace: str, key: bytes, shard_sizes: Sequence[int], payload_sum: int) -> bytes:
     """The header of a chunk of ``shard_sizes``, padded to a multiple of ALIGN."""
     encoded = namespace.encode()
     if len(encoded) > 0xFFFF or len(key) > 0xFFFF:
@@ -105,11 +108,11 @@ def pack_header(namespace: str, key: bytes, shard_sizes: Sequence[int], payload_
         len(key),
         len(shard_sizes),
         sum(shard_sizes),
-        payload_crc & 0xFFFFFFFF,
+        payload_sum & 0xFFFFFFFFFFFFFFFF,
         0,
     )
     body = bytearray(fixed + variable)
-    body[_CRC_OFFSET : _CRC_OFFSET + 4] = struct.pack("<I", zlib.crc32(body))
+    body[_CRC_OFFSET : _CRC_OFFSET + _CRC.size] = _CRC.pack(checksum_of(body))
     return bytes(body) + bytes(length - len(body))
 
 
@@ -132,15 +135,15 @@ def unpack_header(data: bytes | memoryview) -> Header:
     length = header_length(data)
     if len(data) < length:
         raise ChunkFileError("truncated header")
-    (_, _, _, ns_length, key_length, shards, payload_length, payload_crc, crc) = _FIXED.unpack_from(
+    (_, _, _, ns_length, key_length, shards, payload_length, payload_sum, own) = _FIXED.unpack_from(
         data
     )
     end = _FIXED.size + ns_length + key_length + shards * _SHARD.size
     if end > length:
         raise ChunkFileError("header fields overrun the header")
     body = bytearray(data[:end])
-    body[_CRC_OFFSET : _CRC_OFFSET + 4] = bytes(4)
-    if zlib.crc32(body) != crc:
+    body[_CRC_OFFSET : _CRC_OFFSET + _CRC.size] = bytes(_CRC.size)
+    if checksum_of(body) != own:
         raise ChunkFileError("header checksum mismatch")
     offset = _FIXED.size
     try:
@@ -153,4 +156,4 @@ def unpack_header(data: bytes | memoryview) -> Header:
     sizes = tuple(_SHARD.unpack_from(data, offset + i * _SHARD.size)[0] for i in range(shards))
     if sum(sizes) != payload_length:
         raise ChunkFileError("shard sizes do not add up to the payload length")
-    return Header(namespace, key, sizes, payload_length, payload_crc, length)
+    return Header(namespace, key, sizes, payload_length, payload_sum, length)

@@ -35,7 +35,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from offloadd.cache.arena import Arena
+from offloadd.checksum import checksum_of, checksum_views
 from offloadd.settings import DiskSettings
 from offloadd.tiers import chunkfile
 from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
@@ -279,10 +279,9 @@ class DiskTier(Tier):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
             with _views(arena, chunk.extents) as views:
-                crc = 0
-                for view in views:
-                    crc = zlib.crc32(view, crc)
-                header = chunkfile.pack_header(chunk.namespace, chunk.key, sizes, crc)
+                header = chunkfile.pack_header(
+                    chunk.namespace, chunk.key, sizes, checksum_views(views)
+                )
                 fd = os.open(temp, flags | (os.O_DIRECT if self.direct_io else 0), 0o600)
                 try:
                     if self.direct_io and _page_aligned(arena, chunk.extents):
@@ -329,12 +328,9 @@ class DiskTier(Tier):
                     with memoryview(bounce) as whole, whole[:length] as head:
                         got = os.preadv(fd, [head, *views], 0)
                         header = self._check_header(chunk, head, got)
-                    crc = 0
-                    for view in views:
-                        crc = zlib.crc32(view, crc)
                     if header.length != length:  # unreachable when the sizes match; cheap
                         raise _Corrupt("header length differs from the chunk's")
-                    if crc != header.payload_crc:
+                    if checksum_views(views) != header.payload_sum:
                         raise _Corrupt("payload checksum mismatch")
                 elif self.direct_io:
                     length = chunkfile.aligned(known.size)
@@ -347,7 +343,7 @@ class DiskTier(Tier):
                             header = self._check_header(chunk, data, got)
                         end = header.length + header.payload_length
                         with region[header.length : end] as payload:
-                            if zlib.crc32(payload) != header.payload_crc:
+                            if checksum_of(payload) != header.payload_sum:
                                 raise _Corrupt("payload checksum mismatch")
                             offset = 0
                             for view in views:
@@ -364,10 +360,7 @@ class DiskTier(Tier):
                     got = os.preadv(fd, views, header.length) if views else 0
                     if got != header.payload_length:
                         raise _Corrupt("truncated payload")
-                    crc = 0
-                    for view in views:
-                        crc = zlib.crc32(view, crc)
-                    if crc != header.payload_crc:
+                    if checksum_views(views) != header.payload_sum:
                         raise _Corrupt("payload checksum mismatch")
         finally:
             os.close(fd)

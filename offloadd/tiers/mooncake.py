@@ -10,11 +10,11 @@ namespace, percent-encoded, is part of every name):
 - ``offloadd/<namespace>/<key hex>``: the chunk's shards, in shard order, as one object put
   from several arena ranges (``batch_put_from_multi_buffers``);
 - ``offloadd/<namespace>/<key hex>.sum``: its companion, put only AFTER the data object was
-  written: magic, version, the crc32 of the data name, each shard's size and crc32 (the
-  same sums as the journal's ``offloadd.cache.journal.checksum``). Its existence is what
+  written: magic, version, the checksum of the data name, each shard's size and checksum
+  (``offloadd.checksum``, xxh3_64, as the journal's sums). Its existence is what
   makes the chunk visible (two-phase across the cluster): ``contains`` asks for companions
   only, and ``get`` reads companion and data (into the extents) in one call and answers
-  True only when the sizes and every shard's crc32 check out. A mismatch drops both objects;
+  True only when the sizes and every shard's checksum check out. A mismatch drops both objects;
   so does data missing under its companion (evicted, or its daemon left).
 
 Faults: Mooncake answers errors as negative codes, never exceptions (``-704`` not found,
@@ -45,13 +45,13 @@ import struct
 import threading
 import time
 import urllib.parse
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from offloadd.cache.arena import Arena
+from offloadd.checksum import checksum, checksum_of
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
 
@@ -78,14 +78,14 @@ _HEALTH_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreach
 
 _PREFIX = "offloadd"
 _MAGIC = b"OFLD"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHII")  # magic, version, reserved, shards, name crc
+_VERSION = 2  # 1 had crc32s: a get drops its companions (the wrong size) and their data
+_HEADER = struct.Struct("<4sHHIQ")  # magic, version, reserved, shards, name checksum
 _SCRATCH = 1 << 20  # registered buffer for companions; a batch is split to fit it
 _CONNECT_TIMEOUT = 2.0
-# crc32 runs at about the speed of a loopback transfer, so it runs on a few threads (zlib
-# releases the GIL), a put's checksums while its data object is written.
-_CRC_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-_CRC_JOB = 8 << 20  # bytes of chunks per checksum job
+# Checksums run on a few threads (xxhash releases the GIL), a put's while its data object is
+# written and a get's while the next group transfers.
+_SUM_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_SUM_JOB = 8 << 20  # bytes of chunks per checksum job
 _GET_BATCH = 16 << 20  # bytes of chunks per get call: checksums overlap the next call
 _INSTALL_HINT = (
     "install the extra: pip install 'offloadd[mooncake]' "
@@ -109,36 +109,33 @@ def _namespace_pattern(namespace: str) -> str:
 
 def companion_size(shards: int) -> int:
     """Bytes of the companion of a chunk of ``shards`` shards."""
-    return _HEADER.size + 12 * shards  # per shard: size (u64), crc32 (u32)
+    return _HEADER.size + 16 * shards  # per shard: size (u64), checksum (u64)
 
 
 def encode_companion(name: str, sizes: Sequence[int], sums: Sequence[int]) -> bytes:
-    """The companion of the data object ``name``: its shards' sizes and crc32s."""
-    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(sizes), zlib.crc32(name.encode()))
-    return header + struct.pack(f"<{len(sizes)}Q{len(sums)}I", *sizes, *sums)
+    """The companion of the data object ``name``: its shards' sizes and checksums."""
+    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(sizes), checksum_of(name.encode()))
+    return header + struct.pack(f"<{len(sizes)}Q{len(sums)}Q", *sizes, *sums)
 
 
 def decode_companion(name: str, raw: bytes, sizes: Sequence[int]) -> tuple[int, ...] | None:
-    """The shard crc32s a companion holds, or None unless it is one for ``name`` and ``sizes``."""
+    """The shard checksums a companion holds; None unless it is one for ``name`` and ``sizes``."""
     if len(raw) != companion_size(len(sizes)):
         return None
-    magic, version, _, shards, name_crc = _HEADER.unpack_from(raw)
+    magic, version, _, shards, name_sum = _HEADER.unpack_from(raw)
     if magic != _MAGIC or version != _VERSION or shards != len(sizes):
         return None
-    if name_crc != zlib.crc32(name.encode()):
+    if name_sum != checksum_of(name.encode()):
         return None
-    fields = struct.unpack_from(f"<{shards}Q{shards}I", raw, _HEADER.size)
+    fields = struct.unpack_from(f"<{2 * shards}Q", raw, _HEADER.size)
     if list(fields[:shards]) != list(sizes):
         return None
     return tuple(fields[shards:])
 
 
 def _shard_sums(address: int, chunk: ChunkAddress) -> tuple[int, ...]:
-    """The crc32 of each shard (as ``offloadd.cache.journal.checksum`` computes it)."""
-    return tuple(
-        zlib.crc32((ctypes.c_char * size).from_address(address + offset))
-        for offset, size in chunk.extents
-    )
+    """The checksum of each shard (``offloadd.checksum``, as the journal's)."""
+    return tuple(checksum(address + offset, size) for offset, size in chunk.extents)
 
 
 def _chunks_sums(address: int, chunks: Sequence[ChunkAddress]) -> list[tuple[int, ...]]:
@@ -259,8 +256,8 @@ class MooncakeTier(Tier):
                     client.close()
                 raise MooncakeUnavailable(f"mooncake could not register {what} (code {code})")
         self._client: Any = client
-        self._crc_pool = ThreadPoolExecutor(
-            _CRC_THREADS, thread_name_prefix="offloadd-mooncake-crc"
+        self._sum_pool = ThreadPoolExecutor(
+            _SUM_THREADS, thread_name_prefix="offloadd-mooncake-sum"
         )
         self._lock = threading.Lock()  # around what stats() reads
         self._published: OrderedDict[tuple[str, bytes], int] = OrderedDict()
@@ -361,20 +358,20 @@ class MooncakeTier(Tier):
         if group:
             yield group
 
-    def _start_crcs(self, chunks: Sequence[ChunkAddress]) -> list[Future[list[tuple[int, ...]]]]:
-        """Each chunk's shard sums, computed on the pool in jobs of about ``_CRC_JOB`` bytes."""
+    def _start_sums(self, chunks: Sequence[ChunkAddress]) -> list[Future[list[tuple[int, ...]]]]:
+        """Each chunk's shard sums, computed on the pool in jobs of about ``_SUM_JOB`` bytes."""
         jobs: list[Future[list[tuple[int, ...]]]] = []
         start, size = 0, 0
         for end, chunk in enumerate(chunks, 1):
             size += chunk.nbytes
-            if size >= _CRC_JOB or end == len(chunks):
-                jobs.append(self._crc_pool.submit(_chunks_sums, self._address, chunks[start:end]))
+            if size >= _SUM_JOB or end == len(chunks):
+                jobs.append(self._sum_pool.submit(_chunks_sums, self._address, chunks[start:end]))
                 start, size = end, 0
         return jobs
 
     @staticmethod
-    def _finish_crcs(jobs: list[Future[list[tuple[int, ...]]]]) -> list[tuple[int, ...]]:
-        return [crc for job in jobs for crc in job.result()]
+    def _finish_sums(jobs: list[Future[list[tuple[int, ...]]]]) -> list[tuple[int, ...]]:
+        return [sums for job in jobs for sums in job.result()]
 
     def _ranges(self, chunk: ChunkAddress) -> list[tuple[int, int]]:
         """``(address, size)`` of the chunk's shards, adjacent ones merged (fewer buffers)."""
@@ -414,7 +411,7 @@ class MooncakeTier(Tier):
         if not valid:
             return 0
         names = [object_names(chunks[i].namespace, chunks[i].key) for i in valid]
-        pending = self._start_crcs([chunks[i] for i in valid])
+        pending = self._start_sums([chunks[i] for i in valid])
         ranges = [self._ranges(chunks[i]) for i in valid]
         codes = self._call(
             "put",
@@ -423,7 +420,7 @@ class MooncakeTier(Tier):
             [[address for address, _ in r] for r in ranges],
             [[size for _, size in r] for r in ranges],
         )
-        crcs = self._finish_crcs(pending)
+        shard_sums = self._finish_sums(pending)
         if codes is None or not self._answered(codes, "put"):
             return 0
         done = [n for n, code in enumerate(codes) if code in (0, OBJECT_ALREADY_EXISTS)]
@@ -435,7 +432,7 @@ class MooncakeTier(Tier):
         offset = 0
         for n in done:
             chunk = chunks[valid[n]]
-            raw = encode_companion(names[n][0], [size for _, size in chunk.extents], crcs[n])
+            raw = encode_companion(names[n][0], [size for _, size in chunk.extents], shard_sums[n])
             ctypes.memmove(self._scratch_address + offset, raw, len(raw))
             addresses.append(self._scratch_address + offset)
             sizes.append(len(raw))
@@ -531,17 +528,17 @@ class MooncakeTier(Tier):
             chunk = chunks[valid[n]]
             if sum_code == OBJECT_NOT_FOUND:
                 continue  # not there, or not complete yet
-            crc = None
+            stored = None
             if sum_code == sizes[n]:
                 raw = ctypes.string_at(self._scratch_address + slots[n], sizes[n])
-                crc = decode_companion(names[n][0], raw, [size for _, size in chunk.extents])
-            if crc is None:
+                stored = decode_companion(names[n][0], raw, [size for _, size in chunk.extents])
+            if stored is None:
                 if sum_code >= 0 or sum_code in _SIZE_MISMATCH:
                     bad.append(n)
                 else:
                     self._count_errors(1)
             elif data_code == chunk.nbytes:
-                expected[n] = crc
+                expected[n] = stored
             elif data_code == OBJECT_NOT_FOUND:
                 # The data went (evicted, or it lived in the segment of a daemon that left)
                 # while its companion stays: a miss, and the companion goes too.
@@ -551,11 +548,11 @@ class MooncakeTier(Tier):
             else:
                 self._count_errors(1)
         arrived = list(expected)
-        pending = self._start_crcs([chunks[valid[n]] for n in arrived])
+        pending = self._start_sums([chunks[valid[n]] for n in arrived])
 
         def verify() -> int:
             read = 0
-            for n, sums in zip(arrived, self._finish_crcs(pending), strict=True):
+            for n, sums in zip(arrived, self._finish_sums(pending), strict=True):
                 if sums == expected[n]:
                     found[valid[n]] = True
                     read += chunks[valid[n]].nbytes
@@ -630,7 +627,7 @@ class MooncakeTier(Tier):
                 client.unregister_buffer(address)
         with contextlib.suppress(Exception):
             client.close()
-        self._crc_pool.shutdown()
+        self._sum_pool.shutdown()
         self._scratch = None
 
     def __enter__(self) -> MooncakeTier:

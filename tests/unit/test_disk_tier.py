@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offloadd.cache.arena import Arena, memory_backed
+from offloadd.checksum import checksum_of
 from offloadd.settings import DiskSettings
 from offloadd.tiers import chunkfile
 from offloadd.tiers.base import ChunkAddress
@@ -230,6 +232,24 @@ def test_bad_files_are_removed_at_open(tmp_path: Path, arena: Arena, chunks: Chu
     garbage.write_bytes(b"not a chunk file" * 300)
     # b's file under a's name: its header names another chunk.
     os.replace(path_of(tier, b), path_of(tier, a))
+    with DiskTier(str(tmp_path), 1 << 20) as reopened:
+        assert reopened.stats().chunks == 0
+        assert files_in(tmp_path) == []
+
+
+def test_files_of_the_previous_version_are_removed_at_open(
+    tmp_path: Path, arena: Arena, chunks: Chunks
+) -> None:
+    tier = DiskTier(str(tmp_path), 1 << 20)
+    a = chunks.make(b"a")
+    tier.put([a], arena)
+    tier.close()
+    data = bytearray(path_of(tier, a).read_bytes())
+    header = chunkfile.unpack_header(data)
+    payload = bytes(data[header.length : header.length + header.payload_length])
+    assert header.payload_sum == xxhash.xxh3_64_intdigest(payload) == checksum_of(payload)
+    data[4:6] = (1).to_bytes(2, "little")  # version 1 (crc32s)
+    path_of(tier, a).write_bytes(bytes(data))
     with DiskTier(str(tmp_path), 1 << 20) as reopened:
         assert reopened.stats().chunks == 0
         assert files_in(tmp_path) == []

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import xxhash
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, RestoredChunk
@@ -222,7 +223,7 @@ def test_a_journal_inside_the_shm_dirs_is_refused(arena_path: str) -> None:
 def _records(path: str) -> list[int]:
     """Byte offsets where each record ends (header end first), read from a healthy file."""
     data = Path(path).read_bytes()
-    ends = [len(b"offloadd-journal-2\n") + 8 * 3 + 16 + 16]
+    ends = [len(b"offloadd-journal-3\n") + 8 * 3 + 16 + 16]
     while ends[-1] < len(data):
         length = int.from_bytes(data[ends[-1] : ends[-1] + 4], "big")
         ends.append(ends[-1] + 4 + 16 + length)
@@ -295,7 +296,7 @@ def test_a_forged_record_in_the_middle_stops_replay_and_nothing_wrong_is_served(
         msgspec.msgpack.encode(["?", "ns", b"k"]),  # no such record
         msgspec.msgpack.encode(["+", "ns", b"k", [0], [4096, 4096], [3]]),  # shard counts differ
         msgspec.msgpack.encode(["+", "ns", b"k", [-4096], [4096], [3]]),  # negative offset
-        msgspec.msgpack.encode(["+", "ns", b"k", [0], [4096], [1 << 40]]),  # not a crc32
+        msgspec.msgpack.encode(["+", "ns", b"k", [0], [4096], [-1]]),  # not a checksum
         msgspec.msgpack.encode(["-", 7, b"k"]),  # wrong types
     ],
 )
@@ -348,6 +349,34 @@ def test_a_journal_of_another_arena_is_replaced(node: Node, workdir: str) -> Non
         other.crash()
         os.unlink(other.arena_path)
     assert node.replay() == []  # the journal now belongs to the other arena
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_journal_of_an_earlier_version_is_discarded_quietly(
+    node: Node, version: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    mirror, _ = node.start()
+    mirror.store(0)
+    node.crash()
+    data = Path(node.journal_path).read_bytes()
+    assert data.startswith(b"offloadd-journal-3\n")
+    # The same file as that version wrote it, but for its magic (v2 recorded crc32s).
+    Path(node.journal_path).write_bytes(f"offloadd-journal-{version}\n".encode() + data[19:])
+    with caplog.at_level("INFO", logger="offloadd.cache.journal"):
+        assert node.replay() == []  # a cold start, never a wrong chunk
+    assert any("earlier version" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert Path(node.journal_path).read_bytes().startswith(b"offloadd-journal-3\n")
+
+
+def test_shard_sums_are_xxh3_64(node: Node) -> None:
+    mirror, _ = node.start()
+    assert mirror.store(0)
+    sums = mirror.journal._sums[(NS, key_of(0))]
+    assert sums == tuple(xxhash.xxh3_64_intdigest(shard_bytes(key_of(0), s)) for s in range(SHARDS))
+    assert any(value >= 1 << 32 for value in sums)  # recorded, and replayed, with all 64 bits
+    node.crash()
+    assert [c.key for c in node.replay()] == [key_of(0)]
 
 
 def test_a_journal_under_a_new_key_is_replaced(node: Node) -> None:

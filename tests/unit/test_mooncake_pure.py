@@ -13,12 +13,13 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from offloadd.cache.arena import Arena
-from offloadd.cache.journal import checksum
+from offloadd.checksum import checksum
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import (
     MooncakeTier,
     MooncakeUnavailable,
+    companion_size,
     decode_companion,
     default_metadata,
     encode_companion,
@@ -153,13 +154,15 @@ def read(arena: Arena, chunk: ChunkAddress) -> bytes:
 def test_names_and_companions() -> None:
     data, companion = object_names("ns/a b", b"\x01\x02")
     assert (data, companion) == ("offloadd/ns%2Fa%20b/0102", "offloadd/ns%2Fa%20b/0102.sum")
-    raw = encode_companion(data, [10, 20], [0xDEADBEEF, 7])
-    assert decode_companion(data, raw, [10, 20]) == (0xDEADBEEF, 7)
+    raw = encode_companion(data, [10, 20], [0xDEADBEEF_0BADF00D, 7])
+    assert len(raw) == companion_size(2)
+    assert decode_companion(data, raw, [10, 20]) == (0xDEADBEEF_0BADF00D, 7)
     assert decode_companion(data, raw, [10, 21]) is None
     assert decode_companion(data, raw, [10]) is None
     assert decode_companion(data + "x", raw, [10, 20]) is None  # another chunk's companion
     assert decode_companion(data, raw[:-1], [10, 20]) is None
     assert decode_companion(data, b"XXXX" + raw[4:], [10, 20]) is None
+    assert decode_companion(data, raw[:4] + b"\x01\x00" + raw[6:], [10, 20]) is None  # v1
     assert default_metadata("10.0.0.7:50051") == "http://10.0.0.7:8080/metadata"
     assert default_metadata("master") == "http://master:8080/metadata"
 
