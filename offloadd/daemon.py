@@ -360,6 +360,7 @@ class Daemon:
             tenancy=self.tenancy,
             limits=self.limits,
             protection=self._protection,
+            tier_names=list(tiers.names) if tiers is not None else [],
         )
         requests = CacheRequests(
             settings,

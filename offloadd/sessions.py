@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -118,8 +118,10 @@ class Sessions:
         tenancy: Tenancy,
         limits: Limits,
         protection: Protection,
+        tier_names: Sequence[str] = (),
     ) -> None:
         self.settings = settings
+        self._tier_names = list(tier_names)  # the tiers that opened, told in every Welcome
         self.registry = registry
         self._cache = cache
         self._mirrors = mirrors
@@ -340,7 +342,7 @@ class Sessions:
                 session_id,
                 engine.state(),
                 *events,
-                tiers=self.settings.tier_names(),
+                tiers=self._tier_names,
             ),
         )
         if outcome.became_ready:

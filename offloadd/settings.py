@@ -218,14 +218,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     disk: DiskSettings = DiskSettings()
     mooncake: MooncakeSettings = MooncakeSettings()
 
-    def tier_names(self) -> list[str]:
-        """The tiers below the arena that are turned on, top down."""
-        return [
-            name
-            for name, on in (("disk", self.disk.path), ("mooncake", self.mooncake.master))
-            if on
-        ]
-
     def endpoint(self) -> str:
         """The control endpoint, defaulted."""
         return self.server.endpoint or default_endpoint()

@@ -5,11 +5,13 @@ the Mooncake client it opens) and registers its whole arena once, so that puts r
 straight out of arena extents and gets write them straight into extents: no staging copy.
 
 Objects, named so that only engines whose bytes are interchangeable share them (the
-namespace, percent-encoded, is part of every name):
+namespace, percent-encoded, is part of every name), and only daemons of one object format
+(``v2``: daemons of two versions in one cluster during an upgrade each miss the other's
+objects instead of dropping them as damaged):
 
-- ``offloadd/<namespace>/<key hex>``: the chunk's shards, in shard order, as one object put
+- ``offloadd/v2/<namespace>/<key hex>``: the chunk's shards, in shard order, as one object put
   from several arena ranges (``batch_put_from_multi_buffers``);
-- ``offloadd/<namespace>/<key hex>.sum``: its companion, put only AFTER the data object was
+- ``offloadd/v2/<namespace>/<key hex>.sum``: its companion, put only AFTER the data object was
   written: magic, version, the checksum of the data name, each shard's size and checksum
   (``offloadd.checksum``, xxh3_64, as the journal's sums). Its existence is what
   makes the chunk visible (two-phase across the cluster): ``contains`` asks for companions
@@ -76,9 +78,9 @@ _UNREACHABLE = frozenset({RPC_FAIL, RPC_TIMEOUT})
 _SIZE_MISMATCH = frozenset({INVALID_PARAMS, TRANSFER_FAIL})
 _HEALTH_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
 
-_PREFIX = "offloadd"
 _MAGIC = b"OFLD"
-_VERSION = 2  # 1 had crc32s: a get drops its companions (the wrong size) and their data
+_VERSION = 2  # 1 had crc32s (and names without the version)
+_PREFIX = f"offloadd/v{_VERSION}"
 _HEADER = struct.Struct("<4sHHIQ")  # magic, version, reserved, shards, name checksum
 _SCRATCH = 1 << 20  # registered buffer for companions; a batch is split to fit it
 _CONNECT_TIMEOUT = 2.0

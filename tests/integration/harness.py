@@ -30,6 +30,7 @@ from offloadd.settings import (
     EventSettings,
     LimitsSettings,
     MetricsSettings,
+    MooncakeSettings,
     ServerSettings,
     Settings,
     TenancySettings,
@@ -75,6 +76,7 @@ class DaemonThread:
         limits: LimitsSettings | None = None,
         tenancy: TenancySettings | None = None,
         disk: DiskSettings | None = None,
+        mooncake: MooncakeSettings | None = None,
         tiers: Sequence[TierSlot] | None = None,
         **server: object,
     ) -> None:
@@ -98,6 +100,7 @@ class DaemonThread:
             limits=limits or LimitsSettings(),
             tenancy=tenancy or TenancySettings(),
             disk=disk or DiskSettings(),
+            mooncake=mooncake or MooncakeSettings(),
         )
         self.tiers = tiers  # given to the daemon in place of the settings' tiers
         self.events_endpoint = self.settings.events.endpoint

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from offloadd.client import OffloadClient
-from offloadd.settings import DiskSettings
+from offloadd.settings import DiskSettings, MooncakeSettings
 from offloadd.tiers import chunkfile
 from offloadd.tiers.coordinator import TierSlot
 from protocol.messages import LookupResult, TierState
@@ -127,11 +127,25 @@ def disk_daemon(daemon_factory: DaemonFactory, path: Path) -> str:
     return daemon.endpoint
 
 
+def test_welcome_names_only_the_tiers_that_opened(
+    daemon_factory: DaemonFactory, rank_factory: Callable[[str], Rank], tmp_path: Path
+) -> None:
+    daemon = daemon_factory(
+        capacity=ARENA_CHUNKS * KEY_BYTES,
+        disk=DiskSettings(path=str(tmp_path / "disk"), capacity=64 << 20),
+        mooncake=MooncakeSettings(master="127.0.0.1:1"),  # nobody there: the tier stays off
+    )
+    client = client_of(rank_factory(daemon.endpoint))
+    assert client.welcome is not None and client.welcome.tiers == ["disk"]
+    assert [tier.name for tier in client.stats().tiers] == ["disk"]
+
+
 def test_a_working_set_three_times_the_arena_is_served_from_disk(
     daemon_factory: DaemonFactory, rank_factory: Callable[[str], Rank], tmp_path: Path
 ) -> None:
     r = rank_factory(disk_daemon(daemon_factory, tmp_path / "disk"))
     client = client_of(r)
+    assert client.welcome is not None and client.welcome.tiers == ["disk"]
     keys = chain_keys(WORKING_SET, b"ws")
     store_working_set(r, keys)
     stats = client.stats()

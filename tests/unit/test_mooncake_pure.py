@@ -153,7 +153,7 @@ def read(arena: Arena, chunk: ChunkAddress) -> bytes:
 
 def test_names_and_companions() -> None:
     data, companion = object_names("ns/a b", b"\x01\x02")
-    assert (data, companion) == ("offloadd/ns%2Fa%20b/0102", "offloadd/ns%2Fa%20b/0102.sum")
+    assert (data, companion) == ("offloadd/v2/ns%2Fa%20b/0102", "offloadd/v2/ns%2Fa%20b/0102.sum")
     raw = encode_companion(data, [10, 20], [0xDEADBEEF_0BADF00D, 7])
     assert len(raw) == companion_size(2)
     assert decode_companion(data, raw, [10, 20]) == (0xDEADBEEF_0BADF00D, 7)
