@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from offloadd.cache.arena import Arena
 
-__all__ = ["ChunkAddress", "Tier", "TierStats", "TierWrite"]
+__all__ = ["ChunkAddress", "Tier", "TierCounters", "TierStats", "TierWrite"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +70,32 @@ class TierStats:
     bytes_read: int = 0
     write_seconds: float = 0.0  # time spent in writes, for GB/s
     read_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What a tier counts as it works; kept and read under the tier's own lock."""
+
+    healthy: bool = True
+    errors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+    def stats(self, name: str, capacity: int, used_bytes: int, chunks: int) -> TierStats:
+        return TierStats(
+            name=name,
+            capacity=capacity,
+            used_bytes=used_bytes,
+            chunks=chunks,
+            healthy=self.healthy,
+            errors=self.errors,
+            bytes_written=self.bytes_written,
+            bytes_read=self.bytes_read,
+            write_seconds=self.write_seconds,
+            read_seconds=self.read_seconds,
+        )
 
 
 class Tier(abc.ABC):

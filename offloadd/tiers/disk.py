@@ -45,7 +45,7 @@ from offloadd.cache.arena import Arena
 from offloadd.checksum import checksum_of, checksum_views
 from offloadd.settings import DiskSettings
 from offloadd.tiers import chunkfile
-from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
+from offloadd.tiers.base import ChunkAddress, Tier, TierCounters, TierStats, TierWrite
 
 __all__ = ["DiskTier"]
 
@@ -89,12 +89,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()  # the index and the counters (contains, stats)
         self._files: OrderedDict[Name, _File] = OrderedDict()  # least recently used first
         self._used = 0
-        self._errors = 0
-        self._healthy = True
-        self._bytes_written = 0
-        self._bytes_read = 0
-        self._write_seconds = 0.0
-        self._read_seconds = 0.0
+        self._counts = TierCounters()
         self._logged: set[str] = set()
         self._local = threading.local()  # each thread's bounce buffer
         self._bounces: list[mmap.mmap] = []
@@ -138,7 +133,7 @@ class DiskTier(Tier):
         started = time.perf_counter()
         done = self._map(lambda w: self._write_one(w[1], w[2], arena), writes)
         with self._lock:
-            self._write_seconds += time.perf_counter() - started if writes else 0.0
+            self._counts.write_seconds += time.perf_counter() - started if writes else 0.0
             for name in planned:  # recency in chunk order, not in the order writes finished
                 if name in self._files:
                     self._files.move_to_end(name)
@@ -155,7 +150,7 @@ class DiskTier(Tier):
         found = self._map(lambda chunk: self._read_one(chunk, arena), chunks)
         if any(found):
             with self._lock:  # wall time of the batch: its reads overlap
-                self._read_seconds += time.perf_counter() - started
+                self._counts.read_seconds += time.perf_counter() - started
                 for chunk, hit in zip(chunks, found, strict=True):  # recency in chunk order
                     name = (chunk.namespace, chunk.key)
                     if hit and name in self._files:
@@ -177,18 +172,7 @@ class DiskTier(Tier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(
-                name=self.name,
-                capacity=self.capacity,
-                used_bytes=self._used,
-                chunks=len(self._files),
-                healthy=self._healthy,
-                errors=self._errors,
-                bytes_written=self._bytes_written,
-                bytes_read=self._bytes_read,
-                write_seconds=self._write_seconds,
-                read_seconds=self._read_seconds,
-            )
+            return self._counts.stats(self.name, self.capacity, self._used, len(self._files))
 
     def close(self) -> None:
         """Stop the I/O threads and free their buffers; the files stay. Idempotent."""
@@ -245,12 +229,12 @@ class DiskTier(Tier):
             self._fault(f"write:{errno.errorcode.get(exc.errno or 0, exc.errno)}", exc)
             with self._lock:
                 self._used -= size
-                self._healthy = False
+                self._counts.healthy = False
             return False
         with self._lock:
             self._files[name] = _File(relative, size)
-            self._healthy = True
-            self._bytes_written += chunk.nbytes
+            self._counts.healthy = True
+            self._counts.bytes_written += chunk.nbytes
         return True
 
     def _read_one(self, chunk: ChunkAddress, arena: Arena) -> bool:
@@ -267,7 +251,7 @@ class DiskTier(Tier):
             self._forget([name])
             return False
         with self._lock:
-            self._bytes_read += chunk.nbytes
+            self._counts.bytes_read += chunk.nbytes
         self._touch(known.name)
         return True
 
@@ -438,7 +422,7 @@ class DiskTier(Tier):
         would keep views of the bounce buffer and the arena alive with it.
         """
         with self._lock:
-            self._errors += 1
+            self._counts.errors += 1
             first = kind not in self._logged
             self._logged.add(kind)
         log = logger.warning if first else logger.debug

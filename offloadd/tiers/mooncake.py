@@ -55,7 +55,7 @@ from typing import Any
 from offloadd.cache.arena import Arena
 from offloadd.checksum import checksum, checksum_of
 from offloadd.settings import MooncakeSettings
-from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
+from offloadd.tiers.base import ChunkAddress, Tier, TierCounters, TierStats, TierWrite
 
 __all__ = [
     "MooncakeTier",
@@ -264,27 +264,22 @@ class MooncakeTier(Tier):
         self._lock = threading.Lock()  # around what stats() reads
         self._published: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._used = 0
-        self._healthy = True
         self._retry_at = 0.0
         self._backoff = backoff
-        self._errors = 0
-        self._bytes_written = 0
-        self._bytes_read = 0
-        self._write_seconds = 0.0
-        self._read_seconds = 0.0
+        self._counts = TierCounters()
 
     # -- health -------------------------------------------------------------------------
 
     @property
     def healthy(self) -> bool:
         """False from an unreachable master until a call succeeds again."""
-        return self._healthy
+        return self._counts.healthy
 
     def _may_call(self) -> bool:
         """Whether to call the cluster now: not while closed or backing off after a fault."""
         if self._scratch is None:
             return False
-        if self._healthy:
+        if self._counts.healthy:
             return True
         if time.monotonic() < self._retry_at:
             return False
@@ -300,8 +295,8 @@ class MooncakeTier(Tier):
     def _fault(self, reason: str, *, count: bool = True) -> None:
         with self._lock:
             if count:
-                self._errors += 1
-            was_healthy, self._healthy = self._healthy, False
+                self._counts.errors += 1
+            was_healthy, self._counts.healthy = self._counts.healthy, False
         if was_healthy:
             logger.warning("mooncake tier unreachable (%s): skipping it while it is down", reason)
             self._backoff = self._backoff_min
@@ -309,9 +304,9 @@ class MooncakeTier(Tier):
         self._backoff = min(self._backoff * 2, self._backoff_max)
 
     def _reached(self) -> None:
-        if not self._healthy:
+        if not self._counts.healthy:
             with self._lock:
-                self._healthy = True
+                self._counts.healthy = True
             self._backoff = self._backoff_min
             logger.warning("mooncake tier reachable again")
 
@@ -327,7 +322,7 @@ class MooncakeTier(Tier):
     def _count_errors(self, number: int) -> None:
         if number:
             with self._lock:
-                self._errors += number
+                self._counts.errors += number
 
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """One client call; an exception from it is a fault (None), never the caller's."""
@@ -401,8 +396,8 @@ class MooncakeTier(Tier):
                 break
             written += self._put_group(chunks, group, stored)
         with self._lock:
-            self._bytes_written += written
-            self._write_seconds += time.perf_counter() - started
+            self._counts.bytes_written += written
+            self._counts.write_seconds += time.perf_counter() - started
         return TierWrite(stored)
 
     def _put_group(
@@ -488,8 +483,8 @@ class MooncakeTier(Tier):
             verifications.append(self._get_group(chunks, group, found))
         read = sum(verify() for verify in verifications)
         with self._lock:
-            self._bytes_read += read
-            self._read_seconds += time.perf_counter() - started
+            self._counts.bytes_read += read
+            self._counts.read_seconds += time.perf_counter() - started
         return found
 
     def _get_group(
@@ -566,7 +561,7 @@ class MooncakeTier(Tier):
                     "mooncake tier: %d chunk(s) failed (size, checksum or transfer); dropped",
                     len(bad),
                 )
-            if (bad or gone) and self._healthy:
+            if (bad or gone) and self._counts.healthy:
                 dropped = [name for n in bad + gone for name in reversed(names[n])]
                 self._call("get", "batch_remove", dropped, True)
             return read
@@ -606,18 +601,7 @@ class MooncakeTier(Tier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(
-                name=self.name,
-                capacity=self._capacity,
-                used_bytes=self._used,
-                chunks=len(self._published),
-                healthy=self._healthy,
-                errors=self._errors,
-                bytes_written=self._bytes_written,
-                bytes_read=self._bytes_read,
-                write_seconds=self._write_seconds,
-                read_seconds=self._read_seconds,
-            )
+            return self._counts.stats(self.name, self._capacity, self._used, len(self._published))
 
     def close(self) -> None:
         """Unregister the buffers and close the client (the objects in its segment go)."""
