@@ -94,18 +94,27 @@ def _master(binary: str):
             process.wait()
 
 
-def run(ctx: Context) -> list[Result]:
-    """``mooncake_put_<chunk>`` and ``mooncake_get_<chunk>`` for each chunk size."""
-    from offloadd.tiers.mooncake import MooncakeTier, MooncakeUnavailable, _load_store_class
+def mooncake_installed() -> tuple[str | None, str]:
+    """``(mooncake_master's path, "")``, or ``(None, what is missing)``."""
+    from offloadd.tiers.mooncake import MooncakeUnavailable, _load_store_class
 
     try:
         _load_store_class()
     except MooncakeUnavailable as exc:
-        ctx.progress(f"mooncake: skipped ({exc})")
-        return []
+        return None, str(exc)
     binary = _master_binary()
     if binary is None:
-        ctx.progress("mooncake: skipped (mooncake_master is not installed)")
+        return None, "mooncake_master is not installed"
+    return binary, ""
+
+
+def run(ctx: Context) -> list[Result]:
+    """``mooncake_put_<chunk>`` and ``mooncake_get_<chunk>`` for each chunk size."""
+    from offloadd.tiers.mooncake import MooncakeTier
+
+    binary, missing = mooncake_installed()
+    if binary is None:
+        ctx.progress(f"mooncake: skipped ({missing})")
         return []
     sizes = [
         size

@@ -341,19 +341,14 @@ def run_cluster(ctx: Context) -> list[Result]:
     names = ("mooncake_daemon_publish", "mooncake_daemon_promote")
     if not any(ctx.wanted(name) for name in names):
         return []
-    from offloadd.bench.mooncake import _master, _master_binary
+    from offloadd.bench.mooncake import _master, mooncake_installed
     from offloadd.cache.arena import Arena
     from offloadd.settings import MooncakeSettings
-    from offloadd.tiers.mooncake import MooncakeTier, MooncakeUnavailable, _load_store_class
+    from offloadd.tiers.mooncake import MooncakeTier
 
-    try:
-        _load_store_class()
-    except MooncakeUnavailable as exc:
-        ctx.progress(f"mooncake daemon: skipped ({exc})")
-        return []
-    binary = _master_binary()
+    binary, missing = mooncake_installed()
     if binary is None:
-        ctx.progress("mooncake daemon: skipped (mooncake_master is not installed)")
+        ctx.progress(f"mooncake daemon: skipped ({missing})")
         return []
     count = QUICK_CHUNKS if ctx.quick else FULL_CHUNKS
     reps = 3 if ctx.quick else 7
