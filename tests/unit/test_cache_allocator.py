@@ -112,6 +112,65 @@ def test_double_free_and_bad_free_raise() -> None:
     assert alloc.free_extents() == [(0, 8 * A)]
 
 
+@pytest.mark.parametrize(
+    ("offset", "size"),
+    [
+        (-A, A),  # before the arena
+        (A // 2, A),  # not aligned
+        (8 * A, A),  # at the end
+        (7 * A, 2 * A),  # running past the end
+    ],
+)
+def test_a_free_outside_the_arena_or_unaligned_raises(offset: int, size: int) -> None:
+    alloc = ExtentAllocator(8 * A)
+    for _ in range(8):
+        assert alloc.alloc(A) is not None  # every unit allocated: only the bounds can refuse
+    with pytest.raises(ValueError, match=rf"extent \({offset}, {size}\) is not allocated"):
+        alloc.free(offset, size)
+    assert alloc.used_bytes == 8 * A
+
+
+def test_a_free_spanning_two_extents_raises() -> None:
+    alloc = ExtentAllocator(16 * A)
+    assert [alloc.alloc(n * A) for n in (1, 8, 1, 1)] == [0, A, 9 * A, 10 * A]
+    # From the second extent's start to the third's end: the end at unit 8, in the next
+    # byte of the bitmap, lies inside.
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(A, 9 * A)
+    # Two one-unit extents: the first one's end is the first unit of the range.
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(9 * A, 2 * A)
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(0, 2 * A)
+    assert alloc.used_bytes == 11 * A
+    alloc.free(A, 8 * A)  # the extent itself is freed
+    assert alloc.used_bytes == 3 * A
+
+
+def test_a_freed_extent_leaves_no_start_behind_and_touches_no_other() -> None:
+    alloc = ExtentAllocator(8 * A)
+    assert [alloc.alloc(n * A) for n in (1, 1, 2)] == [0, A, 2 * A]  # units 0, 1, 2-3
+    alloc.free(A, A)
+    # Unit 1 no longer starts an extent, and unit 3 never did (it ends one).
+    with pytest.raises(ValueError, match=r"extent \(4096, 12288\) is not allocated"):
+        alloc.free(A, 3 * A)
+    with pytest.raises(ValueError, match=r"extent \(12288, 4096\) is not allocated"):
+        alloc.free(3 * A, A)
+    alloc.free(2 * A, 2 * A)
+    alloc.free(0, A)
+    assert alloc.free_extents() == [(0, 8 * A)] and alloc.used_bytes == 0
+
+
+def test_extents_restored_past_the_first_bitmap_byte_can_be_freed() -> None:
+    # Units 9-10 and 17: their marks live in the second and third bytes of the bitmaps.
+    alloc = ExtentAllocator.with_allocated(24 * A, [(9 * A, 2 * A), (17 * A, A)])
+    with pytest.raises(ValueError, match="is not allocated"):
+        alloc.free(A, 2 * A)  # where a mark in the wrong byte would put unit 9's
+    alloc.free(9 * A, 2 * A)
+    alloc.free(17 * A, A)
+    assert alloc.free_extents() == [(0, 24 * A)] and alloc.used_bytes == 0
+
+
 def test_extents_never_overlap_under_random_churn() -> None:
     rng = random.Random(11)
     cap = 256
