@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import os
 import select
@@ -22,6 +23,14 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from protocol.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
 
 # The directory that holds the offloadd package (a checkout, or site-packages): first on the
 # PYTHONPATH of every subprocess, so that it runs this very copy of offloadd.
@@ -280,3 +289,56 @@ def timed(function: Callable[[], object]) -> float:
     started = time.perf_counter()
     function()
     return time.perf_counter() - started
+
+
+def one_group_config(
+    engine_id: str,
+    *,
+    model: str,
+    layers: Sequence[str],
+    bytes_per_block: int,
+    blocks_per_chunk: int = 1,
+    rank: int = 0,
+    tp: int = 1,
+    dp: int = 0,
+    tokens_per_block: int = 16,
+    tokens_per_hash: int | None = None,
+    dtype: str = "bfloat16",
+    events: bool = False,
+    extra: dict[str, object] | None = None,
+) -> OffloadingConfig:
+    """A one-group, tensor-parallel config shaped like ``build_offloading_config``'s output:
+    what the benchmarks' (and the tests') engines say Hello with."""
+    return OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=tuple(layers)),
+        ),
+        worker_kv_bytes_per_block=bytes_per_block,
+        enable_kv_cache_events=events,
+        extra_config=dict(extra or {}),
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(
+            tokens_per_hash=tokens_per_hash or tokens_per_block, blocks_per_chunk=blocks_per_chunk
+        ),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=dp,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:
+    """Chained 32-byte sha256 hashes + u32be group, like vLLM's offload keys: extending a
+    sequence keeps its prefix."""
+    keys, parent = [], salt
+    for index in range(count):
+        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
+        keys.append(parent + group.to_bytes(4, "big"))
+    return keys

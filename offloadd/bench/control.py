@@ -27,6 +27,7 @@ from offloadd.bench._util import (
     Result,
     ServerProcess,
     median,
+    one_group_config,
     paired_ratio,
     percentile,
     process_cpu_seconds,
@@ -37,11 +38,7 @@ from offloadd.client import AsyncOffloadClient, OffloadClient
 from offloadd.shm import SharedKVTensor
 from protocol import PROTOCOL_VERSION
 from protocol.config import (
-    OffloadingCacheConfig,
     OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 from protocol.handles import KVRegion
 from protocol.messages import Hello, Lookup, encode
@@ -54,24 +51,8 @@ LAYER = "model.layers.0.attn"
 
 
 def small_config(engine_id: str, rank: int = 0, tp: int = 1) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=(LAYER,)),),
-        worker_kv_bytes_per_block=PAGE,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="bench/control", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            is_parallelism_agnostic=True,
-        ),
+    return one_group_config(
+        engine_id, model="bench/control", layers=(LAYER,), bytes_per_block=PAGE, rank=rank, tp=tp
     )
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import random
 import time
@@ -40,7 +39,9 @@ from offloadd.bench._util import (
     MiB,
     Result,
     ServerProcess,
+    chain_keys,
     median,
+    one_group_config,
     paired_ratio,
     process_cpu_seconds,
     size_name,
@@ -50,11 +51,7 @@ from offloadd.client import OffloadClient
 from offloadd.settings import CacheSettings, EventSettings, ServerSettings, Settings
 from offloadd.shm import SharedKVTensor
 from protocol.config import (
-    OffloadingCacheConfig,
     OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 from protocol.handles import KVRegion, ShmHandle
 
@@ -80,35 +77,20 @@ def result_names(
 
 
 def engine_config(engine_id: str, rank: int, tp: int, page: int) -> OffloadingConfig:
-    layers = tuple(f"model.layers.{i}.attn" for i in range(LAYERS))
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=layers),),
-        worker_kv_bytes_per_block=page * LAYERS,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            is_parallelism_agnostic=True,
-        ),
+    return one_group_config(
+        engine_id,
+        model="bench/model",
+        layers=[f"model.layers.{i}.attn" for i in range(LAYERS)],
+        bytes_per_block=page * LAYERS,
+        blocks_per_chunk=BLOCKS_PER_CHUNK,
+        rank=rank,
+        tp=tp,
     )
 
 
 def chunk_keys(count: int, salt: bytes) -> list[bytes]:
     """Chained sha256 keys + u32 group 0, like vLLM's offload keys."""
-    keys, parent = [], salt
-    for index in range(count):
-        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
-        keys.append(parent + bytes(4))
-    return keys
+    return chain_keys(count, salt)
 
 
 class RankMemory:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import multiprocessing as mp
 import shutil
@@ -50,6 +49,8 @@ import time
 import traceback
 import uuid
 from typing import Any
+
+from offloadd.bench._util import chain_keys, one_group_config
 
 TOKENS_PER_BLOCK = 16
 RANKS = 2
@@ -221,45 +222,16 @@ class DaemonThread:
 # --- a rank ----------------------------------------------------------------------------------
 
 
-def chain_keys(count: int, salt: bytes = b"gpu_check") -> list[bytes]:
-    """Chained 32-byte hashes + u32be group 0, like vLLM's OffloadKeys."""
-    keys, parent = [], salt
-    for index in range(count):
-        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
-        keys.append(parent + (0).to_bytes(4, "big"))
-    return keys
-
-
 def make_config(rank: int, layers: int, blocks_per_chunk: int, block_stride: int) -> Any:
-    from protocol.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=names),),
-        worker_kv_bytes_per_block=block_stride * layers,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="gpu-check",
-        model=OffloadingModelConfig(name="gpu-check/model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=blocks_per_chunk
-        ),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=RANKS,
-            tp_size=RANKS,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            is_parallelism_agnostic=True,
-        ),
+    return one_group_config(
+        "gpu-check",
+        model="gpu-check/model",
+        layers=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+        bytes_per_block=block_stride * layers,
+        blocks_per_chunk=blocks_per_chunk,
+        rank=rank,
+        tp=RANKS,
+        tokens_per_block=TOKENS_PER_BLOCK,
     )
 
 

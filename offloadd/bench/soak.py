@@ -49,16 +49,12 @@ from typing import Any
 
 import torch
 
-from offloadd.bench._util import IMPORT_ROOT, Result, ratio
+from offloadd.bench._util import IMPORT_ROOT, Result, chain_keys, one_group_config, ratio
 from offloadd.client import OffloadClient
 from offloadd.errors import DaemonUnavailable
 from offloadd.shm import SharedKVTensor
 from protocol.config import (
-    OffloadingCacheConfig,
     OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 
 MiB = 1 << 20
@@ -84,34 +80,21 @@ def expected_page(key: bytes, rank: int, layer: int, block: int) -> bytes:
 
 
 def make_config(engine_id: str, rank: int) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=LAYERS),),
-        worker_kv_bytes_per_block=PAGE * len(LAYERS),
-        enable_kv_cache_events=True,
-        extra_config={},
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="soak/model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=TP,
-            tp_size=TP,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            is_parallelism_agnostic=True,
-        ),
+    return one_group_config(
+        engine_id,
+        model="soak/model",
+        layers=LAYERS,
+        bytes_per_block=PAGE * len(LAYERS),
+        blocks_per_chunk=BPC,
+        rank=rank,
+        tp=TP,
+        events=True,
     )
 
 
 def sequence_keys(name: str, count: int) -> list[bytes]:
     """Chained 32-byte hashes + u32be group 0: extending a sequence keeps its prefix."""
-    keys, parent = [], name.encode()
-    for index in range(count):
-        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
-        keys.append(parent + bytes(4))
-    return keys
+    return chain_keys(count, name.encode())
 
 
 def chunk_blocks(chunks: int, base: int) -> list[int]:

@@ -3,16 +3,12 @@ user imports this without torch or the daemon (``tests.integration.peer_process`
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-from protocol.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from offloadd.bench._util import chain_keys, one_group_config
+from protocol.config import OffloadingConfig
+
+__all__ = ["LAYERS", "TOKENS_PER_BLOCK", "chain_keys", "make_config"]
 
 LAYERS = ("layer.0", "layer.1", "layer.2")
 TOKENS_PER_BLOCK = 16
@@ -33,36 +29,21 @@ def make_config(
     events: bool = False,
 ) -> OffloadingConfig:
     """A one-group config shaped like build_offloading_config's output."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=LAYERS),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=events,
-        extra_config=dict(extra or {}),
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name=model, dtype=dtype),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk
-        ),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=dp,
-            is_parallelism_agnostic=True,
-        ),
+    return one_group_config(
+        engine_id,
+        model=model,
+        layers=LAYERS,
+        bytes_per_block=bytes_per_block,
+        blocks_per_chunk=blocks_per_chunk,
+        rank=rank,
+        tp=tp,
+        dp=dp,
+        tokens_per_block=TOKENS_PER_BLOCK,
+        tokens_per_hash=tokens_per_hash,
+        dtype=dtype,
+        events=events,
+        extra=extra,
     )
-
-
-def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:
-    """Chained 32-byte hashes + u32be group, like vLLM's OffloadKeys."""
-    keys, parent = [], salt
-    for index in range(count):
-        parent = hashlib.sha256(parent + index.to_bytes(4, "big")).digest()
-        keys.append(parent + group.to_bytes(4, "big"))
-    return keys
 
 
 def chunk_block_ids(chunks: Sequence[int], blocks_per_chunk: int, base: int = 0) -> list[int]:
