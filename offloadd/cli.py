@@ -221,10 +221,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from offloadd.cache.arena import ArenaError
     from offloadd.cache.journal import JournalError
-    from offloadd.daemon import run
     from offloadd.endpoint import EndpointInUse, EndpointRefused
-    from offloadd.events import EventBindError
-    from offloadd.metrics import MetricsError
+    from offloadd.server.daemon import run
+    from offloadd.server.metrics import MetricsError
+    from offloadd.server.publisher import EventBindError
 
     configure_logging(settings.log)
     try:
@@ -299,7 +299,7 @@ def _events(args: argparse.Namespace) -> int:
         level=args.log_level or "WARNING",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from offloadd.events import replay_beside
+    from offloadd.endpoint import replay_beside
 
     endpoint, replay = args.endpoint, args.replay
     if endpoint is None:

@@ -29,8 +29,8 @@ from typing import Literal
 import torch
 
 from offloadd.client import AsyncOffloadClient
+from offloadd.endpoint import replay_beside
 from offloadd.errors import DaemonUnavailable
-from offloadd.events import replay_beside
 from offloadd.shm import SharedKVTensor
 from offloadd.status import fetch_stats
 from offloadd.subscriber import Subscriber

@@ -159,3 +159,86 @@ class EndpointClaim:
                 os.unlink(leftover)
         os.close(self._lock_fd)
         self._lock_fd = None
+
+
+def runtime_dir() -> str:
+    """Where the control socket lives when no endpoint is given."""
+    systemd_dir = os.environ.get("RUNTIME_DIRECTORY")
+    if systemd_dir:
+        return systemd_dir.split(":")[0]
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "offloadd")
+    return f"/tmp/offloadd-{os.getuid()}"
+
+
+def state_dir() -> str:
+    """Where the journal lives when none is given: kept across restarts, private."""
+    systemd_dir = os.environ.get("STATE_DIRECTORY")
+    if systemd_dir:
+        return systemd_dir.split(":")[0]
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return os.path.join(xdg, "offloadd")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "offloadd")
+
+
+def default_endpoint() -> str:
+    """``ipc://<runtime dir>/offloadd.sock``."""
+    return f"ipc://{os.path.join(runtime_dir(), 'offloadd.sock')}"
+
+
+def offset_endpoint_port(endpoint: str, k: int) -> str:
+    """The endpoint of dp index ``k``, as vLLM derives it.
+
+    ``tcp://host:P`` -> ``tcp://host:(P+k)``, ``inproc://x`` -> ``inproc://x_dp{k}``;
+    ``k == 0`` returns the endpoint unchanged. Other schemes (``ipc://`` included) cannot
+    be offset and raise ValueError.
+    """
+    if k < 0:
+        raise ValueError(f"dp index must be >= 0, not {k}")
+    if k == 0 or not endpoint:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{k}"
+    if endpoint.startswith("tcp://"):
+        base, sep, port = endpoint.rpartition(":")
+        if not sep or base == "tcp" or not port.isdigit():
+            raise ValueError(
+                f"cannot offset {endpoint!r} for dp index {k}: it needs an explicit port "
+                "(tcp://host:PORT)"
+            )
+        return f"{base}:{int(port) + k}"
+    raise ValueError(
+        f"cannot offset {endpoint!r} for dp index {k}: only tcp:// and inproc:// endpoints "
+        "get one endpoint per dp index (set port_per_dp = false to share one publisher)"
+    )
+
+
+def replay_beside(endpoint: str) -> str:
+    """The replay endpoint beside a ``tcp://`` PUB endpoint in the daemon's default layout
+    (port + 1, as 5557 and 5558); ``""`` for other endpoints, which have no such neighbour."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    try:
+        guess = offset_endpoint_port(endpoint, 1)
+    except ValueError:
+        return ""
+    return guess if int(guess.rpartition(":")[2]) <= 65535 else ""
+
+
+_WILDCARD_HOSTS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "[*]": "[::1]"}
+
+
+def connectable(endpoint: str) -> str:
+    """An endpoint a process on this node can connect to: a wildcard host becomes loopback.
+
+    ``tcp://*:5557`` and ``tcp://0.0.0.0:5557`` -> ``tcp://127.0.0.1:5557``; anything else is
+    returned unchanged.
+    """
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if sep and host in _WILDCARD_HOSTS:
+        return f"tcp://{_WILDCARD_HOSTS[host]}:{port}"
+    return endpoint

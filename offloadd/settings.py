@@ -38,14 +38,14 @@ import math
 import os
 import re
 import socket
-import sys
 import tomllib
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Literal, get_args, get_origin
 
 import msgspec
 
-from offloadd.safety import printable
+from offloadd.endpoint import default_endpoint, state_dir
+from offloadd.logs import install_log_handler
 from protocol.peer import PEER_SUFFIX
 
 
@@ -231,33 +231,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if self.cache.journal:
             return self.cache.journal
         return os.path.join(state_dir(), os.path.basename(self.arena_path()) + ".journal")
-
-
-def runtime_dir() -> str:
-    """Where the control socket lives when no endpoint is given."""
-    systemd_dir = os.environ.get("RUNTIME_DIRECTORY")
-    if systemd_dir:
-        return systemd_dir.split(":")[0]
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return os.path.join(xdg, "offloadd")
-    return f"/tmp/offloadd-{os.getuid()}"
-
-
-def state_dir() -> str:
-    """Where the journal lives when none is given: kept across restarts, private."""
-    systemd_dir = os.environ.get("STATE_DIRECTORY")
-    if systemd_dir:
-        return systemd_dir.split(":")[0]
-    xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg:
-        return os.path.join(xdg, "offloadd")
-    return os.path.join(os.path.expanduser("~"), ".local", "state", "offloadd")
-
-
-def default_endpoint() -> str:
-    """``ipc://<runtime dir>/offloadd.sock``."""
-    return f"ipc://{os.path.join(runtime_dir(), 'offloadd.sock')}"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -809,47 +782,6 @@ def _toml_value(value: Any) -> str:
 
 # --------------------------------------------------------------------------- logging
 
-# syslog priorities, which journald reads from a "<N>" line prefix (sd-daemon(3)).
-_PRIORITIES = {
-    logging.CRITICAL: 2,
-    logging.ERROR: 3,
-    logging.WARNING: 4,
-    logging.INFO: 6,
-    logging.DEBUG: 7,
-}
-
-
-class EscapingFormatter(logging.Formatter):
-    """Control characters and line breaks in a message are escaped as ``repr`` would: a
-    string a client sent can never forge or split a log line (tracebacks keep their lines)."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        """The message line, escaped."""
-        record.message = printable(record.message)
-        return super().formatMessage(record)
-
-
-class JournalFormatter(EscapingFormatter):
-    """``<priority>logger: message``, every line of a traceback prefixed alike."""
-
-    def __init__(self) -> None:
-        super().__init__("%(name)s: %(message)s")
-
-    def format(self, record: logging.LogRecord) -> str:
-        """The record as journal lines."""
-        priority = next(
-            (p for level, p in sorted(_PRIORITIES.items()) if record.levelno <= level), 2
-        )
-        text = super().format(record)
-        return "\n".join(f"<{priority}>{line}" for line in text.splitlines())
-
-
-class _Handler(logging.StreamHandler[IO[str]]):
-    """The handler ``configure_logging`` installs (so a second call can replace it)."""
-
-
-PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
 
 def configure_logging(
     log: LogSettings,
@@ -861,18 +793,4 @@ def configure_logging(
 
     Calling it again replaces the handler it installed before; other handlers stay.
     """
-    env = os.environ if environ is None else environ
-    kind = log.format
-    if kind == "auto":
-        kind = "journal" if env.get("JOURNAL_STREAM") else "plain"
-    handler = _Handler(stream or sys.stderr)
-    handler.setFormatter(
-        JournalFormatter() if kind == "journal" else EscapingFormatter(PLAIN_FORMAT)
-    )
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        if isinstance(old, _Handler):
-            root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(log.level.upper())
-    return handler
+    return install_log_handler(log.level, log.format, stream=stream, environ=environ)

@@ -40,7 +40,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from offloadd.events import LogLimiter
+from offloadd.logs import LogLimiter
 from protocol.events import (
     END_SEQ,
     AllBlocksCleared,

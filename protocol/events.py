@@ -17,7 +17,7 @@ tagged array ``["BlockStored", block_hashes, parent, token_ids, ...]`` (shorter 
 releases with fewer fields too, longer ones from newer releases), and ignores map keys it
 does not know (fields added by later vLLM versions).
 
-Live messages and replay (the socket protocol, implemented in ``offloadd.events`` and
+Live messages and replay (the socket protocol, implemented in ``offloadd.server.publisher`` and
 ``offloadd.subscriber``):
 
 * PUB frames ``[topic, seq, payload]``: ``seq`` is 8 bytes big-endian, +1 per batch from 0

@@ -86,3 +86,9 @@ def region_problem(region: KVRegion) -> str | None:
             f"{region.required_bytes()} bytes but the handle spans {handle.size}"
         )
     return None
+
+
+def normalize_uuid(uuid: str) -> str:
+    """A GPU UUID in one spelling: lower case, without nvidia-smi's ``GPU-`` prefix."""
+    text = uuid.strip().lower()
+    return text[4:] if text.startswith("gpu-") else text

@@ -24,6 +24,8 @@ import msgspec
 PEER_SUFFIX = ".peer"
 MAX_MESSAGE = 4096
 PEER_PROTOCOL_VERSION = 1
+FDS_PER_MESSAGE = 250  # the kernel takes at most 253 descriptors per message (SCM_MAX_FD)
+MORE_DESCRIPTORS = b"+"  # payload of the messages that only carry more descriptors
 
 
 class Register(msgspec.Struct, frozen=True, tag="register"):

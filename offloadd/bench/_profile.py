@@ -19,7 +19,7 @@ _IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def _function(frame: str) -> str:
-    """``handle (offloadd/daemon.py:123)`` -> ``handle (offloadd/daemon.py)``."""
+    """``handle (offloadd/server/daemon.py:123)`` -> ``handle (offloadd/server/daemon.py)``."""
     match = _FRAME.match(frame)
     if not match:
         return frame

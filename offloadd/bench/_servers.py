@@ -70,7 +70,7 @@ async def _serve_commands(handler: Handler | None, extra: list[asyncio.Task[Any]
 
 
 async def _daemon(args: dict[str, Any]) -> None:
-    from offloadd.daemon import Daemon
+    from offloadd.server.daemon import Daemon
     from offloadd.settings import Settings
 
     settings = msgspec.json.decode(json.dumps(args["settings"]).encode(), type=Settings)
@@ -107,7 +107,7 @@ def _event_batch(events: int) -> Any:
     import hashlib
     import time
 
-    from offloadd.attribution import stored_events
+    from offloadd.server.attribution import stored_events
     from protocol.events import KVEventBatch
 
     keys = [hashlib.sha256(i.to_bytes(4, "big")).digest() + bytes(4) for i in range(events)]
@@ -115,7 +115,7 @@ def _event_batch(events: int) -> Any:
 
 
 async def _publisher(args: dict[str, Any]) -> None:
-    from offloadd.events import EventPublisher
+    from offloadd.server.publisher import EventPublisher
 
     ctx = zmq.asyncio.Context()
     batch = _event_batch(args["events"])

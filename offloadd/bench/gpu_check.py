@@ -6,7 +6,7 @@
 What it does (within about a minute on an H200 at the defaults; the budget is 5 minutes):
 1. Measures the baseline in this process: ``torch`` ``copy_`` of ``--total`` bytes between
    one CUDA tensor and one pinned host tensor, each direction, best of three.
-2. Starts the real daemon (``offloadd.daemon.Daemon``) on a thread of this process with
+2. Starts the real daemon (``offloadd.server.daemon.Daemon``) on a thread of this process with
    ``server.copy_engine = "cuda"``, an arena of ``--arena`` (default: ``--total`` plus
    slack; over 64 GiB it is pinned in two or more pieces, and the first chunks land in the
    last piece) and no events. It reads the daemon's copy path at once: the check FAILS
@@ -189,7 +189,7 @@ class DaemonThread:
         return self
 
     def _run(self) -> None:
-        from offloadd.daemon import Daemon
+        from offloadd.server.daemon import Daemon
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()

@@ -22,8 +22,8 @@ import uuid
 
 from offloadd.bench._util import Context, Result, paired_ratio
 from offloadd.transfer.batch import move_arrays
-from offloadd.transfer.engine import Direction
 from offloadd.transfer.guarded import FileWindow, guarded_copy, reserve, unreserve
+from offloadd.transfer.types import Direction
 
 PAGES = {16 << 10: "16KiB", 64 << 10: "64KiB", 1 << 20: "1MiB"}
 TOTAL = 128 << 20

@@ -285,7 +285,7 @@ def run_hit_rate(ctx: Context) -> list[Result]:
 def _salted(client_id: str, page: int, salt: str) -> OffloadingConfig:
     import msgspec
 
-    from offloadd.registry import NAMESPACE_SALT_KEY
+    from offloadd.server.registry import NAMESPACE_SALT_KEY
 
     config = _engine_config(client_id, 0, 1, page)
     return msgspec.structs.replace(config, extra_config={NAMESPACE_SALT_KEY: salt})

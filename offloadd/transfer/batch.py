@@ -33,12 +33,9 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 
 from offloadd.transfer.copies import Copies
-from offloadd.transfer.engine import Direction, Triple
-
-Addresses = npt.NDArray[np.uint64]
+from offloadd.transfer.types import Direction, MoveArrays, Triple
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
@@ -100,21 +97,6 @@ class HostPieces(NamedTuple):
 
     origin: int
     size: int
-
-
-class MoveArrays(NamedTuple):
-    """A job's merged copies: three contiguous uint64 arrays of equal length."""
-
-    srcs: Addresses
-    dsts: Addresses
-    sizes: Addresses
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def triples(self) -> list[Triple]:
-        """The copies as Python triples (the per-copy path and tests)."""
-        return list(zip(self.srcs.tolist(), self.dsts.tolist(), self.sizes.tolist(), strict=True))
 
 
 def _empty() -> MoveArrays:

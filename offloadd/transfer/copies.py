@@ -20,17 +20,12 @@ come out in arena order and neighbours can merge.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple, overload
+from typing import NamedTuple, overload
 
 import numpy as np
-import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from offloadd.transfer.guarded import FileWindow
-    from offloadd.transfer.plan import Span
+from offloadd.transfer.types import FileWindow, Span, Table, Triple
 
-Table = npt.NDArray[np.int64]
-Triple = tuple[int, int, int]
 _SPAN_CACHE = 1024
 
 

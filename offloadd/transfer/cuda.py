@@ -57,10 +57,9 @@ from offloadd.transfer.batch import (
     CUDA_ERROR_NOT_SUPPORTED,
     BatchCopier,
     HostPieces,
-    MoveArrays,
     move_arrays,
 )
-from offloadd.transfer.engine import Direction, Triple
+from offloadd.transfer.types import Direction, MoveArrays, Triple
 
 logger = logging.getLogger(__name__)
 

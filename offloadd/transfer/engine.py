@@ -23,21 +23,15 @@ The daemon's event loop never copies bytes itself: it only submits and awaits fu
 from __future__ import annotations
 
 import ctypes
-import enum
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-
-class Direction(enum.Enum):
-    """STORE moves rank memory to the host cache; LOAD moves the cache back to the rank."""
-
-    STORE = "store"
-    LOAD = "load"
-
-
-Triple = tuple[int, int, int]
+from offloadd.transfer.batch import move_arrays
+from offloadd.transfer.copies import Copies
+from offloadd.transfer.guarded import guarded_copy
+from offloadd.transfer.types import Direction, Triple
 
 
 class CopyEngine(Protocol):
@@ -63,9 +57,6 @@ class CopyEngine(Protocol):
 
 def _copy_all(moves: Sequence[Triple], direction: Direction) -> float:
     # Imported here: batch and guarded build on this module's Direction and Triple.
-    from offloadd.transfer.batch import move_arrays
-    from offloadd.transfer.copies import Copies
-    from offloadd.transfer.guarded import guarded_copy
 
     started = time.perf_counter()
     # Neighbours contiguous on both sides become one copy (the planner does not merge).

@@ -36,14 +36,10 @@ import fcntl
 import os
 import stat
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from offloadd.transfer.engine import Direction
-
-if TYPE_CHECKING:
-    from offloadd.transfer.batch import MoveArrays
+from offloadd.transfer.types import Direction, FileWindow, MoveArrays
 
 TMPFS_MAGIC = 0x01021994
 _PROT_NONE = 0
@@ -75,14 +71,6 @@ _munmap.restype = ctypes.c_int
 _fstatfs = _libc.fstatfs
 _fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
 _fstatfs.restype = ctypes.c_int
-
-
-class FileWindow(NamedTuple):
-    """Plan addresses ``[address, address + size)`` are the file's bytes ``[0, size)``."""
-
-    address: int
-    size: int
-    fd: int
 
 
 def filesystem_type(fd: int) -> int:

@@ -22,7 +22,7 @@ engine reaches its bytes with pread/pwrite (``offloadd.transfer.guarded``), so a
 truncates it or leaves holes in a full tmpfs fails its own jobs, not the daemon.
 
 CUDA IPC handles are opened through the ``cuda`` opener the table is built with (see
-``CudaOpener``; ``offloadd.cuda_ipc.CudaIpcOpener`` in the daemon, a fake in tests). One
+``CudaOpener``; ``offloadd.transfer.cuda_import.CudaIpcOpener`` in the daemon, a fake in tests). One
 mapping per exported storage: ``(device UUID, handle bytes, storage offset)``, the key torch
 itself uses for its IPC cache; a handle that finds its storage mapped already is passed to
 the opener's ``duplicate`` (each export holds a reference of its own on the exporter, as
@@ -49,15 +49,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from offloadd.cuda_ipc import normalize_uuid
 from offloadd.transfer.guarded import (
-    FileWindow,
     region_file_problem,
     reserve,
     sealed_against_shrinking,
     unreserve,
 )
-from protocol.handles import CudaIpcHandle, MemoryHandle, ShmHandle
+from offloadd.transfer.types import FileWindow
+from protocol.handles import CudaIpcHandle, MemoryHandle, ShmHandle, normalize_uuid
 
 
 class HandleError(Exception):

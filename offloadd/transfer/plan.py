@@ -19,6 +19,7 @@ from operator import sub
 from typing import NamedTuple
 
 from offloadd.transfer.copies import Copies
+from offloadd.transfer.types import Span
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import KVRegion
 
@@ -160,16 +161,6 @@ def block_id_problem(block_ids: Sequence[int], num_blocks: int) -> str | None:
 # with the per-region arithmetic hoisted out of the per-block loop (planning runs on the event
 # loop, so its cost per page is paid by every request). ``plan_chunk`` stays the readable
 # reference that tests hold this against.
-
-
-class Span(NamedTuple):
-    """One region's part of a group's shard, resolved for one session: ``base`` is the
-    address of block 0 in the daemon's mapping, ``part`` the part's offset in the shard."""
-
-    base: int
-    stride: int
-    page: int
-    part: int
 
 
 def group_spans(

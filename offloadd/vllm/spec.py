@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker
 
-from offloadd.settings import default_endpoint
+from offloadd.endpoint import default_endpoint
 from protocol.config import from_vllm_offloading_config
 
 __all__ = ["OffloaddSpec"]

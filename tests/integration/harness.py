@@ -21,9 +21,10 @@ import msgspec
 import torch
 
 from offloadd.client import OffloadClient
-from offloadd.daemon import Daemon
 from offloadd.errors import DaemonUnavailable
 from offloadd.peer import register
+from offloadd.server.daemon import Daemon
+from offloadd.server.tiers import TierSlot
 from offloadd.settings import (
     CacheSettings,
     DiskSettings,
@@ -36,7 +37,6 @@ from offloadd.settings import (
     TenancySettings,
 )
 from offloadd.shm import SharedKVTensor
-from offloadd.tiers.coordinator import TierSlot
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
 from protocol.config import OffloadingConfig
 from protocol.messages import Hello

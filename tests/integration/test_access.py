@@ -20,8 +20,8 @@ import zmq.auth
 from offloadd.client import CurveKeys, OffloadClient
 from offloadd.endpoint import EndpointClaim, EndpointRefused, check_tcp_security
 from offloadd.errors import DaemonUnavailable, InvalidRequest
-from offloadd.metrics import Metrics, MetricsError
 from offloadd.safety import engine_id_problem
+from offloadd.server.metrics import Metrics, MetricsError
 from offloadd.settings import (
     EventSettings,
     Settings,
@@ -222,8 +222,8 @@ def test_client_strings_are_escaped_in_the_daemons_log(
     daemon_factory: Callable[..., DaemonThread], caplog: pytest.LogCaptureFixture
 ) -> None:
     daemon = daemon_factory(tenancy=TenancySettings(client_topics=True))
-    caplog.set_level(logging.INFO, logger="offloadd.daemon")
-    name = "vllm\n2026-01-01 00:00:00,000 INFO offloadd.daemon: forged"
+    caplog.set_level(logging.INFO, logger="offloadd.server")
+    name = "vllm\n2026-01-01 00:00:00,000 INFO offloadd.server.daemon: forged"
     topic = "kv\r\x1b[2Jtopic"
     tensors = [SharedKVTensor.create(16, 4096, [layer], prefix="od-test") for layer in LAYERS]
     try:

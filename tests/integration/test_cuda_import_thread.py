@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import zmq
 
-from offloadd import cuda_ipc
+from offloadd.transfer import cuda_import
 from protocol import PROTOCOL_VERSION
 from protocol.handles import CudaIpcHandle, KVRegion
 from protocol.messages import (
@@ -72,7 +72,7 @@ class SlowOpener:
 @pytest.fixture
 def cuda_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DaemonThread, SlowOpener]]:
     SlowOpener.instances.clear()
-    monkeypatch.setattr(cuda_ipc, "CudaIpcOpener", SlowOpener)
+    monkeypatch.setattr(cuda_import, "CudaIpcOpener", SlowOpener)
     daemon = DaemonThread(copy_engine=RefusingEngine())  # type: ignore[arg-type]
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)

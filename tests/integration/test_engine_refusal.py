@@ -21,7 +21,8 @@ import pytest
 from offloadd import status
 from offloadd.client import OffloadClient
 from offloadd.errors import InvalidRequest, RequestFailed
-from offloadd.transfer.engine import CpuCopyEngine, Direction, Triple
+from offloadd.transfer.engine import CpuCopyEngine
+from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
 from protocol.handles import CudaIpcHandle, KVRegion
 from tests.integration.conftest import DaemonFactory
@@ -105,7 +106,7 @@ def test_a_refused_submit_is_an_error_and_leaves_nothing_in_flight(
     (done,) = client.wait([2], 10)
     assert done.ok
 
-    with caplog.at_level(logging.WARNING, logger="offloadd.daemon"):
+    with caplog.at_level(logging.WARNING, logger="offloadd.server"):
         daemon.stop()
     assert "still in flight" not in caplog.text  # the drain had nothing to wait for
 
@@ -152,7 +153,7 @@ def test_a_degraded_cuda_daemon_says_so_in_its_log_stats_and_status(
     daemon = DaemonThread(copy_engine=UnbatchedEngine())  # type: ignore[arg-type]
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
-    with caplog.at_level(logging.ERROR, logger="offloadd.daemon"):
+    with caplog.at_level(logging.ERROR, logger="offloadd.server"):
         daemon.start()
     try:
         assert "copy path DEGRADED: not batched, not pinned" in caplog.text

@@ -24,15 +24,8 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from offloadd.events import (
-    EventBindError,
-    EventPublisher,
-    PublisherSet,
-    connectable,
-    offset_endpoint_port,
-    replay_beside,
-    topic_for,
-)
+from offloadd.endpoint import connectable, offset_endpoint_port, replay_beside
+from offloadd.server.publisher import EventBindError, EventPublisher, PublisherSet, topic_for
 from offloadd.settings import EventSettings
 from offloadd.subscriber import Received, Subscriber, event_lines, event_records
 from protocol.events import (

@@ -1,4 +1,5 @@
-"""offloadd.peer: the registration socket on its own, with a real event loop and real peers."""
+"""offloadd.peer and offloadd.server.peers: the registration socket on its own, with a real
+event loop and real peers."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-import offloadd.peer
+import offloadd.server.peers
 from offloadd.errors import DaemonUnavailable, InvalidRequest
-from offloadd.peer import FDS_PER_MESSAGE, PeerListener, RegionFiles, register
+from offloadd.peer import RegionFiles, register
+from offloadd.server.peers import PeerListener
 from protocol.handles import KVRegion, ShmHandle
 from protocol.peer import (
+    FDS_PER_MESSAGE,
     MAX_MESSAGE,
     Register,
     RegisterRefused,
@@ -190,7 +193,7 @@ async def test_a_silent_connection_is_dropped(
     listener: tuple[PeerListener, Clock, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     peers, _clock, _endpoint = listener
-    monkeypatch.setattr(offloadd.peer, "CONNECTION_SECONDS", 0.05)
+    monkeypatch.setattr(offloadd.server.peers, "CONNECTION_SECONDS", 0.05)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(10)
         sock.connect(peers.path)

@@ -146,7 +146,7 @@ def test_full_arena_refuses_stores_and_keeps_pinned_and_loading_chunks(
     ranks: list[Rank],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="offloadd.daemon")
+    caplog.set_level(logging.DEBUG, logger="offloadd.server")
     gate = LoadGate()
     daemon = daemon_factory(capacity=CAPACITY, copy_engine=gate)
     engines: dict[str, list[Rank]] = {}
@@ -251,7 +251,7 @@ def test_full_arena_refuses_stores_and_keeps_pinned_and_loading_chunks(
 
     # Refusals are logged (at DEBUG: they are expected under pressure); nothing escaped a
     # handler.
-    daemon_records = [r for r in caplog.records if r.name == "offloadd.daemon"]
+    daemon_records = [r for r in caplog.records if r.name.startswith("offloadd.server.")]
     assert not [r for r in daemon_records if "internal error" in r.getMessage()]
     assert not [r for r in daemon_records if r.levelno >= logging.ERROR]
     refusal_lines = [r for r in daemon_records if "refused (no room)" in r.getMessage()]

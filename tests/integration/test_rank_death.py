@@ -146,11 +146,11 @@ def test_rank_killed_mid_job(
 def test_unwatchable_rank_is_kept_by_heartbeats_and_reaped_without_them(
     daemon_factory: Callable[..., DaemonThread], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import offloadd.peer
+    import offloadd.server.peers
 
     # A peer in a pid namespace the daemon cannot see into (the kernel gives pid 0): no
     # pidfd to watch, only heartbeats.
-    monkeypatch.setattr(offloadd.peer, "_pidfd_of", lambda conn, pid: None)
+    monkeypatch.setattr(offloadd.server.peers, "_pidfd_of", lambda conn, pid: None)
     daemon = daemon_factory(session_timeout=0.6)
     config = make_config(rank=0, tp=1)
     with (

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from offloadd.client import OffloadClient
+from offloadd.server.tiers import TierSlot
 from offloadd.settings import DiskSettings, MooncakeSettings
 from offloadd.tiers import chunkfile
-from offloadd.tiers.coordinator import TierSlot
 from protocol.messages import LookupResult, TierState
 from tests.integration.conftest import DaemonFactory
 from tests.integration.harness import (

@@ -1,4 +1,4 @@
-"""offloadd.announce: which engine hears of which cache change, and the journal beside it.
+"""offloadd.server.announce: which engine hears of which cache change, and the journal beside it.
 
 Real registry, cache and mirrors; the publishers and the journal are fakes that record.
 """
@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from offloadd.announce import Announcer
 from offloadd.cache.index import ChunkCache, Entry
-from offloadd.mirrors import Mirrors
-from offloadd.registry import Engine, Registry
+from offloadd.server.announce import Announcer
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.registry import Engine, Registry
 from offloadd.settings import EventSettings
 from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from protocol.messages import Reply

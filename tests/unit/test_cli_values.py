@@ -26,8 +26,8 @@ import msgspec
 import pytest
 
 import offloadd.bench
-import offloadd.daemon
 import offloadd.demo
+import offloadd.server.daemon
 import offloadd.status
 from offloadd import cli
 from offloadd.settings import ENV_PREFIX, Settings
@@ -127,7 +127,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
         return call
 
-    monkeypatch.setattr(offloadd.daemon, "run", run)
+    monkeypatch.setattr(offloadd.server.daemon, "run", run)
     monkeypatch.setattr(cli, "configure_logging", lambda log: None)  # keep the root logger
     monkeypatch.setattr(cli, "_watch_events", watch)
     monkeypatch.setattr(offloadd.demo, "main", named("demo"))

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from offloadd.transfer.batch import move_arrays
 from offloadd.transfer.copies import Copies
-from offloadd.transfer.engine import Direction
 from offloadd.transfer.plan import GroupLayout, Span, chunk_copies, group_spans
+from offloadd.transfer.types import Direction
 from protocol.handles import KVRegion
 from tests.unit.test_plan_fast import _reference, cases
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offloadd.metrics import Metrics
+from offloadd.server.metrics import Metrics
 from offloadd.status import describe
 from tests.unit.test_metrics import fake_stats, value
 

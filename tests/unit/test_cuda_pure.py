@@ -30,20 +30,18 @@ from offloadd.cache import arena as arena_module
 from offloadd.cache.arena import Arena
 from offloadd.cuda_ipc import (
     CudaIpcError,
-    CudaIpcOpener,
-    DeviceMap,
     allocator_problem,
     check_ipc_capable,
     export_tensor,
     handle_kind,
     kv_region_from_tensor,
-    normalize_uuid,
-    open_ipc_handle,
     span_bytes,
 )
+from offloadd.transfer import cuda_import
 from offloadd.transfer.batch import HostPieces, MoveArrays, move_arrays, src_access_order
 from offloadd.transfer.cuda import CudaCopyEngine, CudaCopyError, make_engine
-from offloadd.transfer.engine import CpuCopyEngine, Direction, Triple
+from offloadd.transfer.cuda_import import CudaIpcOpener, DeviceMap, open_ipc_handle
+from offloadd.transfer.engine import CpuCopyEngine
 from offloadd.transfer.handles import HandleError, HandleTable
 from offloadd.transfer.pinning import (
     CUDA_HOST_REGISTER_PORTABLE,
@@ -51,6 +49,7 @@ from offloadd.transfer.pinning import (
     register_host_memory,
     split_pieces,
 )
+from offloadd.transfer.types import Direction, Triple
 from protocol.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -58,7 +57,7 @@ from protocol.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from protocol.handles import CudaIpcHandle
+from protocol.handles import CudaIpcHandle, normalize_uuid
 from protocol.messages import Hello, decode_request, encode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -424,7 +423,7 @@ class FakeTorch:
 @pytest.fixture
 def fake_torch(monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
     fake = FakeTorch()
-    monkeypatch.setattr(cuda_ipc, "_torch", lambda: fake)
+    monkeypatch.setattr(cuda_ipc, "load_torch", lambda: fake)
     return fake
 
 
@@ -1156,10 +1155,10 @@ def test_an_unwritable_counter_file_is_reported_once(
     with open(path, "wb"):
         pass
     try:
-        monkeypatch.setattr(cuda_ipc.os, "access", lambda p, mode: p != path)
+        monkeypatch.setattr(cuda_import.os, "access", lambda p, mode: p != path)
         opener = CudaIpcOpener(DeviceMap([UUID0]))
         handle = msgspec.structs.replace(cuda_handle(), ref_counter_handle=name.encode())
-        with caplog.at_level(logging.WARNING, logger="offloadd.cuda_ipc"):
+        with caplog.at_level(logging.WARNING, logger="offloadd.transfer.cuda_import"):
             for _ in range(3):
                 opener.open(handle)[2]()
         assert caplog.text.count("cannot write torch's IPC reference counter") == 1

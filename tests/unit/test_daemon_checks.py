@@ -1,4 +1,5 @@
-"""offloadd.checks and the liveness decisions of offloadd.sessions: pure, no sockets."""
+"""offloadd.server.checks and the sessions' liveness decisions (offloadd.server.state): pure,
+no sockets."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from offloadd.checks import (
+from offloadd.server.checks import (
     MAX_KEYS_PER_REQUEST,
     Refused,
     check_keys,
     check_offloaded,
     ready_engine,
 )
-from offloadd.registry import Namespace, Registry
-from offloadd.sessions import SessionState, close_on, silent_sessions
+from offloadd.server.registry import Namespace, Registry
+from offloadd.server.sessions import close_on
+from offloadd.server.state import SessionState, silent_sessions
 from protocol.errors import ErrorCode
 from tests.unit.test_registry import hello, register_engine
 
@@ -98,7 +100,7 @@ def test_import_closes_run_on_the_import_thread_or_inline_once_it_is_shut_down(
     def broken() -> None:
         raise OSError("stream gone")
 
-    with caplog.at_level(logging.ERROR, logger="offloadd.daemon"):
+    with caplog.at_level(logging.ERROR, logger="offloadd.server"):
         closer(broken)  # logged, never raised into the handle table
     assert "closing a CUDA IPC import failed" in caplog.text
 

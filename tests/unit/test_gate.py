@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offloadd.gate import RequestGate
+from offloadd.server.gate import RequestGate
 
 
 def test_only_a_closed_peer_is_held_and_released_in_order() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from offloadd.transfer.batch import move_arrays
 from offloadd.transfer.copies import Copies
-from offloadd.transfer.engine import CpuCopyEngine, Direction
+from offloadd.transfer.engine import CpuCopyEngine
 from offloadd.transfer.guarded import (
     FileWindow,
     guarded_copy,
@@ -22,6 +22,7 @@ from offloadd.transfer.guarded import (
     unreserve,
 )
 from offloadd.transfer.plan import Span
+from offloadd.transfer.types import Direction
 
 SIZE = 64 << 10
 

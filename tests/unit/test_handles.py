@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from offloadd.transfer.batch import move_arrays
-from offloadd.transfer.engine import Direction
 from offloadd.transfer.guarded import guarded_copy
 from offloadd.transfer.handles import HandleError, HandleTable, Import
+from offloadd.transfer.types import Direction
 from protocol.handles import CudaIpcHandle, ShmHandle
 
 SHM = "/dev/shm"

@@ -1,4 +1,4 @@
-"""offloadd.jobs: the job table, copy completion, Wait and its waiters, the drain.
+"""offloadd.server.jobs: the job table, copy completion, Wait and its waiters, the drain.
 
 No sockets: the copy engine, the cache, the handle table and the announcer are fakes, and
 replies land in a list. Copies finish when the test resolves their futures.
@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from offloadd.checks import Refused
-from offloadd.jobs import Job, Jobs
-from offloadd.metrics import Counters, Metrics
-from offloadd.registry import Namespace, Registry
-from offloadd.sessions import SessionState
+from offloadd.server.checks import Refused
+from offloadd.server.jobs import Jobs
+from offloadd.server.metrics import Counters, Metrics
+from offloadd.server.registry import Namespace, Registry
+from offloadd.server.state import Job, SessionState
 from offloadd.settings import ServerSettings
 from offloadd.transfer.engine import Direction, Triple
 from protocol.errors import ErrorCode
@@ -255,7 +255,7 @@ async def test_the_drain_gives_up_after_its_grace(
 ) -> None:
     rig.submit(1)
     rig.jobs.draining = True
-    with caplog.at_level(logging.WARNING, logger="offloadd.daemon"):
+    with caplog.at_level(logging.WARNING, logger="offloadd.server"):
         await asyncio.wait_for(rig.jobs.drain(), 5)  # drain_seconds = 0.05
     assert "1 jobs still in flight after" in caplog.text
     rig.copies.futures[0].set_result(0.1)

@@ -1,4 +1,4 @@
-"""offloadd.metrics: counters move by what the daemon reports; gauges come from its stats."""
+"""offloadd.server.metrics: counters move by what the daemon reports; gauges come from its stats."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from offloadd.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
+from offloadd.server.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
 from protocol.messages import DaemonStats, EngineState, TierState
 
 

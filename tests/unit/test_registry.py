@@ -1,4 +1,4 @@
-"""offloadd.registry: handshakes, agreement checks, sessions, readiness and namespaces.
+"""offloadd.server.registry: handshakes, agreement checks, sessions, readiness and namespaces.
 
 The registry never opens a handle, so regions name shm paths that do not exist.
 """
@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from offloadd.registry import (
+from offloadd.server.registry import (
     Engine,
     HelloOutcome,
     RegistrationError,

@@ -365,7 +365,7 @@ def test_client_strings_cannot_forge_log_lines() -> None:
     try:
         plain = io.StringIO()
         configure_logging(LogSettings(level="INFO"), stream=plain, environ={})
-        evil = "engine-x\n2026-01-01 00:00:00,000 INFO offloadd.daemon: fake\x1b[2J\u2028"
+        evil = "engine-x\n2026-01-01 00:00:00,000 INFO offloadd.server.daemon: fake\x1b[2J\u2028"
         record_logger.info("hello from %s", evil)
         text = plain.getvalue()
         assert text.count("\n") == 1

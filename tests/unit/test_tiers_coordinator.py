@@ -1,4 +1,4 @@
-"""offloadd.tiers.coordinator: write-through, probes, promotions and clears over a dict tier.
+"""offloadd.server.tiers: write-through, probes, promotions and clears over a dict tier.
 
 A real cache, arena (a small file in /dev/shm), registry, mirrors and announcer; the tier is
 a dict that copies real bytes out of and into the arena (``DictTier``), the publishers a
@@ -18,16 +18,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
-from offloadd.daemon import tier_slots
-from offloadd.mirrors import Mirrors
-from offloadd.registry import Engine, Namespace, Registry
+from offloadd.server.announce import Announcer
+from offloadd.server.daemon import tier_slots
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.registry import Engine, Namespace, Registry
+from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import DiskSettings, EventSettings, MooncakeSettings, Settings
-from offloadd.tiers import coordinator
+from offloadd.server import tiers as coordinator
 from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
-from offloadd.tiers.coordinator import Tiers, TierSlot
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
 from protocol.messages import KeysChanged, Reply
 from tests.unit.test_announce import FakePublishers, ready

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from offloadd.limits import Limits, Protection
-from offloadd.peer import REMOTE, Peer
-from offloadd.registry import RegistrationError, Registry
+from offloadd.server.limits import Limits, Protection
+from offloadd.server.peers import REMOTE, Peer
+from offloadd.server.registry import RegistrationError, Registry
+from offloadd.server.tenancy import Tenancy, Viewer
 from offloadd.settings import LimitsSettings, TenancySettings
-from offloadd.tenancy import Tenancy, Viewer
 from protocol.errors import ErrorCode
 from protocol.messages import DaemonStats, EngineState
 from tests.unit.test_registry import hello

@@ -29,71 +29,35 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from offloadd.announce import Announcer
 from offloadd.cache.index import ChunkCache
-from offloadd.checks import Refused
-from offloadd.control import ControlSocket
-from offloadd.gate import RequestGate
-from offloadd.jobs import Job, Jobs, Waiter
-from offloadd.limits import Limits, Protection
-from offloadd.metrics import Metrics
-from offloadd.mirrors import Mirrors
-from offloadd.peer import REMOTE, Peer, PeerListener, Registration
-from offloadd.registry import Engine, RegistrationError, Registry, Session
 from offloadd.safety import engine_id_problem
+from offloadd.server.announce import Announcer
+from offloadd.server.checks import Refused
+from offloadd.server.control import ControlSocket
+from offloadd.server.gate import RequestGate
+from offloadd.server.jobs import Jobs
+from offloadd.server.limits import Limits, Protection
+from offloadd.server.metrics import Metrics
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.peers import REMOTE, PeerListener, Registration
+from offloadd.server.registry import Engine, RegistrationError, Registry
+from offloadd.server.state import SessionState, silent_sessions
+from offloadd.server.systemd import Notifier
+from offloadd.server.tenancy import Tenancy
 from offloadd.settings import Settings
-from offloadd.systemd import Notifier
-from offloadd.tenancy import Tenancy
-from offloadd.transfer.guarded import FileWindow
 from offloadd.transfer.handles import HandleError, HandleTable, Import
-from offloadd.transfer.plan import Span
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.handles import CudaIpcHandle, ShmHandle
-from protocol.messages import EngineReady, Error, Hello, JobDone, Ok, Ping, Reply, Welcome
+from protocol.messages import EngineReady, Error, Hello, Ok, Ping, Reply, Welcome
 from protocol.peer import peer_socket_path
 
-__all__ = ["SessionState", "Sessions", "close_on", "silent_sessions"]
+__all__ = ["Sessions", "close_on"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
-
-
-@dataclass(eq=False)
-class SessionState:
-    """The daemon's runtime view of one registry session."""
-
-    identity: bytes
-    session: Session
-    imports: list[Import]
-    jobs: dict[int, Job] = field(default_factory=dict)
-    done: OrderedDict[int, JobDone] = field(default_factory=OrderedDict)
-    waiters: list[Waiter] = field(default_factory=list)
-    alive: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
-    spans: dict[int, tuple[Span, ...]] = field(default_factory=dict)  # by group, built lazily
-    pidfd: int | None = None  # watched with the loop: readable once the process exited
-    peer: Peer = REMOTE  # who the kernel says the peer is (offloadd.peer)
-    windows: tuple[FileWindow, ...] = ()  # its shared-memory files, reached by descriptor
-    unsealed: tuple[FileWindow, ...] = ()  # those that could shrink: checked before each job
-
-
-def silent_sessions(
-    states: Iterable[SessionState], *, now: float, timeout: float
-) -> list[SessionState]:
-    """The live sessions no pidfd watches that said nothing for ``timeout`` seconds."""
-    deadline = now - timeout
-    return [
-        state
-        for state in states
-        if state.pidfd is None and state.last_seen < deadline and state.alive
-    ]
+logger = logging.getLogger(__name__)
 
 
 class Sessions:

@@ -31,11 +31,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from offloadd.checks import Refused
 from offloadd.endpoint import ipc_path, restrict_socket
-from offloadd.gate import RequestGate
-from offloadd.metrics import Counters, Metrics
 from offloadd.safety import printable
+from offloadd.server.checks import Refused
+from offloadd.server.gate import RequestGate
+from offloadd.server.metrics import Counters, Metrics
 from offloadd.settings import Settings
 from protocol.errors import ErrorCode
 from protocol.messages import Error, Reply, Request, decode_request, encode, peek_request_id
@@ -45,9 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ControlSocket"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
+logger = logging.getLogger(__name__)
 
 _BATCH = 32  # requests handled back to back before the loop runs other callbacks
 

@@ -10,7 +10,7 @@ Pure logic, no I/O (group names are resolved once, when ``Tenancy`` is built). C
   ``g<gid>`` when its primary group is one of ``tenancy.shared_groups``, ``*`` for every
   local peer with ``tenancy.share_across_uids``, ``remote`` for ``REMOTE``. Engines,
   namespaces and what GetStats lists are per tenant (the registry hashes the tenant into
-  the namespace, see ``offloadd.registry.namespace_of``); a session is only ever replaced
+  the namespace, see ``offloadd.server.registry.namespace_of``); a session is only ever replaced
   by a peer of the same uid.
 - ``is_admin(peer)``: root and the daemon's own user see every engine in GetStats.
 - ``topic_problem(asked, derived)``: why a Hello's ``kv_events_topic`` is refused ("" when
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from offloadd.peer import REMOTE, Peer
+from offloadd.server.peers import REMOTE, Peer
 from offloadd.settings import TenancySettings
 from protocol.messages import DaemonStats, EngineState
 

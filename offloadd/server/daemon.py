@@ -5,7 +5,7 @@ copy engine runs on its own threads. Each request is handled to completion witho
 so handlers never interleave; a store or load replies ``JobAccepted`` at once and its
 ``JobDone`` is sent when the copy engine's future resolves. One exception: a cuda daemon
 imports a Hello's CUDA IPC handles (and closes imports) on an import thread, since each
-import blocks; that peer's later requests are held (``offloadd.gate``) until its Hello is
+import blocks; that peer's later requests are held (``offloadd.server.gate``) until its Hello is
 answered, so every peer still sees its requests handled in order. Any request that fails
 validation, and any bug inside a handler, is answered with an ``Error`` and the daemon goes
 on serving everyone else.
@@ -15,18 +15,18 @@ sockets, event publishers, metrics) and their order of start and close. The requ
 handling lives in the parts it wires in ``start``, one module each, none reaching for
 another but through what it was given:
 
-- ``offloadd.sessions``: Hello, the per-session state, liveness (pidfd, heartbeats), ends.
-- ``offloadd.cache_requests``: Lookup, Store, Load, Release, Clear.
-- ``offloadd.jobs``: the copies in flight, their completion, Wait, the drain.
-- ``offloadd.schedulers``: Reserve, UpdateHolds, Ack.
-- ``offloadd.announce``: the journal, the key mirrors and the KV events of each cache change.
-- ``offloadd.tiers.coordinator``: the tiers below the arena (``[disk]``, ``[mooncake]``;
+- ``offloadd.server.sessions``: Hello, the per-session state, liveness (pidfd, heartbeats), ends.
+- ``offloadd.server.requests``: Lookup, Store, Load, Release, Clear.
+- ``offloadd.server.jobs``: the copies in flight, their completion, Wait, the drain.
+- ``offloadd.server.schedulers``: Reserve, UpdateHolds, Ack.
+- ``offloadd.server.announce``: the journal, the key mirrors and the KV events of each cache change.
+- ``offloadd.server.tiers``: the tiers below the arena (``[disk]``, ``[mooncake]``;
   built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
   arena is unmapped.
 
 Who a peer is comes from the kernel, through the registration socket beside an ipc control
-socket (``offloadd.peer``); what it may see and share from ``offloadd.tenancy``; how much it
-may use from ``offloadd.limits``. The daemon builds those and hands them to the parts.
+socket (``offloadd.peer``); what it may see and share from ``offloadd.server.tenancy``; how much it
+may use from ``offloadd.server.limits``. The daemon builds those and hands them to the parts.
 """
 
 from __future__ import annotations
@@ -42,30 +42,31 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
-from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
-from offloadd.cache_requests import CacheRequests
-from offloadd.checks import Refused
-from offloadd.control import ControlSocket
 from offloadd.endpoint import EndpointClaim, check_tcp_security
-from offloadd.events import PublisherSet
-from offloadd.gate import RequestGate
-from offloadd.jobs import Jobs
-from offloadd.limits import Limits, Protection
-from offloadd.metrics import Counters, Metrics
-from offloadd.mirrors import Mirrors
-from offloadd.peer import PeerListener
-from offloadd.registry import Registry
-from offloadd.schedulers import Schedulers
-from offloadd.sessions import Sessions, SessionState, close_on
+from offloadd.server.announce import Announcer
+from offloadd.server.checks import Refused
+from offloadd.server.control import ControlSocket
+from offloadd.server.gate import RequestGate
+from offloadd.server.jobs import Jobs
+from offloadd.server.limits import Limits, Protection
+from offloadd.server.metrics import Counters, Metrics
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.peers import PeerListener
+from offloadd.server.publisher import PublisherSet
+from offloadd.server.registry import Registry
+from offloadd.server.requests import CacheRequests
+from offloadd.server.schedulers import Schedulers
+from offloadd.server.sessions import Sessions, close_on
+from offloadd.server.state import SessionState
+from offloadd.server.storage import PIN_PIECE, open_arena, open_journal
+from offloadd.server.systemd import Notifier
+from offloadd.server.tenancy import Tenancy, Viewer
+from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import Settings
-from offloadd.storage import PIN_PIECE, open_arena, open_journal
-from offloadd.systemd import Notifier
-from offloadd.tenancy import Tenancy, Viewer
 from offloadd.tiers.base import Tier
-from offloadd.tiers.coordinator import Tiers, TierSlot
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.handles import HandleTable
 from protocol.errors import ErrorCode
@@ -223,7 +224,7 @@ class Daemon:
             self._journal = open_journal(settings, self._arena, self._cache, self._notify)
             opener = None
             if cuda:
-                from offloadd.cuda_ipc import CudaIpcOpener
+                from offloadd.transfer.cuda_import import CudaIpcOpener
 
                 opener = CudaIpcOpener()
                 self._importer = ThreadPoolExecutor(1, thread_name_prefix="offloadd-ipc")
@@ -513,7 +514,7 @@ class Daemon:
     def _visible_stats(
         self, identity: bytes, request: GetStats, state: SessionState | None
     ) -> DaemonStats:
-        """The stats as this sender may see them (``offloadd.tenancy``): its session's or its
+        """The stats as this sender may see them (``offloadd.server.tenancy``): its session's or its
         registration's user decides; an unknown sender sees aggregate counters only."""
         viewer: Viewer | None = None
         if state is not None:

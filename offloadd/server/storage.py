@@ -20,15 +20,13 @@ import logging
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal, discard
+from offloadd.server.systemd import Notifier
 from offloadd.settings import Settings
-from offloadd.systemd import Notifier
 from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
 
 __all__ = ["PIN_PIECE", "open_arena", "open_journal"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
+logger = logging.getLogger(__name__)
 
 
 def open_arena(settings: Settings, notify: Notifier, *, cuda: bool) -> Arena:

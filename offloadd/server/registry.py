@@ -7,8 +7,8 @@ Pure logic, no I/O. Contract:
   whether the engine just became ready. On failure it raises ``RegistrationError`` and
   changes nothing: an engine that is already registered is never disturbed by a disagreeing
   rank.
-- ``tenant`` and ``uid`` come from the kernel (``offloadd.tenancy``), never from the Hello. An
-  engine belongs to the tenant of its first session: a Hello of another tenant for it is
+- ``tenant`` and ``uid`` come from the kernel (``offloadd.server.tenancy``), never from the
+  Hello. An engine belongs to the tenant of its first session: a Hello of another tenant for it is
   refused (``NOT_PERMITTED``), and a session is only replaced by a Hello of the same uid.
 - An engine is ready when every rank in ``[0, world_size)`` has a worker session. Its
   namespace (which engines' bytes are interchangeable) is fixed then, because it covers
@@ -68,7 +68,7 @@ class Session:
     # A scheduler mirroring its namespace's keys (KeysChanged); on a worker: its engine's
     # scheduler does, and publishes the engine's events itself.
     mirror: bool = False
-    # Who the kernel says the peer is (offloadd.tenancy): its tenant and uid.
+    # Who the kernel says the peer is (offloadd.server.tenancy): its tenant and uid.
     tenant: str = ""
     uid: int = -1
 

@@ -51,12 +51,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
 from offloadd.cache.journal import Journal
-from offloadd.events import LogLimiter
-from offloadd.registry import Namespace
+from offloadd.logs import LogLimiter
+from offloadd.server.announce import Announcer
+from offloadd.server.registry import Namespace
 from offloadd.tiers.base import ChunkAddress, Tier, TierWrite
 from protocol.messages import TierState
 

@@ -4,14 +4,14 @@ A scheduler (role ``scheduler``, vLLM's offloading manager) decides what its ran
 and load: it reserves room before its ranks store (``prepare_store``), holds the keys of a
 request it will load under that request's token so they cannot be evicted (a worker's
 ``Load(hold=token)`` reads them), and, when it mirrors its namespace's keys
-(``offloadd.mirrors``), acknowledges the changes its mirror applied so that the bytes of
+(``offloadd.server.mirrors``), acknowledges the changes its mirror applied so that the bytes of
 removed keys may be reused.
 
 Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Error reply):
 - ``reserve``: apply the request's hold changes and ack, then reserve the new keys' shards
   (evicting if needed, the evictions announced), answer ``Reserved``. Only the leading keys
   that fit the engine's share of the capacity (``limits.protected_fraction``, counted by
-  ``offloadd.limits.Protection`` with pins and holds) are reserved; the rest are not (the
+  ``offloadd.server.limits.Protection`` with pins and holds) are reserved; the rest are not (the
   ranks skip them: those chunks are simply not cached).
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 
-from offloadd.announce import Announcer
 from offloadd.cache.index import ChunkCache
-from offloadd.checks import Refused, check_keys, check_offloaded, ready_engine
-from offloadd.limits import Limits, Protection
-from offloadd.mirrors import Mirrors
-from offloadd.registry import Engine, Namespace, Registry
-from offloadd.sessions import SessionState
+from offloadd.server.announce import Announcer
+from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
+from offloadd.server.limits import Limits, Protection
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.registry import Engine, Namespace, Registry
+from offloadd.server.state import SessionState
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Ack,
@@ -45,9 +45,7 @@ from protocol.messages import (
 
 __all__ = ["Schedulers", "acker"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
+logger = logging.getLogger(__name__)
 
 
 def acker(mirrors: Mirrors, state: SessionState) -> str | None:

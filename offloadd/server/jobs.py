@@ -1,7 +1,7 @@
 """Jobs and waiters: the copies in flight, how they finish, and ``Wait``.
 
 A job is one ``Store`` or ``Load`` of one session. Its cache side was reserved by the handler
-(``offloadd.cache_requests``); here it is booked, copied and finished.
+(``offloadd.server.requests``); here it is booked, copied and finished.
 
 Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from the copy
 engine's threads through ``call_soon_threadsafe``):
@@ -31,60 +31,24 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from offloadd.announce import Announcer
-from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
-from offloadd.checks import Refused
-from offloadd.metrics import Counters, Metrics
-from offloadd.registry import Registry
+from offloadd.server.announce import Announcer
+from offloadd.server.checks import Refused
+from offloadd.server.metrics import Counters, Metrics
+from offloadd.server.registry import Registry
+from offloadd.server.state import Job, SessionState, Waiter, wait_result
 from offloadd.settings import ServerSettings
-from offloadd.transfer.engine import CopyEngine, Direction, Triple
+from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable, Import
+from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
-from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
-
-if TYPE_CHECKING:
-    from offloadd.sessions import SessionState
+from protocol.messages import JobAccepted, JobDone, Reply, Wait
 
 __all__ = ["Job", "Jobs", "Waiter", "wait_result"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
-
-
-@dataclass(eq=False)
-class Job:
-    """One Store or Load of one session, from its booking to its JobDone."""
-
-    job_id: int
-    state: SessionState
-    direction: Direction
-    keys: list[bytes]
-    failed_keys: list[bytes]
-    nbytes: int
-    writes: list[ShardWrite] = field(default_factory=list)
-    entries: list[Entry] = field(default_factory=list)
-    abandoned: bool = False
-
-
-@dataclass(eq=False)
-class Waiter:
-    """A Wait not answered yet."""
-
-    request_id: int
-    job_ids: list[int]
-    timer: asyncio.TimerHandle | None = None
-
-
-def wait_result(state: SessionState, waiter: Waiter) -> WaitResult:
-    """What ``waiter`` is told now: its jobs that are done, and those still in flight."""
-    done = [state.done[j] for j in waiter.job_ids if j in state.done]
-    pending = [j for j in waiter.job_ids if j in state.jobs]
-    return WaitResult(waiter.request_id, done, pending)
+logger = logging.getLogger(__name__)
 
 
 class Jobs:

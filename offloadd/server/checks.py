@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-from offloadd.limits import Limits
-from offloadd.registry import Engine, Namespace, Registry, Session, group_bytes, group_of_key
+from offloadd.server.limits import Limits
+from offloadd.server.registry import Engine, Namespace, Registry, Session, group_bytes, group_of_key
 from offloadd.settings import LimitsSettings
 from protocol.errors import ErrorCode
 

@@ -1,6 +1,6 @@
 """The requests on the cache: Lookup, Store, Load, Release and Clear.
 
-Each handler checks the request against the session's engine (``offloadd.checks``), asks the
+Each handler checks the request against the session's engine (``offloadd.server.checks``), asks the
 cache (``ChunkCache``) and answers; a Store or Load reserves its keys in the cache, plans the
 copies between the rank's regions and the arena (``transfer.plan``) and hands the job to
 ``Jobs``, which answers ``JobAccepted`` now and ``JobDone`` when the copy ends.
@@ -9,8 +9,8 @@ Contract of ``CacheRequests`` (the event loop's thread only; each call handles o
 completion, raising ``Refused`` for one the daemon answers with an Error):
 - ``lookup``: the leading committed keys and the pending ones, pinned for a lease on request
   (the lease cut to ``limits.max_lease_seconds``; pins beyond the engine's share of the
-  capacity, ``offloadd.limits.Protection``, are given back at once and not counted). With
-  tiers below the arena (``offloadd.tiers.coordinator``), keys after the hits that a tier
+  capacity, ``offloadd.server.limits.Protection``, are given back at once and not counted). With
+  tiers below the arena (``offloadd.server.tiers``), keys after the hits that a tier
   holds are promoted and reported pending; a tier that answers off the loop (the cluster)
   defers the reply, sent through ``send`` within its ``lookup_timeout``. Without tiers
   nothing of this runs.
@@ -29,23 +29,23 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from offloadd.announce import Announcer
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, LoadReservation
-from offloadd.checks import Refused, check_keys, check_offloaded, ready_engine
-from offloadd.jobs import Job, Jobs
-from offloadd.limits import Limits, Protection
-from offloadd.metrics import Metrics
-from offloadd.mirrors import Mirrors
-from offloadd.registry import Engine, Namespace, Registry, group_of_key
-from offloadd.schedulers import acker
-from offloadd.sessions import SessionState
+from offloadd.server.announce import Announcer
+from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
+from offloadd.server.jobs import Jobs
+from offloadd.server.limits import Limits, Protection
+from offloadd.server.metrics import Metrics
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.registry import Engine, Namespace, Registry, group_of_key
+from offloadd.server.schedulers import acker
+from offloadd.server.state import Job, SessionState
+from offloadd.server.tiers import Tiers
 from offloadd.settings import Settings
-from offloadd.tiers.coordinator import Tiers
 from offloadd.transfer.copies import ChunkRuns, Copies
-from offloadd.transfer.engine import Direction
 from offloadd.transfer.guarded import shrunk
-from offloadd.transfer.plan import Span, block_id_problem, chunk_ranges, group_spans
+from offloadd.transfer.plan import block_id_problem, chunk_ranges, group_spans
+from offloadd.transfer.types import Direction, Span
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Clear,
@@ -61,9 +61,7 @@ from protocol.messages import (
 
 __all__ = ["CacheRequests"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
+logger = logging.getLogger(__name__)
 
 
 class CacheRequests:

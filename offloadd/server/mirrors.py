@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from offloadd.cache.index import ChunkCache
-from offloadd.registry import Registry, Session
+from offloadd.server.registry import Registry, Session
 from protocol.messages import KeysChanged, Reply
 
 __all__ = ["Mirrors"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from offloadd.registry import group_of_key
+from offloadd.server.registry import group_of_key
 from protocol.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent, hash_for_wire
 
 MAX_EVENTS_PER_BATCH = 1000

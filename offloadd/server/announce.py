@@ -26,7 +26,7 @@ Contract of ``Announcer``:
   engine; an engine publishes under it (under its Hello's topic only with
   ``client_topics``).
 - Commits and clears also end the reservations and pins ``protection`` counts
-  (``offloadd.limits``).
+  (``offloadd.server.limits``).
 - ``publish_to(engine, events)``: queue events under the engine's topic and dp index; never
   blocks. Engines without ``enable_kv_cache_events``, and engines whose scheduler mirrors
   their keys (it publishes their events itself), get none.
@@ -40,25 +40,23 @@ import logging
 import time
 from typing import Protocol
 
-from offloadd.attribution import in_batches, removed_events, stored_events
 from offloadd.cache.index import ChunkCache, Entry
 from offloadd.cache.journal import Journal
-from offloadd.events import PublisherSet, topic_for
-from offloadd.limits import Protection
-from offloadd.mirrors import Mirrors
-from offloadd.registry import Engine, Namespace, Registry
+from offloadd.server.attribution import in_batches, removed_events, stored_events
+from offloadd.server.limits import Protection
+from offloadd.server.mirrors import Mirrors
+from offloadd.server.publisher import PublisherSet, topic_for
+from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.settings import EventSettings
 from protocol.events import AllBlocksCleared, KVEvent, KVEventBatch
 
 __all__ = ["Announcer", "TierListener"]
 
-# The daemon's parts log under the name they had inside daemon.py: operators filter its lines
-# (and set its level) by that name.
-logger = logging.getLogger("offloadd.daemon")
+logger = logging.getLogger(__name__)
 
 
 class TierListener(Protocol):
-    """What the tiers below the arena hear (``offloadd.tiers.coordinator.Tiers``)."""
+    """What the tiers below the arena hear (``offloadd.server.tiers.Tiers``)."""
 
     def committed(self, namespace: str, entries: list[Entry], source: str) -> None: ...
 

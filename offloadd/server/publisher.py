@@ -44,7 +44,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from offloadd.endpoint import bind_ipc, ipc_path
+from offloadd.endpoint import bind_ipc, connectable, ipc_path, offset_endpoint_port
+from offloadd.logs import LogLimiter
 from offloadd.settings import EventSettings
 from protocol.events import END_SEQ, KVEventBatch, encode_batch
 
@@ -55,85 +56,6 @@ _YIELD_EVERY = 64  # batches sent (or replayed) between yields to the event loop
 
 class EventBindError(Exception):
     """A publisher socket cannot bind its endpoint; the message names the setting."""
-
-
-class LogLimiter:
-    """Logs a repeated message at most once per ``interval`` seconds, counting the rest."""
-
-    def __init__(self, log: logging.Logger, interval: float = 10.0) -> None:
-        self._log = log
-        self._interval = interval
-        self._last = -float("inf")
-        self._suppressed = 0
-
-    def __call__(self, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
-        """Log ``msg % args`` at ``level`` unless one was logged less than interval ago."""
-        now = time.monotonic()
-        if now - self._last < self._interval:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            msg += " (%d similar messages suppressed)"
-            args = (*args, self._suppressed)
-        self._last = now
-        self._suppressed = 0
-        self._log.log(level, msg, *args, exc_info=exc_info)
-
-
-def offset_endpoint_port(endpoint: str, k: int) -> str:
-    """The endpoint of dp index ``k``, as vLLM derives it.
-
-    ``tcp://host:P`` -> ``tcp://host:(P+k)``, ``inproc://x`` -> ``inproc://x_dp{k}``;
-    ``k == 0`` returns the endpoint unchanged. Other schemes (``ipc://`` included) cannot
-    be offset and raise ValueError.
-    """
-    if k < 0:
-        raise ValueError(f"dp index must be >= 0, not {k}")
-    if k == 0 or not endpoint:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{k}"
-    if endpoint.startswith("tcp://"):
-        base, sep, port = endpoint.rpartition(":")
-        if not sep or base == "tcp" or not port.isdigit():
-            raise ValueError(
-                f"cannot offset {endpoint!r} for dp index {k}: it needs an explicit port "
-                "(tcp://host:PORT)"
-            )
-        return f"{base}:{int(port) + k}"
-    raise ValueError(
-        f"cannot offset {endpoint!r} for dp index {k}: only tcp:// and inproc:// endpoints "
-        "get one endpoint per dp index (set port_per_dp = false to share one publisher)"
-    )
-
-
-def replay_beside(endpoint: str) -> str:
-    """The replay endpoint beside a ``tcp://`` PUB endpoint in the daemon's default layout
-    (port + 1, as 5557 and 5558); ``""`` for other endpoints, which have no such neighbour."""
-    if not endpoint.startswith("tcp://"):
-        return ""
-    try:
-        guess = offset_endpoint_port(endpoint, 1)
-    except ValueError:
-        return ""
-    return guess if int(guess.rpartition(":")[2]) <= 65535 else ""
-
-
-_WILDCARD_HOSTS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "[*]": "[::1]"}
-
-
-def connectable(endpoint: str) -> str:
-    """An endpoint a process on this node can connect to: a wildcard host becomes loopback.
-
-    ``tcp://*:5557`` and ``tcp://0.0.0.0:5557`` -> ``tcp://127.0.0.1:5557``; anything else is
-    returned unchanged.
-    """
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    if sep and host in _WILDCARD_HOSTS:
-        return f"tcp://{_WILDCARD_HOSTS[host]}:{port}"
-    return endpoint
 
 
 def topic_for(template: str, *, pod: str, model: str, engine_id: str, dp: int) -> str:
