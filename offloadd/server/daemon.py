@@ -184,7 +184,10 @@ class Daemon:
         self._started = time.monotonic()
         self.counters = Counters()
         self.metrics = Metrics(
-            self.stats, pending_jobs=lambda: self._parts.jobs.in_flight if self._parts else 0
+            self.stats,
+            pending_jobs=lambda: self._parts.jobs.in_flight if self._parts else 0,
+            ready=self._not_ready,
+            copy_engine=settings.server.copy_engine,
         )
         self._control = ControlSocket(
             settings,
@@ -194,6 +197,13 @@ class Daemon:
             metrics=self.metrics,
             counters=self.counters,
         )
+
+    def _not_ready(self) -> str:
+        """What keeps the daemon from serving, for ``/readyz`` ("" when ready)."""
+        if self._parts is None or self._arena is None:
+            return "starting: the arena and the sockets are not up yet"
+        down = [tier.name for tier in self.stats().tiers if not tier.healthy]
+        return f"tier {', '.join(down)} unhealthy" if down else ""
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -29,7 +29,16 @@ cannot grow the scrape (or the daemon) without bound. Each metric family lives i
 instance's own ``CollectorRegistry``, so several daemons (or tests) in one process don't
 clash.
 
-``start(address)`` serves ``/metrics`` on ``HOST:PORT`` from a background thread, or on a
+Process and platform series (``process_resident_memory_bytes``, ``process_open_fds``,
+``process_start_time_seconds``, ``python_info``, ...) and ``offloadd_build_info{version,
+copy_engine}`` are always there.
+
+Health, on the same endpoint: ``/healthz`` answers 200 when the daemon's event loop ran a
+callback within ``HEALTH_SECONDS`` (503 otherwise: a wedged loop serves nobody), ``/readyz``
+200 when ``ready()`` says nothing is missing (arena open, sockets bound, tiers healthy; 503
+with the reason), and every other path but ``/metrics`` is 404.
+
+``start(address)`` serves them on ``HOST:PORT`` from a background thread, or on a
 unix socket for ``unix:/PATH`` (created like the control socket: in a directory only the
 daemon's user can change, with ``socket_mode`` and ``socket_group``, so that only the
 clients' group may read it; a loopback port is open to every local user). ``close()`` stops
@@ -49,16 +58,28 @@ import socketserver
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+from typing import TypeVar
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from offloadd import __version__
 from offloadd.endpoint import EndpointRefused, bind_ipc
 from offloadd.settings import UNIX_PREFIX, parse_address
 from protocol.messages import DaemonStats
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DIRECTIONS = ("store", "load")
 # Job sizes in bytes, like vLLM's KV-offload transfer-size buckets.
@@ -67,6 +88,9 @@ LOOKUP_SECONDS_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
     0.5, 1.0,
 )  # fmt: skip
+
+
+HEALTH_SECONDS = 2.0  # /healthz: how long the event loop may take to run a callback
 
 
 class MetricsError(Exception):
@@ -92,8 +116,19 @@ class Metrics:
         *,
         pending_jobs: Callable[[], int] | None = None,
         snapshot_timeout: float = 5.0,
+        ready: Callable[[], str] | None = None,
+        copy_engine: str = "",
     ) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        Gauge(
+            "offloadd_build_info",
+            "Always 1: the daemon's version and the copy engine it runs",
+            ["version", "copy_engine"],
+            registry=self.registry,
+        ).labels(__version__, copy_engine).set(1)
+        self._ready = ready
         self._bytes = Counter(
             "offloadd_bytes",
             "Bytes copied between ranks and the host cache",
@@ -214,16 +249,50 @@ class Metrics:
         except ValueError as exc:
             raise MetricsError(f"metrics address: {exc}") from None
         try:
-            self._server, self._thread = start_http_server(port, host, registry=self.registry)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            server_class = type("_HTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+            server = server_class((host.strip("[]"), port), self._handler())
         except OSError as exc:
             raise MetricsError(
                 f"cannot serve metrics on {address}: {exc.strerror or exc} "
                 '(set metrics.address, or "" to turn metrics off)'
             ) from None
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="offloadd-metrics", daemon=True
+        )
+        self._thread.start()
         logger.info("metrics on http://%s/metrics", self.address)
 
+    def _handler(self) -> type[MetricsHandler]:
+        """The HTTP handler: /metrics, /healthz, /readyz, 404 elsewhere."""
+        return _handler_class(self.registry, self.healthy, self.readiness)
+
+    def healthy(self) -> bool:
+        """Whether the daemon's event loop runs callbacks (always, without a loop)."""
+        loop = self._collector.loop
+        if loop is None or _running_loop() is loop:
+            return True
+        done = threading.Event()
+        try:
+            loop.call_soon_threadsafe(done.set)
+        except RuntimeError:  # the loop is closed
+            return False
+        return done.wait(HEALTH_SECONDS)
+
+    def readiness(self) -> str:
+        """What keeps the daemon from serving ("" when ready)."""
+        if not self.healthy():
+            return "the event loop does not answer"
+        if self._ready is None:
+            return ""
+        try:
+            return self._collector.on_loop_call(self._ready)
+        except Exception as exc:
+            return f"readiness check failed: {exc!r}"
+
     def _start_unix(self, path: str, mode: str, group: str) -> None:
-        handler = MetricsHandler.factory(self.registry)
+        handler = self._handler()
         if _live_socket(path):
             raise MetricsError(f"metrics socket {path} is in use by another process")
         with contextlib.suppress(FileNotFoundError):
@@ -273,6 +342,39 @@ class Metrics:
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+
+
+def _handler_class(
+    registry: CollectorRegistry, healthy: Callable[[], bool], readiness: Callable[[], str]
+) -> type[MetricsHandler]:
+    metrics = MetricsHandler.factory(registry)
+
+    class Handler(metrics):  # type: ignore[misc, valid-type]
+        def do_GET(self) -> None:
+            path = urlsplit(self.path).path
+            if path == "/metrics":
+                super().do_GET()
+            elif path == "/healthz":
+                ok = healthy()
+                self._text(200 if ok else 503, "ok\n" if ok else "event loop stalled\n")
+            elif path == "/readyz":
+                reason = readiness()
+                self._text(503 if reason else 200, (reason or "ready") + "\n")
+            else:
+                self._text(404, "not found: /metrics, /healthz or /readyz\n")
+
+        def _text(self, status: int, body: str) -> None:
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return  # scrapes and probes are not news
+
+    return Handler
 
 
 def _live_socket(path: str) -> bool:
@@ -330,12 +432,14 @@ class _SnapshotCollector:
     def _on_loop(
         self, call: Callable[[], tuple[DaemonStats | None, int | None]]
     ) -> tuple[DaemonStats | None, int | None]:
+        return self.on_loop_call(call)
+
+    def on_loop_call(self, call: Callable[[], _T]) -> _T:
+        """``call()`` run on the daemon's loop (here without one), its result or exception."""
         loop = self.loop
         if loop is None or _running_loop() is loop:
             return call()
-        result: concurrent.futures.Future[tuple[DaemonStats | None, int | None]] = (
-            concurrent.futures.Future()
-        )
+        result: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
         def run() -> None:
             try:

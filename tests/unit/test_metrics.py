@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from offloadd import __version__
 from offloadd.server.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
 from protocol.messages import DaemonStats, EngineState, TierState
 
@@ -267,3 +268,56 @@ def test_each_tier_below_the_arena_has_its_figures() -> None:
     assert value(metrics, "offloadd_tier_healthy", tier="mooncake") == 0
     assert value(metrics, "offloadd_tier_errors_total", tier="mooncake") == 3
     assert value(Metrics(fake_stats), "offloadd_tier_chunks", tier="disk") is None
+
+
+# --- health ------------------------------------------------------------------------------------
+
+
+def get(address: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_health_ready_and_unknown_paths(loop_thread: asyncio.AbstractEventLoop) -> None:
+    reasons = ["starting"]
+    with Metrics(fake_stats, ready=lambda: reasons[0], copy_engine="cpu") as metrics:
+        metrics.start("127.0.0.1:0", loop=loop_thread)
+        assert get(metrics.address, "/healthz") == (200, "ok\n")
+        assert get(metrics.address, "/readyz") == (503, "starting\n")
+        reasons[0] = ""
+        assert get(metrics.address, "/readyz") == (200, "ready\n")
+        status, body = get(metrics.address, "/nope")
+        assert status == 404 and "/healthz" in body
+        assert get(metrics.address, "/metrics?x=1")[0] == 200
+
+
+def test_a_stalled_loop_is_not_healthy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("offloadd.server.metrics.HEALTH_SECONDS", 0.05)
+    loop = asyncio.new_event_loop()
+    release = threading.Event()
+    loop.call_soon(release.wait)  # the loop's one callback never returns until released
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        with Metrics(fake_stats, ready=lambda: "") as metrics:
+            metrics.start("127.0.0.1:0", loop=loop)
+            assert get(metrics.address, "/healthz")[0] == 503
+            assert get(metrics.address, "/readyz") == (503, "the event loop does not answer\n")
+    finally:
+        release.set()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_process_series_and_build_info() -> None:
+    with Metrics(copy_engine="cuda") as metrics:
+        metrics.start("127.0.0.1:0")
+        text = scrape(metrics.address)
+    assert "process_resident_memory_bytes" in text
+    assert "process_open_fds" in text
+    assert "python_info" in text
+    assert f'offloadd_build_info{{copy_engine="cuda",version="{__version__}"}} 1.0' in text

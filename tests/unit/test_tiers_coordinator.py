@@ -20,13 +20,13 @@ import pytest
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
+from offloadd.server import tiers as coordinator
 from offloadd.server.announce import Announcer
 from offloadd.server.daemon import tier_slots
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import DiskSettings, EventSettings, MooncakeSettings, Settings
-from offloadd.server import tiers as coordinator
 from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
 from protocol.messages import KeysChanged, Reply
