@@ -40,6 +40,6 @@ def test_design_document_has_its_sections() -> None:
     for heading in ("Layout and layers", "The wire", "The cache", "Events", "The failure model",
                     "The CUDA path", "Settings", "vLLM plugin"):  # fmt: skip
         assert f". {heading}" in design, heading
-    assert 'README\'s "Use with vLLM" section' in design
-    assert "## Use with vLLM" in (REPO / "README.md").read_text()
+    assert '"Use with vLLM" ([docs/vllm.md](vllm.md))' in design
+    assert "# Use with vLLM" in (REPO / "docs" / "vllm.md").read_text()
     assert "TODO" not in design
