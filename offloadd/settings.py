@@ -61,8 +61,10 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # without any message; clients send heartbeats well within it.
     session_timeout: float = 30.0
     # "cuda": ranks register CUDA IPC handles, copies run on daemon-owned CUDA streams and
-    # the arena is registered as pinned memory (needs the `cuda` extra and a GPU).
-    copy_engine: Literal["cpu", "cuda"] = "cpu"
+    # the arena is registered as pinned memory (needs a GPU and a CUDA 12.8+ driver).
+    # "cpu": ranks register shared-memory files. "auto": cuda where a device and a driver
+    # with the batched copy are there, else cpu (chosen and logged at start).
+    copy_engine: Literal["auto", "cpu", "cuda"] = "auto"
     # The ipc socket's permission bits (octal) and group: ranks of that group may connect.
     # Event ipc sockets and a unix: metrics socket get the same.
     socket_mode: str = "0660"
@@ -448,17 +450,19 @@ def _coerce(
     if (section, key) in SIZE_SETTINGS:
         least = 0 if (section, key) in _SIZES_ZERO_MEANS_AUTO else 1
         if isinstance(value, int) and not isinstance(value, bool) and value >= least:
-            return value
+            return _size_in_bounds(section, key, value, value, head, tail)
         if isinstance(value, str):
             try:
                 size = parse_size(value)
             except ValueError:
                 size = -1
             if size >= least:
-                return size
+                return _size_in_bounds(section, key, size, value, head, tail)
         raise SettingsError(f"{head}expected a size like 8GiB, got {value!r}{tail}")
     if from_env:
         value = _from_string(value, kind)
+    if get_origin(kind) is Literal and isinstance(value, str):
+        value = value.strip().lower()  # every choice is lower case: "LRU" means "lru"
     try:
         converted = msgspec.convert(value, kind, strict=True)
     except msgspec.ValidationError:
@@ -468,6 +472,35 @@ def _coerce(
     if problem:
         raise SettingsError(f"{head}{problem}{tail}")
     return converted
+
+
+MIN_CAPACITY = 1 << 20  # below this no engine's chunk fits (a chunk is pages of all layers)
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def _size_in_bounds(section: str, key: str, size: int, given: Any, head: str, tail: str) -> int:
+    """``size``, unless the arena's capacity could hold no chunk or more than the machine."""
+    if (section, key) != ("cache", "capacity"):
+        return size
+    if size < MIN_CAPACITY:
+        raise SettingsError(
+            f"{head}{given!r} is {size} bytes, too small to hold a chunk: give at least "
+            f"1MiB, with a unit (8GiB){tail}"
+        )
+    memory = physical_memory()
+    if memory and size > memory:
+        raise SettingsError(
+            f"{head}{format_size(size)} is more than this machine's memory "
+            f"({format_size(memory)}){tail}"
+        )
+    return size
 
 
 def log_level_problem(level: str) -> str:

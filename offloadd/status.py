@@ -57,6 +57,9 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
     pending = stats.entries - stats.committed_entries
     lines = [
         f"offloadd at {endpoint}: up {_duration(stats.uptime_seconds)}",
+        f"  daemon     version {stats.version or 'unknown'}, pid {stats.pid or 'unknown'}, "
+        f"copy engine {stats.copy_engine or 'unknown'}",
+        f"  arena      {stats.arena or 'unknown'}",
         f"  cache      {format_size(stats.used_bytes)} of {format_size(stats.capacity_bytes)} "
         f"({fill:.1%}); {stats.committed_entries} chunks, {pending} being stored",
         f"  lookups    {stats.lookups} requests, {keys} keys: {stats.hits} hits, "

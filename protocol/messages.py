@@ -384,6 +384,10 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # daemon (status and metrics say so). Empty on the cpu engine.
     copy_path: dict[str, bool] = {}
     tiers: list[TierState] = []  # the tiers below the arena, in order (empty: none)
+    version: str = ""  # the daemon's offloadd version
+    pid: int = 0
+    arena: str = ""  # the arena file's path
+    copy_engine: str = ""  # "cpu" or "cuda", as chosen at start
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

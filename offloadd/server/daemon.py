@@ -34,14 +34,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
 import zmq.asyncio
 
+from offloadd import __version__
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
@@ -67,6 +70,7 @@ from offloadd.server.tenancy import Tenancy, Viewer
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import Settings
 from offloadd.tiers.base import Tier
+from offloadd.transfer.choice import choose_copy_engine
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.handles import HandleTable
 from protocol.errors import ErrorCode
@@ -143,6 +147,16 @@ def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
     return tier
 
 
+def with_copy_engine_chosen(settings: Settings) -> Settings:
+    """``settings`` with ``server.copy_engine = "auto"`` replaced by the engine it picks."""
+    engine, why = choose_copy_engine(settings.server.copy_engine)
+    if not why:
+        return settings
+    logger.info("copy engine: %s (auto: %s)", engine, why)
+    server = msgspec.structs.replace(settings.server, copy_engine=engine)
+    return msgspec.structs.replace(settings, server=server)
+
+
 class Daemon:
     """One offloadd instance. Use ``async with Daemon(settings) as d: await d.serve(stop)``."""
 
@@ -154,6 +168,7 @@ class Daemon:
         notifier: Notifier | None = None,
         tiers: Sequence[TierSlot] | None = None,
     ) -> None:
+        settings = with_copy_engine_chosen(settings)
         self.settings = settings
         # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
         self._tier_slots = list(tiers) if tiers is not None else None
@@ -568,6 +583,10 @@ class Daemon:
             events_replay_endpoint=events[1],
             copy_path=self._copy_path(),
             tiers=parts.tiers.stats() if parts is not None and parts.tiers is not None else [],
+            version=__version__,
+            pid=os.getpid(),
+            arena=self.settings.arena_path(),
+            copy_engine=self.settings.server.copy_engine,
         )
 
     def _copy_path(self) -> dict[str, bool]:

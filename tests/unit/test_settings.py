@@ -22,6 +22,7 @@ from offloadd.settings import (
     configure_logging,
     load_settings,
     parse_address,
+    physical_memory,
     settings_toml,
 )
 
@@ -337,7 +338,7 @@ def test_check_config_prints_the_effective_settings(toml: Path) -> None:
 
 
 def test_check_config_fails_with_the_reason(toml: Path) -> None:
-    path = write(toml, "[cache]\ncapacity = 1\n")
+    path = write(toml, '[cache]\ncapacity = "1GiB"\n')
     result = check_config("--config", path, env={"OFFLOADD_CACHE__CAPASITY": "8GiB"})
     assert result.returncode == 2
     assert result.stdout == ""
@@ -375,3 +376,33 @@ def test_client_strings_cannot_forge_log_lines() -> None:
             if type(handler).__name__ == "_Handler":
                 root.removeHandler(handler)
         root.setLevel(old_level)
+
+
+def test_choices_are_case_insensitive(toml: Path) -> None:
+    path = write(toml, '[cache]\npolicy = "LRU"\n[log]\nformat = " Plain "\n')
+    settings = load_settings(path)
+    assert settings.cache.policy == "lru" and settings.log.format == "plain"
+    env = load_settings(environ={"OFFLOADD_SERVER__COPY_ENGINE": "CPU"})
+    assert env.server.copy_engine == "cpu"
+    assert "expected one of 'lru', 'arc'" in error_of(cache={"policy": "MRU"})
+
+
+def test_the_copy_engine_defaults_to_auto() -> None:
+    assert Settings().server.copy_engine == "auto"
+
+
+def test_a_capacity_below_one_chunk_is_refused(toml: Path) -> None:
+    path = write(toml, "[cache]\ncapacity = 8\n")
+    message = error_of(path)
+    assert message.startswith("cache.capacity: 8 is 8 bytes, too small to hold a chunk")
+    assert "with a unit (8GiB)" in message and path in message
+    assert "too small" in error_of(cache={"capacity": "64KiB"})
+    assert load_settings(overrides={"cache": {"capacity": "1MiB"}}).cache.capacity == 1 << 20
+
+
+def test_a_capacity_above_the_machines_memory_is_refused() -> None:
+    memory = physical_memory()
+    assert memory > 0
+    message = error_of(cache={"capacity": str(memory + (1 << 30))})
+    assert "is more than this machine's memory" in message
+    assert message.endswith("(from the command line)")

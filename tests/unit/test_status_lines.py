@@ -53,3 +53,14 @@ def test_status_shows_each_tier_and_nothing_without_tiers() -> None:
     assert "promoted 4 chunks (1 failed verification, read 2.00 GB/s)" in text
     assert "written 12 chunks, skipped 2 (gone before their turn); 0B queued;" in text
     assert "  mooncake   UNREACHABLE; " in text and "3 errors" in text
+
+
+def test_status_names_the_daemon_its_arena_and_copy_engine() -> None:
+    stats = _stats(version="0.1.0", pid=4242, arena="/dev/shm/a.arena", copy_engine="cpu")
+    lines = describe(stats, "ipc:///x")
+    assert lines[1] == "  daemon     version 0.1.0, pid 4242, copy engine cpu"
+    assert lines[2] == "  arena      /dev/shm/a.arena"
+    assert (
+        describe(_stats(), "ipc:///x")[1]
+        == "  daemon     version unknown, pid unknown, copy engine unknown"
+    )
