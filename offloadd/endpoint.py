@@ -161,11 +161,23 @@ class EndpointClaim:
         self._lock_fd = None
 
 
-def runtime_dir() -> str:
-    """Where the control socket lives when no endpoint is given."""
-    systemd_dir = os.environ.get("RUNTIME_DIRECTORY")
+NODE_RUNTIME_DIR = "/run/offloadd"  # the node daemon's directory (systemd RuntimeDirectory=)
+
+
+def runtime_dir(*, service: bool = True) -> str:
+    """Where the control socket lives when no endpoint is given.
+
+    The daemon under systemd uses its ``$RUNTIME_DIRECTORY``; anyone else (the daemon run by
+    hand, and every client, which must not take the runtime directory of whatever service
+    runs it: ``service=False``) takes ``/run/offloadd`` where it exists, so the daemon's and
+    the ranks' defaults agree on a node whatever their environments; then the per-user
+    ``$XDG_RUNTIME_DIR/offloadd`` and ``/tmp/offloadd-<uid>``.
+    """
+    systemd_dir = os.environ.get("RUNTIME_DIRECTORY") if service else None
     if systemd_dir:
         return systemd_dir.split(":")[0]
+    if os.path.isdir(NODE_RUNTIME_DIR):
+        return NODE_RUNTIME_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return os.path.join(xdg, "offloadd")
@@ -183,9 +195,9 @@ def state_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".local", "state", "offloadd")
 
 
-def default_endpoint() -> str:
-    """``ipc://<runtime dir>/offloadd.sock``."""
-    return f"ipc://{os.path.join(runtime_dir(), 'offloadd.sock')}"
+def default_endpoint(*, service: bool = True) -> str:
+    """``ipc://<runtime dir>/offloadd.sock`` (``service=False``: as a client finds it)."""
+    return f"ipc://{os.path.join(runtime_dir(service=service), 'offloadd.sock')}"
 
 
 def offset_endpoint_port(endpoint: str, k: int) -> str:

@@ -5,7 +5,8 @@ process: the scheduler asks it for a manager, each rank for a worker. Keys read 
 ``kv_connector_extra_config``:
 
 - ``offloadd_endpoint``: the daemon's control endpoint (else ``OFFLOADD_ENDPOINT``, else the
-  daemon's default socket);
+  node daemon's default socket, ``ipc:///run/offloadd/offloadd.sock`` where that directory
+  exists: see ``offloadd.endpoint.runtime_dir``);
 - ``offloadd_optional``: with no daemon at start, run without offload (every lookup misses,
   nothing is stored) and start offloading when it appears, instead of failing;
 - ``offloadd_timeout``: seconds to wait for the daemon's answers (default 10);
@@ -44,7 +45,7 @@ class OffloaddSpec(OffloadingSpec):
         self.endpoint: str = str(
             extra.get("offloadd_endpoint")
             or os.environ.get("OFFLOADD_ENDPOINT")
-            or default_endpoint()
+            or default_endpoint(service=False)
         )
         self.optional = bool(extra.get("offloadd_optional", False))
         self.timeout = float(extra.get("offloadd_timeout", 10.0))
