@@ -32,6 +32,11 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   later ``begin_store(..., allocate=False)`` and protects them from eviction until they commit
   or ``release_reservations``; ``hold`` protects committed keys for one request until
   ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile).
+- Protected bytes have one ledger (``offloadd.cache.ledger``), kept here as pins, holds and
+  reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` and an
+  ``account`` on ``lookup``, ``hold`` or ``reserve``, a new protection is taken only within
+  ``room(account)``; what does not fit is never taken (not pinned, returned as not held,
+  neither reserved nor refused).
 - A scheduler that mirrors a namespace's keys (``watch``) may still show a removed key as
   present: a removed committed entry of a watched namespace keeps its extents until every
   watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
