@@ -32,6 +32,11 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   later ``begin_store(..., allocate=False)`` and protects them from eviction until they commit
   or ``release_reservations``; ``hold`` protects committed keys for one request until
   ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile).
+- Protected bytes have one ledger (``offloadd.cache.ledger``), kept here as pins, holds and
+  reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` and an
+  ``account`` on ``lookup``, ``hold`` or ``reserve``, a new protection is taken only within
+  ``room(account)``; what does not fit is never taken (not pinned, returned as not held,
+  neither reserved nor refused).
 - A scheduler that mirrors a namespace's keys (``watch``) may still show a removed key as
   present: a removed committed entry of a watched namespace keeps its extents until every
   watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
@@ -59,10 +64,11 @@ released (dead and nothing uses its extents), its handles keep the last state: `
 
 from __future__ import annotations
 
+import heapq
 import time
 import weakref
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice, pairwise
 from operator import itemgetter
@@ -72,6 +78,7 @@ import numpy as np
 
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.columns import Column
+from offloadd.cache.ledger import Ledger
 from offloadd.cache.policy import RowPolicy, make_row_policy
 from offloadd.cache.watchers import Watchers
 
@@ -273,6 +280,7 @@ class CacheStats:
 
 
 _NO_ROWS: dict[bytes, int] = {}
+_NO_PINS: dict[str, float] = {}
 # bytes.translate table: a state byte -> 1 if committed, else 0.
 _COMMITTED_BYTE = bytes(int(bool(state & _COMMITTED)) for state in range(256))
 _SWEEP_MIN = 4096
@@ -305,6 +313,7 @@ class ChunkCache:
         align: int = 4096,
         boundary: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        budget: int | None = None,
     ) -> None:
         # ``boundary``: no shard extent straddles a multiple of it (see ExtentAllocator).
         self._alloc = ExtentAllocator(capacity, align, boundary=boundary)
@@ -331,6 +340,7 @@ class ChunkCache:
         self._needs: list[tuple[int, ...]] = []  # each shape's sizes as allocated (aligned)
         self._footprints: list[int] = []  # arena bytes of each shape
         self._fits: list[bool] = []  # whether each shape could ever fit the arena
+        self._nbytes: list[int] = []  # payload bytes of each shape (what protection costs)
         # What few rows have at a time; a state bit says whether a row is in each.
         self._written: dict[int, int] = {}  # pending rows: shards written
         self._writing: dict[int, int] = {}
@@ -338,6 +348,8 @@ class ChunkCache:
         self._row_holds: dict[int, int] = {}
         self._pins: dict[int, dict[str, float]] = {}
         self._reserved_by: dict[int, str] = {}
+        # The bytes each owner protects by those three, per account against ``budget``.
+        self._ledger = Ledger(budget)
         # Handles given out, so that a row's handle is always the same object while it lives.
         # References of handles that died are swept out now and then (_handle).
         self._handles: dict[int, weakref.ref[Entry]] = {}
@@ -434,8 +446,14 @@ class ChunkCache:
         *,
         pin_owner: str | None = None,
         lease: float = 0.0,
+        account: Hashable | None = None,
     ) -> LookupOutcome:
-        """Prefix hit and pending keys; touches the hits and pins them if asked."""
+        """Prefix hit and pending keys; touches the hits and pins them if asked.
+
+        With an ``account``, ``pin_owner``'s new pins count towards it, and a hit whose pin
+        would exceed the account's room is not pinned (pins the owner holds already cost
+        nothing and are extended).
+        """
         # Every key probed at C speed (map), then the state bytes of the rows up to the first
         # missing key read at C speed too (itemgetter, translate): a hit costs no bytecode.
         get = self._tables.get(namespace, _NO_ROWS).get
@@ -471,10 +489,23 @@ class ChunkCache:
         if hits:
             self._policy.touch(hit_rows)
             if pin_owner is not None and lease > 0:
-                expiry = self._clock() + lease
-                for row in hit_rows:
-                    self._pin(row, pin_owner, expiry)
-                pinned = hits
+                now = self._clock()
+                expiry = now + lease
+                room = self._room(account, now)
+                if room == float("inf"):
+                    for row in hit_rows:
+                        self._pin(row, pin_owner, expiry, account)
+                    pinned = hits
+                else:
+                    pins, nbytes, shape_of = self._pins, self._nbytes, self._shape.v
+                    for row in hit_rows:
+                        if pin_owner not in pins.get(row, _NO_PINS):
+                            cost = nbytes[shape_of[row]]
+                            if cost > room:
+                                continue
+                            room -= cost
+                        self._pin(row, pin_owner, expiry, account)
+                        pinned += 1
         return LookupOutcome(hits, pending, pinned)
 
     # -- store ------------------------------------------------------------------------------
@@ -552,14 +583,19 @@ class ChunkCache:
         shard_sizes: Callable[[bytes], tuple[int, ...]],
         *,
         acker: str | None = None,
+        account: Hashable | None = None,
     ) -> Reservation:
         """Allocate every shard of each new key for a later ``begin_store(allocate=False)``.
 
         Committed and pending keys are left out. A key that finds no room is refused, and so is
         every later key (as in ``begin_store``). Reserved entries are not evictable until they
-        commit or ``release_reservations(owner)``.
+        commit or ``release_reservations(owner)``. With an ``account``, only the leading keys
+        whose bytes (all of them, reserved or not) fit its room are looked at; the others are
+        neither reserved nor refused.
         """
         res = Reservation([], [], [])
+        if account is not None:
+            keys = self._within_room(keys, shard_sizes, self._room(account, self._clock()))
         table = self._tables.get(namespace, _NO_ROWS)
         protected = frozenset(keys)
         reserved_by = self._reserved_by
@@ -584,11 +620,26 @@ class ChunkCache:
             table = self._tables[namespace]
             reserved_by[row] = owner
             self._state.v[row] |= _RESERVED
+            self._ledger.charge(owner, self._nbytes[shape], account)
             if mine is None:
                 mine = self._reservations.setdefault(owner, set())
             mine.add(row)
             res.reserved.append(i)
         return res
+
+    @staticmethod
+    def _within_room(
+        keys: Sequence[bytes], shard_sizes: Callable[[bytes], tuple[int, ...]], room: float
+    ) -> Sequence[bytes]:
+        """The leading ``keys`` whose bytes fit ``room``."""
+        if room == float("inf"):
+            return keys
+        for i, key in enumerate(keys):
+            cost = sum(shard_sizes(key))
+            if cost > room:
+                return keys[:i]
+            room -= cost
+        return keys
 
     def release_reservations(self, owner: str) -> int:
         """Drop ``owner``'s reserved entries that have not committed (its scheduler left).
@@ -597,9 +648,11 @@ class ChunkCache:
         dropped entry ever becomes visible. Returns how many entries were dropped.
         """
         rows = self._reservations.pop(owner, set())
+        refund, nbytes, shape_of = self._ledger.refund, self._nbytes, self._shape.v
         for row in rows:
             del self._reserved_by[row]
             self._state.v[row] &= ~_RESERVED & 0xFF
+            refund(owner, nbytes[shape_of[row]])
             self._unlink(row, evicted=False)
             self._free_if_idle(row)
         return len(rows)
@@ -663,6 +716,7 @@ class ChunkCache:
         owner = self._reserved_by.pop(row, None)
         if owner is not None:
             self._state.v[row] &= ~_RESERVED & 0xFF
+            self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
             reserved = self._reservations[owner]
             reserved.discard(row)
             if not reserved:
@@ -741,17 +795,30 @@ class ChunkCache:
 
     # -- holds ------------------------------------------------------------------------------
 
-    def hold(self, namespace: str, owner: str, token: str, keys: Sequence[bytes]) -> list[bytes]:
+    def hold(
+        self,
+        namespace: str,
+        owner: str,
+        token: str,
+        keys: Sequence[bytes],
+        *,
+        account: Hashable | None = None,
+    ) -> list[bytes]:
         """Hold each committed key for ``(owner, token)``; returns the keys that are not.
 
         A key removed while a watcher may still show it (see ``watch``) can be held too: its
-        bytes are intact. Holding a key twice for one token needs two releases.
+        bytes are intact. Holding a key twice for one token needs two releases. With an
+        ``account``, a key the token does not hold yet is held only within the account's
+        room; the keys (occurrences) beyond it come last in the list returned.
         """
         table = self._tables.get(namespace, _NO_ROWS)
         state = self._state.v
         held = self._holds.get((owner, token))
         missing: list[bytes] = []
+        over: list[bytes] = []
         touched: list[int] = []
+        room = self._room(account, self._clock()) if account is not None else float("inf")
+        ledger, nbytes, shape_of = self._ledger, self._nbytes, self._shape.v
         for key in keys:
             row = table.get(key)
             if row is not None and state[row] & _COMMITTED:
@@ -761,19 +828,28 @@ class ChunkCache:
                 if row is None:
                     missing.append(key)
                     continue
+            previous = held.get(key) if held is not None else None
+            cost = nbytes[shape_of[row]]
+            if previous is None:
+                if cost > room:
+                    over.append(key)
+                    continue
+                room -= cost
+                ledger.charge(owner, cost, account)
+            elif previous[0] != row:
+                ledger.charge(owner, cost, account)
+                ledger.refund(owner, nbytes[shape_of[previous[0]]])
+                self._unhold(previous[0], previous[1])  # re-held after a re-store: keep newest
+                previous = (row, 0)
             if held is None:
                 held = self._holds[(owner, token)] = {}
                 self._hold_tokens.setdefault(owner, set()).add(token)
-            previous = held.get(key)
-            if previous is not None and previous[0] != row:
-                self._unhold(previous[0], previous[1])  # re-held after a re-store: keep newest
-                previous = None
             held[key] = (row, 1 if previous is None else previous[1] + 1)
             self._row_holds[row] = self._row_holds.get(row, 0) + 1
             state[row] |= _HELD
         if touched:
             self._policy.touch(touched)
-        return missing
+        return missing + over if over else missing
 
     def release_hold(self, owner: str, token: str, keys: Sequence[bytes]) -> int:
         """Drop one hold of ``(owner, token)`` on each key; returns how many were dropped."""
@@ -790,6 +866,7 @@ class ChunkCache:
                 held[key] = (row, count - 1)
             else:
                 del held[key]
+                self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
             self._unhold(row, 1)
             dropped += 1
         if not held:
@@ -803,8 +880,10 @@ class ChunkCache:
     def release_holds(self, owner: str) -> int:
         """Drop every hold of ``owner`` (its scheduler left); returns how many keys."""
         dropped = 0
+        refund, nbytes, shape_of = self._ledger.refund, self._nbytes, self._shape.v
         for token in self._hold_tokens.pop(owner, set()):
             for row, count in self._holds.pop((owner, token)).values():
+                refund(owner, nbytes[shape_of[row]])
                 self._unhold(row, count)
                 dropped += 1
         return dropped
@@ -865,6 +944,7 @@ class ChunkCache:
             if not pins:
                 self._unpin(row)
             owned.discard(row)
+            self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
             dropped += 1
         if not owned:
             del self._owners[owner]
@@ -875,11 +955,13 @@ class ChunkCache:
         owned = self._owners.pop(owner, None)
         if owned is None:
             return 0
+        refund, nbytes, shape_of = self._ledger.refund, self._nbytes, self._shape.v
         for row in owned:
             pins = self._pins[row]
             del pins[owner]
             if not pins:
                 self._unpin(row)
+            refund(owner, nbytes[shape_of[row]])
         return len(owned)
 
     # -- removal ----------------------------------------------------------------------------
@@ -910,6 +992,15 @@ class ChunkCache:
         return removed
 
     # -- inspection -------------------------------------------------------------------------
+
+    def protected_bytes(self, owner: str) -> int:
+        """Bytes ``owner``'s pins (possibly expired), holds and reservations keep."""
+        return self._ledger.owned(owner)
+
+    def room(self, account: Hashable) -> float:
+        """Bytes ``account`` may still protect (``math.inf`` with no ``budget``); its expired
+        pins are dropped first."""
+        return self._room(account, self._clock())
 
     def keys_in(self, namespace: str) -> list[bytes]:
         """Committed keys of ``namespace``, e.g. to announce a warm cache to a new engine."""
@@ -952,6 +1043,7 @@ class ChunkCache:
             self._shapes.append(sizes)
             self._needs.append(needs)
             self._footprints.append(need)
+            self._nbytes.append(sum(sizes))
             self._fits.append(
                 need <= alloc.capacity
                 and all(alloc.alloc_size(size) <= alloc.max_alloc for size in sizes)
@@ -1070,15 +1162,56 @@ class ChunkCache:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _pin(self, row: int, owner: str, expiry: float) -> None:
+    def _pin(self, row: int, owner: str, expiry: float, account: Hashable | None) -> None:
         pins = self._pins.get(row)
         if pins is None:
             pins = self._pins[row] = {}
             self._state.v[row] |= _PINNED
         old = pins.get(owner)
-        if old is None or expiry > old:
-            pins[owner] = expiry
-        self._owners.setdefault(owner, set()).add(row)
+        if old is not None and expiry <= old:
+            return
+        pins[owner] = expiry
+        ledger = self._ledger
+        if old is None:
+            ledger.charge(owner, self._nbytes[self._shape.v[row]], account)
+            self._owners.setdefault(owner, set()).add(row)
+        if ledger.bounded(owner):
+            heap = ledger.expiries(owner)
+            heapq.heappush(heap, (expiry, row))
+            owned = self._owners[owner]
+            if len(heap) > 2 * len(owned) + 64:  # released pins leave stale items
+                heap = [(self._pins[pinned][owner], pinned) for pinned in owned]
+                heapq.heapify(heap)
+                ledger.set_expiries(owner, heap)
+
+    def _room(self, account: Hashable | None, now: float) -> float:
+        """The bytes ``account`` may still protect (no bound without one); its expired pins
+        are dropped first, as they protect nothing."""
+        ledger = self._ledger
+        if account is None or ledger.budget is None:
+            return float("inf")
+        for member in ledger.members(account):
+            heap = ledger.expiries(member)
+            while heap and heap[0][0] <= now:
+                expiry, row = heapq.heappop(heap)
+                pins = self._pins.get(row)
+                if pins is not None and pins.get(member, float("inf")) <= expiry:
+                    self._drop_pin(row, member)
+                    if not ledger.bounded(member):
+                        break  # its last bytes went: forgotten, heap and all
+        return ledger.room(account)
+
+    def _drop_pin(self, row: int, owner: str) -> None:
+        """Drop ``owner``'s pin on ``row`` (it has one)."""
+        pins = self._pins[row]
+        del pins[owner]
+        if not pins:
+            self._unpin(row)
+        owned = self._owners[owner]
+        owned.discard(row)
+        if not owned:
+            del self._owners[owner]
+        self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
 
     def _unpin(self, row: int) -> None:
         del self._pins[row]
@@ -1093,11 +1226,13 @@ class ChunkCache:
         return False
 
     def _drop_pins(self, row: int) -> None:
+        cost = self._nbytes[self._shape.v[row]]
         for owner in self._pins[row]:
             owned = self._owners[owner]
             owned.discard(row)
             if not owned:
                 del self._owners[owner]
+            self._ledger.refund(owner, cost)
         self._unpin(row)
 
     def _try_alloc(self, shape: int) -> list[int] | None:

@@ -25,8 +25,6 @@ Contract of ``Announcer``:
 - ``derived_topic(model, engine_id, dp)``: the topic ``events.topic_template`` gives an
   engine; an engine publishes under it (under its Hello's topic only with
   ``client_topics``).
-- Commits and clears also end the reservations and pins ``protection`` counts
-  (``offloadd.server.limits``).
 - ``publish_to(engine, events)``: queue events under the engine's topic and dp index; never
   blocks. Engines without ``enable_kv_cache_events``, and engines whose scheduler mirrors
   their keys (it publishes their events itself), get none.
@@ -43,7 +41,6 @@ from typing import Protocol
 from offloadd.cache.index import ChunkCache, Entry
 from offloadd.cache.journal import Journal
 from offloadd.server.attribution import in_batches, removed_events, stored_events
-from offloadd.server.limits import Protection
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.publisher import PublisherSet, topic_for
 from offloadd.server.registry import Engine, Namespace, Registry
@@ -75,12 +72,10 @@ class Announcer:
         *,
         journal: Journal | None,
         events: PublisherSet | None,
-        protection: Protection | None = None,
         client_topics: bool = False,
         snapshot_keys: int = 1 << 16,
     ) -> None:
         self.settings = settings
-        self._protection = protection
         self._client_topics = client_topics
         self._snapshot_keys = snapshot_keys
         self.registry = registry
@@ -131,8 +126,6 @@ class Announcer:
         if not entries:
             return
         keys = [entry.key for entry in entries]
-        if self._protection is not None:  # reservations end when their keys commit
-            self._protection.committed(namespace.name, keys)
         self._mirrors.changed(namespace.name, keys, [])
         if self._tiers is not None:
             self._tiers.committed(namespace.name, entries, source)
@@ -182,8 +175,6 @@ class Announcer:
 
     def cleared(self, engine: Engine, namespace: Namespace, removed: list[Entry]) -> list[bytes]:
         """``engine`` cleared ``namespace``, dropping ``removed``; returns the committed keys."""
-        if self._protection is not None:
-            self._protection.cleared(namespace.name)
         if self._journal is not None:
             self._journal.removed(removed)
         keys = [entry.key for entry in removed if entry.committed]

@@ -54,7 +54,7 @@ from offloadd.server.checks import Refused
 from offloadd.server.control import ControlSocket
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits, Protection
+from offloadd.server.limits import Limits
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import PeerListener
@@ -192,9 +192,6 @@ class Daemon:
         self._peers: PeerListener | None = None  # the registration socket (ipc:// only)
         self.tenancy = Tenancy(settings.tenancy)
         self.limits = Limits(settings.limits)
-        self._protection = Protection(
-            int(settings.cache.capacity * settings.limits.protected_fraction)
-        )
         self.registry = Registry()
         self._started = time.monotonic()
         self.counters = Counters()
@@ -244,6 +241,8 @@ class Daemon:
                 policy=settings.cache.policy,
                 # One DMA may not span two of the arena's cudaHostRegister pieces.
                 boundary=PIN_PIECE if cuda else 0,
+                # What each engine may keep from eviction (pins, holds, reservations).
+                budget=int(settings.cache.capacity * settings.limits.protected_fraction),
             )
             self._mirrors = Mirrors(self._cache, self.registry, self._send_to_session)
             self._journal = open_journal(settings, self._arena, self._cache, self._notify)
@@ -339,7 +338,6 @@ class Daemon:
             mirrors,
             journal=self._journal,
             events=self._events,
-            protection=self._protection,
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
         )
@@ -385,7 +383,6 @@ class Daemon:
             peers=self._peers,
             tenancy=self.tenancy,
             limits=self.limits,
-            protection=self._protection,
             tier_names=list(tiers.names) if tiers is not None else [],
         )
         requests = CacheRequests(
@@ -398,13 +395,10 @@ class Daemon:
             announce,
             metrics=self.metrics,
             limits=self.limits,
-            protection=self._protection,
             tiers=tiers,
             send=self._control.send,
         )
-        schedulers = Schedulers(
-            registry, cache, mirrors, announce, limits=self.limits, protection=self._protection
-        )
+        schedulers = Schedulers(registry, cache, mirrors, announce, limits=self.limits)
         return _Parts(announce, jobs, sessions, requests, schedulers, tiers)
 
     async def serve(self, shutdown: asyncio.Event) -> None:

@@ -8,8 +8,8 @@ copies between the rank's regions and the arena (``transfer.plan``) and hands th
 Contract of ``CacheRequests`` (the event loop's thread only; each call handles one request to
 completion, raising ``Refused`` for one the daemon answers with an Error):
 - ``lookup``: the leading committed keys and the pending ones, pinned for a lease on request
-  (the lease cut to ``limits.max_lease_seconds``; pins beyond the engine's share of the
-  capacity, ``offloadd.server.limits.Protection``, are given back at once and not counted). With
+  (the lease cut to ``limits.max_lease_seconds``; a hit is pinned only within the engine's
+  share of the capacity, which the cache counts with the engine as the pins' account). With
   tiers below the arena (``offloadd.server.tiers``), keys after the hits that a tier
   holds are promoted and reported pending; a tier that answers off the loop (the cluster)
   defers the reply, sent through ``send`` within its ``lookup_timeout``. Without tiers
@@ -34,7 +34,7 @@ from offloadd.cache.index import ChunkCache, LoadReservation
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits, Protection
+from offloadd.server.limits import Limits
 from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry, group_of_key
@@ -79,7 +79,6 @@ class CacheRequests:
         *,
         metrics: Metrics,
         limits: Limits,
-        protection: Protection,
         tiers: Tiers | None = None,
         send: Callable[[bytes, Reply], None] | None = None,
     ) -> None:
@@ -87,7 +86,6 @@ class CacheRequests:
         self._tiers = tiers
         self._send = send  # deferred Lookup replies (a tier answering off the loop)
         self._limits = limits
-        self._protection = protection
         self.registry = registry
         self._cache = cache
         self._arena = arena
@@ -110,17 +108,9 @@ class CacheRequests:
             request.keys,
             pin_owner=owner if request.pin else None,
             lease=lease if request.pin else 0.0,
+            account=engine.key,  # pins within the engine's budget (limits.protected_fraction)
         )
         pinned = outcome.pinned
-        if pinned:
-            # Pins beyond the engine's budget (limits.protected_fraction) are given back.
-            keys = request.keys[:pinned]
-            refused = self._protection.take_pins(
-                engine.key, owner, namespace.name, keys, namespace.chunk_bytes(keys), lease
-            )
-            if refused:
-                self._cache.release(namespace.name, refused, owner)
-                pinned -= len(refused)
         pending = outcome.pending
         tiers = self._tiers
         if tiers is not None and outcome.hits < len(request.keys):
@@ -150,7 +140,6 @@ class CacheRequests:
         check_keys(request.keys, engine, self._limits)
         owner = state.session.session_id
         count = self._cache.release(namespace.name, request.keys, owner)
-        self._protection.release_pins(owner, namespace.name, request.keys)
         return Ok(request.request_id, count)
 
     def clear(self, state: SessionState, request: Clear) -> Reply:

@@ -10,8 +10,8 @@ removed keys may be reused.
 Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Error reply):
 - ``reserve``: apply the request's hold changes and ack, then reserve the new keys' shards
   (evicting if needed, the evictions announced), answer ``Reserved``. Only the leading keys
-  that fit the engine's share of the capacity (``limits.protected_fraction``, counted by
-  ``offloadd.server.limits.Protection`` with pins and holds) are reserved; the rest are not (the
+  that fit the engine's share of the capacity (``limits.protected_fraction``, counted by the
+  cache with pins and holds, the engine as their account) are reserved; the rest are not (the
   ranks skip them: those chunks are simply not cached).
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
@@ -27,7 +27,7 @@ import logging
 from offloadd.cache.index import ChunkCache
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
-from offloadd.server.limits import Limits, Protection
+from offloadd.server.limits import Limits
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.server.state import SessionState
@@ -66,14 +66,12 @@ class Schedulers:
         announce: Announcer,
         *,
         limits: Limits,
-        protection: Protection,
     ) -> None:
         self.registry = registry
         self._cache = cache
         self._mirrors = mirrors
         self._announce = announce
         self._limits = limits
-        self._protection = protection
 
     def _scheduler_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
         if state.session.role != "scheduler":
@@ -89,44 +87,16 @@ class Schedulers:
         self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
         cache = self._cache
         owner = state.session.session_id
-        keys = self._within_budget(engine, namespace, request.keys)
         reservation = cache.reserve(
             namespace.name,
-            keys,
+            request.keys,
             owner,
             namespace.shard_sizes_for_key,
             acker=acker(self._mirrors, state),
+            account=engine.key,  # the leading keys within the engine's budget only
         )
         self._announce.chunks_removed(reservation.evicted)
-        reserved = [keys[i] for i in reservation.reserved]
-        self._protection.reserved(
-            engine.key, owner, namespace.name, reserved, namespace.chunk_bytes(reserved)
-        )
         return Reserved(request.request_id, reservation.reserved)
-
-    def _within_budget(
-        self, engine: Engine, namespace: Namespace, keys: list[bytes]
-    ) -> list[bytes]:
-        """The leading ``keys`` whose reservation fits the engine's protected bytes."""
-        protection = self._protection
-        room = protection.room(engine.key)
-        sizes = namespace.chunk_bytes(keys)
-        if sum(sizes) > room:
-            cache = self._cache
-
-            def reserved(name: str, key: bytes) -> bool:
-                entry = cache.get(name, key)
-                return entry is not None and not entry.committed
-
-            protection.prune(engine.key, reserved)  # reservations the cache ended by itself
-            room = protection.room(engine.key)
-        fitted = 0
-        for size in sizes:
-            if size > room:
-                break
-            room -= size
-            fitted += 1
-        return keys[:fitted]
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
@@ -156,19 +126,10 @@ class Schedulers:
             check_keys(item.keys, engine, self._limits)
         for item in release:
             cache.release_hold(owner, item.token, item.keys)
-            self._protection.release_holds(owner, item.token, namespace.name, item.keys)
         held, missing = 0, []
         for item in hold:
-            lost = cache.hold(namespace.name, owner, item.token, item.keys)
-            absent = set(lost)
-            taken = [key for key in item.keys if key not in absent]
-            # Holds beyond the engine's budget (limits.protected_fraction) are given back.
-            over = self._protection.take_holds(
-                engine.key, owner, item.token, namespace.name, taken, namespace.chunk_bytes(taken)
-            )
-            if over:
-                cache.release_hold(owner, item.token, over)
-                lost = lost + over
+            # Missing keys, then those beyond the engine's budget (limits.protected_fraction).
+            lost = cache.hold(namespace.name, owner, item.token, item.keys, account=engine.key)
             held += len(item.keys) - len(lost)
             missing.extend(lost)
         if missing:

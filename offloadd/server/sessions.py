@@ -39,7 +39,7 @@ from offloadd.server.checks import Refused
 from offloadd.server.control import ControlSocket
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits, Protection
+from offloadd.server.limits import Limits
 from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import REMOTE, PeerListener, Registration
@@ -81,7 +81,6 @@ class Sessions:
         peers: PeerListener | None,
         tenancy: Tenancy,
         limits: Limits,
-        protection: Protection,
         tier_names: Sequence[str] = (),
     ) -> None:
         self.settings = settings
@@ -103,7 +102,6 @@ class Sessions:
         self._peers = peers
         self._tenancy = tenancy
         self._limits = limits
-        self._protection = protection
         self._announce_topic = announce.derived_topic
         self._states: dict[str, SessionState] = {}
 
@@ -433,7 +431,6 @@ class Sessions:
         self._mirrors.stop(session_id)
         cache.release_holds(session_id)
         cache.release_reservations(session_id)
-        self._protection.forget(session_id)
         self._jobs.release_imports(state.imports)  # in-flight jobs hold their own references
         state.imports = []
         logger.info(

@@ -4,10 +4,12 @@ and the registry's rules about who may join or replace what."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
-from offloadd.server.limits import Limits, Protection
+from offloadd.cache.index import ChunkCache
+from offloadd.server.limits import Limits
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import RegistrationError, Registry
 from offloadd.server.tenancy import Tenancy, Viewer
@@ -128,54 +130,74 @@ class Clock:
         return self.now
 
 
+def sized(nbytes: int) -> Callable[[bytes], tuple[int, ...]]:
+    return lambda _key: (nbytes,)
+
+
+def cache_of(budget: int, clock: Clock, *keys_and_sizes: tuple[bytes, int]) -> ChunkCache:
+    """A cache with ``budget`` per engine holding each key committed, with its size."""
+    cache = ChunkCache(1 << 20, align=8, budget=budget, clock=clock)
+    for key, nbytes in keys_and_sizes:
+        res = cache.begin_store("ns", [key], 0, sized(nbytes))
+        cache.finish_store(res.writes, ok=True)
+    return cache
+
+
+def used(cache: ChunkCache, engine: tuple[str, int]) -> int:
+    return 100 - int(cache.room(engine))
+
+
 def test_pins_beyond_the_budget_are_refused_and_leases_end() -> None:
     clock = Clock()
-    protection = Protection(100, clock=clock)
-    refused = protection.take_pins(ENGINE, "s1", "ns", [b"a", b"b", b"c"], [40, 40, 40], 10)
-    assert refused == [b"c"] and protection.used(ENGINE) == 80
+    cache = cache_of(100, clock, (b"a", 40), (b"b", 40), (b"c", 40))
+    pinned = cache.lookup("ns", [b"a", b"b", b"c"], pin_owner="s1", lease=10, account=ENGINE)
+    assert pinned.pinned == 2 and cache.get("ns", b"c").pins is None  # type: ignore[union-attr]
+    assert used(cache, ENGINE) == 80
     # Pinning again what it holds costs nothing (the lease is extended).
-    assert protection.take_pins(ENGINE, "s1", "ns", [b"a", b"b"], [40, 40], 20) == []
-    assert protection.used(OTHER) == 0  # per engine
+    assert cache.lookup("ns", [b"a", b"b"], pin_owner="s1", lease=20, account=ENGINE).pinned == 2
+    assert used(cache, OTHER) == 0  # per engine
     clock.now += 15  # past the first lease, within the second
-    assert protection.used(ENGINE) == 80
+    assert used(cache, ENGINE) == 80
     clock.now += 10
-    assert protection.used(ENGINE) == 0
-    assert protection.take_pins(ENGINE, "s1", "ns", [b"c"], [40], 10) == []
+    assert used(cache, ENGINE) == 0
+    assert cache.lookup("ns", [b"c"], pin_owner="s1", lease=10, account=ENGINE).pinned == 1
 
 
 def test_released_pins_and_a_cleared_namespace_give_the_room_back() -> None:
-    protection = Protection(100, clock=Clock())
-    protection.take_pins(ENGINE, "s1", "ns", [b"a", b"b"], [40, 40], 10)
-    protection.release_pins("s1", "ns", [b"a"])
-    assert protection.used(ENGINE) == 40
-    protection.cleared("ns")
-    assert protection.used(ENGINE) == 0
+    cache = cache_of(100, Clock(), (b"a", 40), (b"b", 40))
+    cache.lookup("ns", [b"a", b"b"], pin_owner="s1", lease=10, account=ENGINE)
+    cache.release("ns", [b"a"], "s1")
+    assert used(cache, ENGINE) == 40
+    cache.clear_namespace("ns")
+    assert used(cache, ENGINE) == 0
 
 
 def test_holds_count_like_the_cache_and_are_bounded() -> None:
-    protection = Protection(100, clock=Clock())
-    assert protection.take_holds(ENGINE, "s", "t1", "ns", [b"a", b"a"], [60, 60]) == []
-    assert protection.used(ENGINE) == 60  # one entry, held twice
-    assert protection.take_holds(ENGINE, "s", "t2", "ns", [b"b"], [60]) == [b"b"]
-    protection.release_holds("s", "t1", "ns", [b"a"])
-    assert protection.used(ENGINE) == 60  # one hold left
-    protection.release_holds("s", "t1", "ns", [b"a"])
-    assert protection.used(ENGINE) == 0
+    cache = cache_of(100, Clock(), (b"a", 60), (b"b", 60))
+    assert cache.hold("ns", "s", "t1", [b"a", b"a"], account=ENGINE) == []
+    assert used(cache, ENGINE) == 60  # one entry, held twice
+    assert cache.hold("ns", "s", "t2", [b"b"], account=ENGINE) == [b"b"]
+    cache.release_hold("s", "t1", [b"a"])
+    assert used(cache, ENGINE) == 60  # one hold left
+    cache.release_hold("s", "t1", [b"a"])
+    assert used(cache, ENGINE) == 0
 
 
-def test_reservations_end_on_commit_prune_or_the_sessions_end() -> None:
-    protection = Protection(100, clock=Clock())
-    assert protection.room(ENGINE) == 100
-    protection.reserved(ENGINE, "sched", "ns", [b"a", b"b"], [30, 30])
-    assert protection.room(ENGINE) == 40
-    protection.committed("ns", [b"a"])
-    assert protection.room(ENGINE) == 70
-    protection.prune(ENGINE, lambda namespace, key: False)  # the cache dropped it itself
-    assert protection.room(ENGINE) == 100
-    protection.reserved(ENGINE, "sched", "ns", [b"c"], [30])
-    protection.take_pins(ENGINE, "sched", "ns", [b"d"], [30], 10)
-    protection.forget("sched")
-    assert protection.room(ENGINE) == 100
+def test_reservations_end_on_commit_removal_or_the_sessions_end() -> None:
+    cache = cache_of(100, Clock(), (b"d", 30))
+    assert cache.room(ENGINE) == 100
+    reserved = cache.reserve("ns", [b"a", b"b"], "sched", sized(30), account=ENGINE)
+    assert reserved.reserved == [0, 1] and cache.room(ENGINE) == 40
+    store = cache.begin_store("ns", [b"a"], 0, sized(30), allocate=False)
+    cache.finish_store(store.writes, ok=True)  # committed: its reservation is over
+    assert cache.room(ENGINE) == 70
+    cache.remove("ns", [b"b"])  # the cache dropped it itself: counted no more
+    assert cache.room(ENGINE) == 100
+    cache.reserve("ns", [b"c"], "sched", sized(30), account=ENGINE)
+    cache.lookup("ns", [b"d"], pin_owner="sched", lease=10, account=ENGINE)
+    cache.release_reservations("sched")
+    cache.release_owner("sched")
+    assert cache.room(ENGINE) == 100
 
 
 # ---------------------------------------------------------------- the registry
