@@ -4,10 +4,10 @@ An empty string has one documented meaning per setting, the same from every sour
 
 * "derive a default": ``server.endpoint`` (the control socket goes in the runtime directory:
   ``$RUNTIME_DIRECTORY`` under systemd, else ``/run/offloadd`` where it exists, else
-  ``$XDG_RUNTIME_DIR/offloadd``, else ``/tmp/offloadd-<uid>``), ``cache.arena`` (in ``/dev/shm``), ``cache.journal`` (the arena's
-  commit journal, and its key, in the state directory: ``$STATE_DIRECTORY`` under systemd,
-  else ``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``, where no rank can reach
-  it), ``events.pod`` (the host name);
+  ``$XDG_RUNTIME_DIR/offloadd``, else ``/tmp/offloadd-<uid>``), ``cache.arena`` (in
+  ``/dev/shm``), ``cache.journal`` (the arena's commit journal, and its key, in the state
+  directory: ``$STATE_DIRECTORY`` under systemd, else ``$XDG_STATE_HOME/offloadd``, else
+  ``~/.local/state/offloadd``, where no rank can reach it), ``events.pod`` (the host name);
 * "off": ``events.endpoint`` (no KV events, as ``enabled = false``),
   ``events.replay_endpoint`` (no replay socket), ``metrics.address`` (no HTTP server),
   ``server.socket_group`` (the group is left as created), ``server.curve_secret_key_file``
