@@ -252,6 +252,8 @@ def _check_config(args: argparse.Namespace) -> int:
     settings = _settings(args, "offloadd check-config", flags=True)
     if settings is None:
         return BAD_SETTINGS
+    if args.preflight:
+        return _preflight(settings)
     if args.json:
         encoded = msgspec.json.encode(settings)
         sys.stdout.write(msgspec.json.format(encoded, indent=2).decode() + "\n")
@@ -263,6 +265,22 @@ def _check_config(args: argparse.Namespace) -> int:
     sources += [flag for section in _flag_settings(args).values() for _, flag in section.values()]
     sys.stdout.write(f"# offloadd settings from: {', '.join(sources)}\n")
     sys.stdout.write(settings_toml(settings))
+    return 0
+
+
+def _preflight(settings: Settings) -> int:
+    from offloadd.server.preflight import preflight
+
+    checks = preflight(settings)
+    for check in checks:
+        mark = "ok  " if check.ok else "FAIL"
+        sys.stdout.write(
+            f"{mark} {check.what}" + (f": {check.problem}" if check.problem else "") + "\n"
+        )
+    failed = sum(not check.ok for check in checks)
+    if failed:
+        sys.stderr.write(f"offloadd check-config: {failed} of {len(checks)} checks failed\n")
+        return 1
     return 0
 
 
@@ -437,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_settings_flags(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    check.add_argument(
+        "--preflight",
+        action="store_true",
+        help="also run every check serve runs before serving, on this machine: bind and "
+        "release the ports, check the socket, arena, journal and disk directories, the "
+        "arena's room and the copy engine; exit status 0 only when serve would start",
+    )
     check.set_defaults(handler=_check_config)
 
     demo = commands.add_parser("demo", help="simulate engines against a daemon, verify bytes")
