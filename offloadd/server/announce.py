@@ -3,10 +3,8 @@
 The daemon calls these on its loop right after the cache changed, before it sends anything
 else, so that the journal, the mirrors' ``seq`` and the event stream agree on the order.
 
-Contract of ``Announcer``:
-- ``journal_commits(entries)``: journal chunks that just became visible; those it cannot
-  journal are taken back from the cache at once (never announced, extents freed) and
-  returned; ``journal_failure()`` says why, for the job's error.
+Contract of ``Announcer`` (it tells of changes; ``offloadd.server.commit`` makes chunks
+visible and journals their commits):
 - ``chunks_committed(namespace, entries, source=)``: committed (and journaled) chunks: the
   mirrors of the namespace and every engine of it that wants events hear of them, and the
   tiers below the arena (``attach_tiers``) get a copy, all but ``source`` (the tier a
@@ -101,23 +99,6 @@ class Announcer:
         """Where dp index ``dp``'s KV events are published (``("", "")`` when off)."""
         return self._events.endpoints_for(dp) if self._events is not None else ("", "")
 
-    def journal_commits(self, entries: list[Entry]) -> list[Entry]:
-        """Journal chunks that just became visible; those it cannot journal are taken back at
-        once (never announced, extents freed) and returned."""
-        if not entries or self._journal is None:
-            return []
-        cache = self._cache
-        lost = self._journal.committed(entries, cache.committed_chunks)
-        for entry in lost:
-            cache.remove(entry.namespace, [entry.key])
-        self._maybe_compact()
-        return lost
-
-    def journal_failure(self) -> str:
-        """Why the journal refuses commits now."""
-        failure = self._journal.failed if self._journal is not None else ""
-        return failure or "its bytes could not be checksummed"
-
     def chunks_committed(
         self, namespace: Namespace, entries: list[Entry], *, source: str = ""
     ) -> None:
@@ -205,10 +186,6 @@ class Announcer:
             snapshot = snapshot[-most:] if most else []
         if snapshot:
             self.publish_to(engine, stored_events(snapshot, raw_hashes=self._raw_hashes(engine)))
-
-    def _maybe_compact(self) -> None:
-        if self._journal is not None and self._journal.should_compact():
-            self._journal.compact(self._cache.committed_chunks())
 
     def _event_engines(self, namespace: Namespace) -> list[Engine]:
         engines = (self.registry.engine(key) for key in sorted(namespace.engines))

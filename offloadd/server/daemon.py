@@ -20,6 +20,8 @@ another but through what it was given:
 - ``offloadd.server.jobs``: the copies in flight, their completion, Wait, the drain.
 - ``offloadd.server.schedulers``: Reserve, UpdateHolds, Ack.
 - ``offloadd.server.announce``: the journal, the key mirrors and the KV events of each cache change.
+- ``offloadd.server.commit``: a chunk's commit (sealed, visible, journaled, announced), the
+  one pipeline rank stores (jobs) and promotions (tiers) both end in.
 - ``offloadd.server.tiers``: the tiers below the arena (``[disk]``, ``[mooncake]``;
   built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
   arena is unmapped.
@@ -51,6 +53,7 @@ from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused
+from offloadd.server.commit import Committer
 from offloadd.server.control import ControlSocket
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
@@ -106,6 +109,7 @@ class _Parts:
     """The request handling, wired by ``Daemon.start`` once the resources exist."""
 
     announce: Announcer
+    commit: Committer
     jobs: Jobs
     sessions: Sessions
     requests: CacheRequests
@@ -341,17 +345,11 @@ class Daemon:
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
         )
+        commit = Committer(cache, announce, journal=self._journal)
         slots = self._tier_slots if self._tier_slots is not None else tier_slots(settings, arena)
         tiers = None
         if slots:
-            tiers = Tiers(
-                slots,
-                cache,
-                arena,
-                announce,
-                journal=self._journal,
-                capacity=settings.cache.capacity,
-            )
+            tiers = Tiers(slots, cache, arena, announce, commit, capacity=settings.cache.capacity)
             self._tiers, self._tiers_closed = tiers, False
             announce.attach_tiers(tiers)
             logger.info("tiers below the arena: %s", ", ".join(tiers.names))
@@ -361,8 +359,7 @@ class Daemon:
             cache,
             copy,
             handles,
-            announce,
-            journal=self._journal,
+            commit,
             metrics=self.metrics,
             counters=self.counters,
             send=self._control.send,
@@ -399,7 +396,7 @@ class Daemon:
             send=self._control.send,
         )
         schedulers = Schedulers(registry, cache, mirrors, announce, limits=self.limits)
-        return _Parts(announce, jobs, sessions, requests, schedulers, tiers)
+        return _Parts(announce, commit, jobs, sessions, requests, schedulers, tiers)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
@@ -475,6 +472,7 @@ class Daemon:
         if self._journal is not None:
             if self._parts is not None:
                 self._parts.announce.journal_closed()
+                self._parts.commit.journal_closed()
             self._journal.close()
             self._journal = None
         if self._arena is not None:

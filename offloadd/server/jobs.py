@@ -9,8 +9,8 @@ engine's threads through ``call_soon_threadsafe``):
   take a reference on the session's imports for the copy, hand the moves to the copy engine,
   answer ``JobAccepted``. Nothing to move: the job completes at once. If the engine refuses
   the job, the booking is undone and ``Refused(INTERNAL)`` raised.
-- When the copy ends (and, with a journal, a store's shards are sealed), the cache side is
-  finished (a store's chunks commit and are announced; a load's entries are let go), the
+- When the copy ends (and a store's shards are sealed), the cache side is finished (a
+  store's chunks commit through ``offloadd.server.commit``; a load's entries are let go), the
   imports released, and ``complete`` sends ``JobDone``, keeps it for ``Wait`` (the last
   ``server.recent_jobs`` per session) and answers the waiters it satisfies.
 - ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted`` and ``JobDone`` at
@@ -33,9 +33,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from offloadd.cache.index import ChunkCache
-from offloadd.cache.journal import Journal
-from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused
+from offloadd.server.commit import Committer
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Registry
 from offloadd.server.state import Job, SessionState, Waiter, wait_result
@@ -61,9 +60,8 @@ class Jobs:
         cache: ChunkCache,
         copy: CopyEngine,
         handles: HandleTable,
-        announce: Announcer,
+        committer: Committer,
         *,
-        journal: Journal | None,
         metrics: Metrics,
         counters: Counters,
         send: Callable[[bytes, Reply], None],
@@ -73,8 +71,7 @@ class Jobs:
         self._cache = cache
         self._copy = copy
         self._handles: HandleTable | None = handles
-        self._announce = announce
-        self._journal = journal
+        self._committer = committer
         self.metrics = metrics
         self.counters = counters
         self._send = send
@@ -123,9 +120,8 @@ class Jobs:
     ) -> Reply | None:
         """Book ``job`` and start its copy; see the module docstring."""
         if not moves:
-            if job.direction is Direction.STORE:
-                self._cache.finish_store(job.writes, ok=True)
-            return self.accept_without_copy(state, request_id, job)
+            error = self._commit_store(job, ok=True) if job.direction is Direction.STORE else ""
+            return self.accept_without_copy(state, request_id, job, error)
         assert self._handles is not None
         for imported in state.imports:
             self._handles.retain(imported)
@@ -147,17 +143,16 @@ class Jobs:
             logger.error("%s: job %d not started: %s", state.session.describe(), job.job_id, exc)
             raise Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
 
-        journal = self._journal if job.direction is Direction.STORE else None
+        store = job.direction is Direction.STORE
 
         def on_done(done: Future[float]) -> None:
-            if journal is not None and not done.cancelled() and done.exception() is None:
-                # Checksummed (and on a disk, synced) off the loop before it can commit.
-                journal.submit_seal(
-                    job.writes,
-                    lambda: loop.call_soon_threadsafe(self._copy_finished, job, imports, done),
-                )
+            def finished() -> None:
+                loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
+
+            if store and not done.cancelled() and done.exception() is None:
+                self._committer.seal(job.writes, finished)  # off the loop, before it can commit
                 return
-            loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
+            finished()
 
         future.add_done_callback(on_done)
         return JobAccepted(request_id, job.job_id)
@@ -185,22 +180,14 @@ class Jobs:
                 "%s: job %d copy failed: %s", job.state.session.describe(), job.job_id, exc
             )
             seconds, error = 0.0, f"copy failed: {exc}"
-        cache = self._cache
         copied = not error
         if job.direction is Direction.STORE:
-            committed = cache.finish_store(job.writes, ok=copied and not job.abandoned)
-            lost = self._announce.journal_commits(committed)
-            if lost:
-                committed = [entry for entry in committed if not entry.dead]
-                job.failed_keys = job.failed_keys + [entry.key for entry in lost]
-                error = error or f"not committed: {self._announce.journal_failure()}"
-            engine = self.registry.engine(job.state.session.engine_key)
-            if engine is not None and engine.namespace is not None:
-                self._announce.chunks_committed(engine.namespace, committed)
+            refused = self._commit_store(job, ok=copied and not job.abandoned)
+            error = error or refused
             if copied:
                 self.counters.bytes_stored += job.nbytes
         else:
-            cache.finish_load(job.entries)
+            self._cache.finish_load(job.entries)
             if copied:
                 self.counters.bytes_loaded += job.nbytes
         self.release_imports(imports)
@@ -209,6 +196,16 @@ class Jobs:
         self.complete(job, ok=copied and not job.failed_keys, seconds=seconds, error=error)
         if self.in_flight == 0:
             self._idle.set()
+
+    def _commit_store(self, job: Job, *, ok: bool) -> str:
+        """End the store's writes through the committer; why some did not commit, or ""."""
+        engine = self.registry.engine(job.state.session.engine_key)
+        namespace = engine.namespace if engine is not None else None
+        outcome = self._committer.commit(namespace, job.writes, ok=ok)
+        if not outcome.lost:
+            return ""
+        job.failed_keys = job.failed_keys + [entry.key for entry in outcome.lost]
+        return f"not committed: {outcome.reason}"
 
     def complete(self, job: Job, *, ok: bool, seconds: float, error: str) -> None:
         """Count ``job`` finished; unless its session is gone, send and keep its JobDone."""

@@ -28,9 +28,10 @@ Contract of ``Tiers`` (the event loop's thread only):
   as a miss).
 - A promotion reserves the chunk's entry in the cache (every shard, under an owner of its
   own), ``get``s every chunk pending for that tier in one call, then commits the chunks the
-  tier verified (sealed and journaled like a rank's store, then announced: mirrors, CPU
-  events, the other tiers) and drops the others, which were never visible. No room in the
-  arena: the key and every later key are not promoted (misses).
+  tier verified through the same ``offloadd.server.commit.Committer`` as a rank's store
+  (sealed, journaled, then announced: mirrors, CPU events, the other tiers) and drops the
+  others, which were never visible. No room in the arena: the key and every later key are
+  not promoted (misses).
 - Events: a tier with a ``medium`` (the disk: ``"DISK"``) has its stores and evictions
   announced to the engines that want events (``Announcer.tier_stored``/``tier_removed``).
 - ``stats()``: one ``TierState`` per tier. ``drain(grace)`` waits for the calls in flight,
@@ -53,9 +54,9 @@ from typing import Any, TypeVar
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
-from offloadd.cache.journal import Journal
 from offloadd.logs import LogLimiter
 from offloadd.server.announce import Announcer
+from offloadd.server.commit import Committer
 from offloadd.server.registry import Namespace
 from offloadd.tiers.base import ChunkAddress, Tier, TierWrite
 from protocol.messages import TierState
@@ -204,14 +205,14 @@ class Tiers:
         cache: ChunkCache,
         arena: Arena,
         announce: Announcer,
+        committer: Committer,
         *,
-        journal: Journal | None = None,
         capacity: int | None = None,
     ) -> None:
         self._cache = cache
         self._arena = arena
         self._announce = announce
-        self._journal = journal
+        self._committer = committer
         # A queued chunk cannot be evicted: a quarter of the arena at most waits for a tier.
         bound = (capacity if capacity is not None else arena.size) // 4
         self._slots = [
@@ -532,9 +533,8 @@ class Tiers:
         self._next_get(slot)
 
     def _seal_then_commit(self, slot: _Slot, promotion: _Promotion, good: set[bytes]) -> None:
-        journal = self._journal
         sealed = [w for key in promotion.keys if key in good for w in promotion.writes[key]]
-        if journal is None or not sealed:
+        if not sealed:
             self._commit(slot, promotion, good)
             return
         loop = self._loop
@@ -544,7 +544,7 @@ class Tiers:
         def then() -> None:
             loop.call_soon_threadsafe(self._sealed, slot, promotion, good)
 
-        journal.submit_seal(sealed, then)
+        self._committer.seal(sealed, then)
 
     def _sealed(self, slot: _Slot, promotion: _Promotion, good: set[bytes]) -> None:
         self._call_ended(slot)
@@ -556,8 +556,9 @@ class Tiers:
         bad = [w for key in promotion.keys if key not in good for w in promotion.writes[key]]
         ok = [w for key in promotion.keys if key in good for w in promotion.writes[key]]
         cache.finish_store(bad, ok=False)
-        committed = cache.finish_store(ok, ok=True)
-        # Entries that did not commit (unverified, cleared meanwhile) leave with the owner.
+        outcome = self._committer.commit(promotion.namespace, ok, source=slot.name)
+        # Entries that did not commit (unverified, cleared meanwhile, refused by the journal)
+        # leave with the owner.
         cache.release_reservations(promotion.owner)
         failed = len(promotion.keys) - len(good)
         if failed:
@@ -568,11 +569,7 @@ class Tiers:
                 slot.name,
                 failed,
             )
-        lost = self._announce.journal_commits(committed)
-        if lost:
-            committed = [entry for entry in committed if not entry.dead]
-        slot.promoted += len(committed)
-        self._announce.chunks_committed(promotion.namespace, committed, source=slot.name)
+        slot.promoted += len(outcome.committed)
 
     # ----------------------------------------------------------------- threads
 

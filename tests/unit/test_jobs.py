@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from offloadd.server.checks import Refused
+from offloadd.server.commit import Committer
 from offloadd.server.jobs import Jobs
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Namespace, Registry
@@ -64,13 +65,9 @@ class FakeCache:
 class FakeAnnouncer:
     committed: list[tuple[str, list[object]]] = field(default_factory=list)
 
-    def journal_commits(self, entries: list[object]) -> list[object]:
-        return []
-
-    def journal_failure(self) -> str:
-        return ""
-
-    def chunks_committed(self, namespace: Namespace, entries: list[object]) -> None:
+    def chunks_committed(
+        self, namespace: Namespace, entries: list[object], *, source: str = ""
+    ) -> None:
         self.committed.append((namespace.name, entries))
 
 
@@ -141,8 +138,7 @@ def rig() -> Iterator[Rig]:
         cache,  # type: ignore[arg-type]
         copies,
         FakeHandles(),  # type: ignore[arg-type]
-        announcer,  # type: ignore[arg-type]
-        journal=None,
+        Committer(cache, announcer, journal=None),  # type: ignore[arg-type]
         metrics=Metrics(),
         counters=counters,
         send=send,

@@ -20,8 +20,10 @@ import pytest
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
+from offloadd.cache.journal import Journal
 from offloadd.server import tiers as coordinator
 from offloadd.server.announce import Announcer
+from offloadd.server.commit import Committer
 from offloadd.server.daemon import tier_slots
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
@@ -106,9 +108,11 @@ class Rig:
     notices: list[KeysChanged]
     tier: DictTier
     tiers: Tiers
+    committer: Committer
+    registry: Registry
 
     def store(self, keys: list[bytes], seed: int = 1) -> None:
-        """Store every shard of ``keys`` as ranks would, then commit and announce."""
+        """Store every shard of ``keys`` as ranks would, then commit (and announce) them."""
         cache, name = self.cache, self.namespace.name
         writes = []
         for shard in range(2):
@@ -119,8 +123,7 @@ class Rig:
             self.arena.view(write.offset, write.size)[:] = pattern(
                 write.entry.key, write.shard, seed
             )
-        committed = cache.finish_store(writes, ok=True)
-        self.announce.chunks_committed(self.namespace, committed)
+        self.committer.commit(self.namespace, writes)
 
     def arena_bytes(self, key: bytes) -> list[bytes]:
         entry = self.cache.get(self.namespace.name, key)
@@ -152,7 +155,8 @@ def arena() -> Iterator[Arena]:
 
 
 def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
-             timeout: float = 0.05, mirror: bool = False) -> Rig:  # fmt: skip
+             timeout: float = 0.05, mirror: bool = False,
+             journal: Journal | None = None) -> Rig:  # fmt: skip
     registry = Registry()
     engine = ready(registry, "a")
     assert engine.namespace is not None
@@ -175,7 +179,7 @@ def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
         registry,
         cache,
         mirrors,
-        journal=None,
+        journal=journal,  # its tombstones
         events=publishers,  # type: ignore[arg-type]
     )
     tier = DictTier()
@@ -186,9 +190,11 @@ def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
         lookup_timeout=timeout,
         medium=MEDIUM_DISK if inline else "",
     )
-    tiers = Tiers([slot], cache, arena, announce, capacity=ARENA)
+    committer = Committer(cache, announce, journal=journal)
+    tiers = Tiers([slot], cache, arena, announce, committer, capacity=ARENA)
     announce.attach_tiers(tiers)
-    return Rig(cache, arena, announce, publishers, engine, engine.namespace, notices, tier, tiers)
+    return Rig(cache, arena, announce, publishers, engine, engine.namespace, notices, tier, tiers,
+               committer, registry)  # fmt: skip
 
 
 async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
