@@ -4,11 +4,13 @@ forge a line through, the handler the daemon installs, and a rate limiter for re
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import IO
 
 from offloadd.safety import printable
@@ -46,6 +48,31 @@ class JournalFormatter(EscapingFormatter):
         )
         text = super().format(record)
         return "\n".join(f"<{priority}>{line}" for line in text.splitlines())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log pipelines (Kubernetes): ``time`` (RFC 3339, UTC),
+    ``level``, ``logger``, ``message``, and ``exc_info`` (the traceback) when there is one.
+    JSON escapes every line break and control character, so no client string can split or
+    forge a line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        moment = datetime.fromtimestamp(record.created, UTC)
+        line: dict[str, str] = {
+            "time": moment.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            line["exc_info"] = record.exc_text
+        if record.stack_info:
+            line["stack_info"] = self.formatStack(record.stack_info)
+        # ASCII only: U+2028 and the like, which some readers split lines at, are escaped too.
+        return json.dumps(line)
 
 
 class _Handler(logging.StreamHandler[IO[str]]):
@@ -86,7 +113,8 @@ def install_log_handler(
     environ: Mapping[str, str] | None = None,
 ) -> logging.Handler:
     """Send every logger's records at ``level`` and above to ``stream`` (stderr), formatted
-    as ``kind`` says (``plain``, ``journal``, or ``auto``: journal under systemd).
+    as ``kind`` says (``plain``, ``journal``, ``json``: one JSON object per line, or
+    ``auto``: journal under systemd, else plain).
 
     Calling it again replaces the handler it installed before; other handlers stay.
     """
@@ -94,9 +122,14 @@ def install_log_handler(
     if kind == "auto":
         kind = "journal" if env.get("JOURNAL_STREAM") else "plain"
     handler = _Handler(stream or sys.stderr)
-    handler.setFormatter(
-        JournalFormatter() if kind == "journal" else EscapingFormatter(PLAIN_FORMAT)
-    )
+    formatter: logging.Formatter
+    if kind == "journal":
+        formatter = JournalFormatter()
+    elif kind == "json":
+        formatter = JsonFormatter()
+    else:
+        formatter = EscapingFormatter(PLAIN_FORMAT)
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         if isinstance(old, _Handler):

@@ -97,11 +97,13 @@ class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``format``: "journal" writes ``<priority>logger: message`` lines without timestamps,
     which journald files under the right priority; "plain" writes timestamped lines; "auto"
     picks "journal" when stderr goes to the journal (``$JOURNAL_STREAM`` is set, as under
-    systemd) and "plain" otherwise.
+    systemd) and "plain" otherwise; "json" writes one JSON object per line (``time`` in
+    RFC 3339 UTC, ``level``, ``logger``, ``message``, ``exc_info``) for log pipelines such as
+    Kubernetes'.
     """
 
     level: str = "INFO"
-    format: Literal["auto", "plain", "journal"] = "auto"
+    format: Literal["auto", "plain", "journal", "json"] = "auto"
 
 
 class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -29,7 +29,11 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import cast
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -40,11 +44,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offloadd.client import OffloadClient
 from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.probes import Probe, TierProbes
+from offloadd.vllm.stats import ManagerStats
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
 from protocol.messages import HoldKeys, KeysChanged
@@ -81,6 +87,7 @@ class OffloaddManager(OffloadingManager):
         self._lock = threading.Lock()
         self._mirror = KeyMirror(record_events=record_events)
         self._probes = TierProbes()
+        self._stats = ManagerStats(config)
         self._acked = 0
         self._in_flight: dict[bytes, int] = {}  # keys this scheduler reserved, being stored
         self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
@@ -128,11 +135,13 @@ class OffloaddManager(OffloadingManager):
         """Hold the keys for the request (sent before the ranks load them)."""
         token = req_context.req_id
         self._holds.setdefault(token, []).extend(keys)
+        self._stats.loading(len(keys))
         return OffloaddLoadSpec(list(keys), token)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Release the request's holds (sent with the next message)."""
         self._releases.setdefault(req_context.req_id, []).extend(keys)
+        self._stats.loaded(len(keys))
 
     # -- stores --------------------------------------------------------------------------------
 
@@ -143,6 +152,7 @@ class OffloaddManager(OffloadingManager):
         candidates = [k for k in keys if k not in self._mirror.keys and k not in self._in_flight]
         reserved: list[bytes] = []
         if candidates and self._client is not None:
+            self._stats.allocated(len(candidates))
             holds, releases = self._take_holds(), self._take_releases()
             try:
                 indices = self._client.reserve(
@@ -208,6 +218,28 @@ class OffloaddManager(OffloadingManager):
             return
         self._after_request()
         logger.info("offloadd: cache reset, %d chunks dropped", count)
+
+    # -- metrics (vLLM's vllm:kv_offload_* series; offloadd.vllm.stats) ---------------------------
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Loads come from host memory (a tier's keys are promoted there first), as for
+        vLLM's CPU spec: ``vllm:prompt_tokens_cached_by_source{source="host"}``."""
+        return CacheHitSource.HOST
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """Usage and allocation sizes since the last call (vLLM calls it every step)."""
+        if self._stats.capacity_bytes is None and self._client is not None:
+            try:
+                self._stats.capacity_bytes = self._client.stats().capacity_bytes
+            except OffloaddError as exc:
+                self._failed("stats", exc)
+            else:
+                self._after_request()
+        return self._stats.take(storing_chunks=len(self._in_flight))
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """``vllm:kv_offload_config_info``: the daemon's capacity in this engine's chunks."""
+        return self._stats.config_info()
 
     def shutdown(self) -> None:
         """Stop the background thread and end the session."""

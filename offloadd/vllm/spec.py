@@ -14,6 +14,9 @@ process: the scheduler asks it for a manager, each rank for a worker. Keys read 
   (default 60).
 ``block_size`` / ``blocks_per_chunk``, ``namespace`` and ``private_cache`` are read by vLLM and
 the daemon as usual.
+
+The spec declares the series and info labels vLLM's ``vllm:kv_offload_*`` metrics read from its
+manager (``offloadd.vllm.stats``): the CPU spec's, so its dashboards work unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
 
 from offloadd.endpoint import default_endpoint
 from protocol.config import from_vllm_offloading_config
@@ -31,6 +39,22 @@ __all__ = ["OffloaddSpec"]
 
 class OffloaddSpec(OffloadingSpec):
     """Offload vLLM's KV cache to the node's offloadd daemon."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The series ``OffloaddManager.get_stats`` reports (vLLM's CPU spec's names)."""
+        from offloadd.vllm.stats import metric_definitions
+
+        return metric_definitions(extra_config)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The ``vllm:kv_offload_config_info`` labels ``OffloaddManager.config_info`` fills."""
+        from offloadd.vllm.stats import config_info_keys
+
+        return config_info_keys()
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -133,7 +133,7 @@ class OffloaddWorker(OffloadingWorker):
         assert isinstance(dst_spec, OffloaddStoreSpec)
         client = self._connected()
         if client is None or not dst_spec.keys:
-            self._results.append(TransferResult(job_id, True, 0, 0.0))
+            self._results.append(TransferResult(job_id, True))
             return True
         segments = segments_for(dst_spec.keys, src_spec, self._bpc, self._group_ids)
         job = _Job(load=False, started=time.perf_counter())
@@ -149,7 +149,7 @@ class OffloaddWorker(OffloadingWorker):
             )
         except OffloaddError as exc:
             logger.warning("offloadd: store job %d not sent: %s", job_id, exc)
-            self._results.append(TransferResult(job_id, True, 0, 0.0))
+            self._results.append(TransferResult(job_id, True))
             return True
         self._jobs[job_id] = job
         return True

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -191,7 +192,7 @@ def test_unknown_key_and_section_in_toml(toml: Path) -> None:
         ("cache.capacity", "lots", "expected a size like 8GiB, got 'lots'"),
         ("cache.capacity", "0", "expected a size like 8GiB, got '0'"),
         ("cache.policy", "fifo", "expected one of 'lru', 'arc', got 'fifo'"),
-        ("log.format", "xml", "expected one of 'auto', 'plain', 'journal', got 'xml'"),
+        ("log.format", "xml", "expected one of 'auto', 'plain', 'journal', 'json', got 'xml'"),
         ("log.level", "LOUD", "expected one of CRITICAL, ERROR, WARNING, INFO, DEBUG, NOTSET"),
         ("metrics.address", "9464", "expected HOST:PORT"),
     ],
@@ -357,6 +358,44 @@ def test_the_journal_defaults_to_the_state_dir(monkeypatch: pytest.MonkeyPatch) 
     assert settings.journal_path() == "/home/u/.local/state/offloadd/a.arena.journal"
     given = Settings(cache=CacheSettings(journal="/srv/j"))
     assert given.journal_path() == "/srv/j"
+
+
+def test_json_log_lines() -> None:
+    record_logger = logging.getLogger("offloadd.test_settings")
+    root = logging.getLogger()
+    old_level = root.level
+    try:
+        out = io.StringIO()
+        handler = configure_logging(
+            LogSettings(format="json"), stream=out, environ={"JOURNAL_STREAM": "8:1234"}
+        )
+        evil = 'x"}\n{"level": "CRITICAL", "message": "fake"}\x1b[2J\u2028'
+        before = datetime.now(UTC) - timedelta(milliseconds=1)  # the line keeps milliseconds
+        record_logger.warning("hello from %s", evil)
+        after = datetime.now(UTC)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            record_logger.exception("failed")
+        lines = out.getvalue().split("\n")
+        assert lines[-1] == "" and len(lines) == 3  # one line per record, whatever it holds
+        assert all(line.isascii() and line.isprintable() for line in lines)
+        first, second = (json.loads(line) for line in lines[:2])
+        assert first.keys() == {"time", "level", "logger", "message"}
+        assert (first["level"], first["logger"]) == ("WARNING", "offloadd.test_settings")
+        assert first["message"] == "hello from " + evil  # intact, only escaped
+        moment = datetime.fromisoformat(first["time"])
+        assert first["time"].endswith("Z") and moment.utcoffset() == timedelta(0)
+        assert before <= moment <= after
+        assert (second["level"], second["message"]) == ("ERROR", "failed")
+        assert second["exc_info"].startswith("Traceback (most recent call last):")
+        assert second["exc_info"].endswith("ValueError: boom")
+        assert handler in root.handlers
+    finally:
+        for old in list(root.handlers):
+            if type(old).__name__ == "_Handler":
+                root.removeHandler(old)
+        root.setLevel(old_level)
 
 
 def test_client_strings_cannot_forge_log_lines() -> None:

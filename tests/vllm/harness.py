@@ -144,6 +144,7 @@ with warnings.catch_warnings():
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
@@ -647,6 +648,8 @@ class VllmHarness:
         # req_id -> output tokens the scheduler accepted / its finish reason
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
+        # What each step's update_from_output reported for vLLM's stat loggers.
+        self.scheduler_stats: list[SchedulerStats] = []
         self.prompts: dict[str, list[int]] = {}
         self._runner: dict[str, _RunnerRequest] = {}
         self._next_req = 0
@@ -829,6 +832,8 @@ class VllmHarness:
     def _update(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         engine_outputs = self.scheduler.update_from_output(scheduler_output, output)
         for outs in engine_outputs.values():
+            if outs.scheduler_stats is not None:
+                self.scheduler_stats.append(outs.scheduler_stats)
             for o in outs.outputs:
                 self.outputs[o.request_id].extend(o.new_token_ids)
                 if o.finish_reason is not None:
