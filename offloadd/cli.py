@@ -224,6 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
     from offloadd.endpoint import EndpointInUse, EndpointRefused
     from offloadd.server.daemon import run
     from offloadd.server.metrics import MetricsError
+    from offloadd.server.preflight import PreflightError
     from offloadd.server.publisher import EventBindError
 
     configure_logging(settings.log)
@@ -236,6 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         JournalError,
         MetricsError,
         EventBindError,
+        PreflightError,
     ) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 1

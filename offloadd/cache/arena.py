@@ -122,6 +122,7 @@ class Arena:
                     os.unlink(path)
             raise
         self._fd = fd
+        self.created = created  # this daemon made the file (a failed first start removes it)
         self._view: ctypes.Array[ctypes.c_char] | None = (ctypes.c_char * size).from_buffer(
             self._mmap
         )

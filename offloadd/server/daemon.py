@@ -61,6 +61,7 @@ from offloadd.server.limits import Limits
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import PeerListener
+from offloadd.server.preflight import raise_on_failure
 from offloadd.server.publisher import PublisherSet
 from offloadd.server.registry import Registry
 from offloadd.server.requests import CacheRequests
@@ -239,6 +240,10 @@ class Daemon:
         self._claim = EndpointClaim(self.endpoint)
         cuda = settings.server.copy_engine == "cuda"
         try:
+            # What the machine must offer (ports, directories, room), before the arena is
+            # pre-faulted, which takes minutes for a large one; the claim holds the control
+            # endpoint already.
+            raise_on_failure(settings, claimed=True, copy_engine=self._copy is None)
             self._arena = open_arena(settings, self._notify, cuda=cuda)
             self._cache = ChunkCache(
                 settings.cache.capacity,
@@ -294,7 +299,11 @@ class Daemon:
         except BaseException:
             await self._drain_tiers()
             await self._close_events()
+            created = self._arena.path if self._arena is not None and self._arena.created else ""
             self._release_resources()
+            if created:  # a first start that failed leaves no arena (nor its pre-faulted pages)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(created)
             raise
         path = self._copy_path()
         if not all(path.values()):

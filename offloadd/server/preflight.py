@@ -49,9 +49,15 @@ class PreflightError(Exception):
     """``serve`` cannot start here; the message is the first failed check."""
 
 
-def preflight(settings: Settings) -> list[Check]:
-    """Every check, in the order ``serve`` meets them."""
-    checks = [_endpoint_check("server.endpoint", settings.endpoint(), settings)]
+def preflight(
+    settings: Settings, *, claimed: bool = False, copy_engine: bool = True
+) -> list[Check]:
+    """Every check, in the order ``serve`` meets them (``claimed``: the caller holds the
+    control endpoint's claim already; ``copy_engine=False``: the caller brings its own)."""
+    checks = []
+    endpoint = settings.endpoint()
+    if not (claimed and ipc_path(endpoint) is not None):
+        checks.append(_endpoint_check("server.endpoint", endpoint, settings))
     if settings.events.enabled and settings.events.endpoint:
         checks.append(_endpoint_check("events.endpoint", settings.events.endpoint, settings))
         if settings.events.replay_endpoint:
@@ -65,13 +71,16 @@ def preflight(settings: Settings) -> list[Check]:
         checks.append(_journal_check(settings.journal_path()))
     if settings.disk.path:
         checks.append(_named("disk.path", settings.disk.path, _creatable_dir(settings.disk.path)))
-    checks.append(_copy_engine_check(settings.server.copy_engine))
+    if copy_engine:
+        checks.append(_copy_engine_check(settings.server.copy_engine))
     return checks
 
 
-def raise_on_failure(settings: Settings) -> None:
+def raise_on_failure(
+    settings: Settings, *, claimed: bool = False, copy_engine: bool = True
+) -> None:
     """Raise ``PreflightError`` with the first failed check (``serve`` calls this first)."""
-    for check in preflight(settings):
+    for check in preflight(settings, claimed=claimed, copy_engine=copy_engine):
         if not check.ok:
             raise PreflightError(f"{check.what}: {check.problem}")
 
@@ -125,9 +134,8 @@ def _bind_problem(host: str, port: int) -> str:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return f"port {port} is in use by another process"
-            return f"cannot bind {host}:{port}: {exc.strerror or exc}"
+            busy = " (another process has it)" if exc.errno == errno.EADDRINUSE else ""
+            return f"cannot bind {host}:{port}: {exc.strerror or exc}{busy}"
     return ""
 
 
@@ -157,10 +165,28 @@ def _creatable_dir(path: str) -> str:
     existing = os.path.abspath(path)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
-    if existing == os.path.abspath(path) and not os.path.isdir(existing):
+    if not os.path.isdir(existing):
         return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by uid {os.geteuid()}"
+    # Asked of the file system itself: permission bits say nothing for root, nor for a
+    # read-only mount or one (sysfs, procfs) that takes no new files.
+    try:
+        os.close(os.open(existing, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return f"{existing} is not writable by uid {os.geteuid()}: {exc.strerror}"
+        return _named_file_problem(existing)
+    return ""
+
+
+def _named_file_problem(directory: str) -> str:
+    """The same question where the file system has no O_TMPFILE: make a file and remove it."""
+    name = os.path.join(directory, f".offloadd-preflight-{os.getpid()}")
+    try:
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
+    except OSError as exc:
+        return f"{directory} is not writable by uid {os.geteuid()}: {exc.strerror}"
+    os.close(fd)
+    os.unlink(name)
     return ""
 
 
