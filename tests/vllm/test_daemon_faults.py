@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from offloadd.vllm.manager import STEP_BOUND_SECONDS, OffloaddManager
-from tests.integration.harness import ServeProcess
+from tests.integration.harness import DaemonThread, GatedCopyEngine, ServeProcess
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
 from tests.vllm.test_offloadd_spec import A_PROMPT, b_prompt, compute, prompt_of, settle
 
@@ -152,3 +152,41 @@ def test_daemon_killed_and_restarted_with_its_arena(
         g = compute(h, f_prompt[:85] + prompt_of(7, seed=10))
         assert h.external_tokens(g) == 80
         assert h.assert_loaded_pages(g) == 5 * NUM_LAYERS
+
+
+def test_reset_with_a_store_in_flight(tmp_path: Path) -> None:
+    """vLLM flushes the jobs a reset finds; the store it flushed never commits, its keys miss,
+    and a request with the same prompt is scheduled at once (it was deferred for good while
+    those keys answered HIT_PENDING)."""
+    copies = GatedCopyEngine()
+    d = DaemonThread(copy_engine=copies).start()
+    try:
+        extra = {
+            "spec_name": "OffloaddSpec",
+            "spec_module_path": "offloadd.vllm",
+            "offloadd_endpoint": d.endpoint,
+        }
+        with VllmHarness(tmp_path, extra) as h:
+            worker = h.ranks[0].offloading_worker
+            copies.gate.clear()  # the daemon accepts the store; its copy waits
+            a = h.add_request(A_PROMPT, max_tokens=1)
+            # A's blocks wait on its store, the engine does not.
+            timed_steps(h, lambda: a in h.finished and bool(worker._jobs))
+            assert all(not job.load for job in worker._jobs.values())
+            assert h.scheduler.reset_prefix_cache(reset_connector=True)
+            copies.gate.set()
+            worker.wait(set(worker._jobs))  # what vLLM's flush does at the next step
+            assert d.daemon is not None
+            assert d.daemon.stats().committed_entries == 0  # begun before the reset
+            h.zero_kv()
+            b = h.add_request(A_PROMPT, max_tokens=1)
+            start = h.step_count
+            while not h.forward_ranges.get(b):
+                assert h.step_count - start < 3, "the request was deferred"
+                h.step()
+            assert h.external_tokens(b) == 0
+            h.run_until_finished()
+            assert h.outputs[b] == expected_output(A_PROMPT, 1)
+    finally:
+        copies.gate.set()
+        d.stop()
