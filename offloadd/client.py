@@ -87,6 +87,10 @@ _REMEMBERED_JOBS = 65536
 R = TypeVar("R")
 
 
+# JobDone.error of a job whose session the daemon no longer knows: it never ran to the end.
+SESSION_LOST = "session lost (daemon restarted or reaped)"
+
+
 class _ClientCore:
     """State and message logic shared by the sync and async clients."""
 
@@ -171,9 +175,7 @@ class _ClientCore:
         if self._hello is None:
             return None
         for job_id in sorted(self.submitted):
-            self.record(
-                JobDone(job_id, False, [], 0, 0.0, "session lost (daemon restarted or reaped)")
-            )
+            self.record(JobDone(job_id, False, [], 0, 0.0, SESSION_LOST))
         self._hello = msgspec.structs.replace(self._hello, request_id=self.next_id())
         return self._hello
 

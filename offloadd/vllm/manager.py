@@ -53,9 +53,12 @@ from offloadd.vllm.probes import Probe, TierProbes
 from offloadd.vllm.stats import ManagerStats
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
+from protocol.errors import ErrorCode
 from protocol.messages import HoldKeys, KeysChanged
 
 logger = logging.getLogger(__name__)
+
+_SESSION_GONE = frozenset({ErrorCode.NOT_REGISTERED, ErrorCode.ENGINE_NOT_READY})
 
 _PROBE_RESULTS = {
     Probe.PENDING: LookupResult.HIT_PENDING,
@@ -65,7 +68,12 @@ _PROBE_RESULTS = {
 
 TICK_SECONDS = 0.02  # background: read notices and acknowledge them this often
 KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
-KEEPALIVE_TIMEOUT_SECONDS = 0.5  # the lock is held meanwhile: keep it short
+KEEPALIVE_TIMEOUT_SECONDS = 0.3  # the lock is held meanwhile: keep it short
+# An exchange inside a step waits at most this long: a daemon that is away costs one step at
+# most this plus a keepalive holding the lock (STEP_BOUND_SECONDS), then nothing is asked of
+# it until the background thread has a new session.
+STEP_TIMEOUT_SECONDS = 0.3
+STEP_BOUND_SECONDS = STEP_TIMEOUT_SECONDS + KEEPALIVE_TIMEOUT_SECONDS
 COMMIT_WAIT_SECONDS = 0.005  # complete_store: how long commit notices may lag the ranks
 
 
@@ -91,6 +99,10 @@ class OffloaddManager(OffloadingManager):
         self._acked = 0
         self._in_flight: dict[bytes, int] = {}  # keys this scheduler reserved, being stored
         self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
+        # The load specs of those holds: a hold the daemon does not take is a lost hold, and
+        # its spec is told so before it leaves the scheduler (the ranks load by key then).
+        self._unsent_loads: dict[str, list[OffloaddLoadSpec]] = {}
+        self._welcome: object = None  # the session the mirror belongs to
         self._releases: dict[str, list[bytes]] = {}
         self._last_request = time.monotonic()
         self._client: OffloadClient | None = None
@@ -136,7 +148,9 @@ class OffloaddManager(OffloadingManager):
         token = req_context.req_id
         self._holds.setdefault(token, []).extend(keys)
         self._stats.loading(len(keys))
-        return OffloaddLoadSpec(list(keys), token)
+        spec = OffloaddLoadSpec(list(keys), token)
+        self._unsent_loads.setdefault(token, []).append(spec)
+        return spec
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Release the request's holds (sent with the next message)."""
@@ -163,6 +177,7 @@ class OffloaddManager(OffloadingManager):
                 indices = []
             else:
                 self._acked = self._mirror.seq
+                self._holds_taken(holds)
             self._after_request()
             reserved = [candidates[i] for i in indices]
             for key in reserved:
@@ -208,7 +223,11 @@ class OffloaddManager(OffloadingManager):
             )
 
     def reset_cache(self) -> None:
-        """Drop every chunk of the engine's namespace in the daemon."""
+        """Drop every chunk of the engine's namespace in the daemon, and forget what this
+        scheduler was storing or asking the tiers: vLLM flushes those jobs, and the daemon's
+        Clear ends this scheduler's open reservations, so none of them commits after it."""
+        self._in_flight.clear()
+        self._probes = TierProbes()
         if self._client is None:
             return
         try:
@@ -252,15 +271,18 @@ class OffloaddManager(OffloadingManager):
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _connect(self) -> OffloadClient:
-        return OffloadClient.connect(
+    def _connect(self, timeout: float | None = None) -> OffloadClient:
+        client = OffloadClient.connect(
             self._endpoint,
             self._config,
             role="scheduler",
             name=f"vllm scheduler {self._config.engine_id}",
             mirror=True,
-            timeout=self._timeout,
+            timeout=self._timeout if timeout is None else timeout,
         )
+        # Asked inside vLLM's steps from now on: a daemon that went away must not stall one.
+        client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
+        return client
 
     def _flush(self) -> None:
         client = self._client
@@ -272,12 +294,7 @@ class OffloaddManager(OffloadingManager):
         try:
             if holds or releases:
                 result = client.update_holds(holds, releases, ack=self._mirror.seq)
-                if result.missing:
-                    logger.error(
-                        "offloadd: %d keys to load were not in the cache (daemon restarted?); "
-                        "their loads will fail",
-                        len(result.missing),
-                    )
+                self._holds_taken(holds, set(result.missing))
             else:
                 client.ack(self._mirror.seq)
         except OffloaddError as exc:
@@ -307,6 +324,28 @@ class OffloaddManager(OffloadingManager):
         self._holds = {}
         return holds
 
+    def _holds_taken(self, holds: Sequence[HoldKeys], missing: Collection[bytes] = ()) -> None:
+        """The daemon took ``holds`` but ``missing`` keys: a spec with one of those lost its
+        hold."""
+        for hold in holds:
+            for spec in self._unsent_loads.pop(hold.token, []):
+                if any(key in missing for key in spec.keys):
+                    self._hold_lost(spec)
+
+    def _holds_lost(self, holds: Sequence[HoldKeys]) -> None:
+        for hold in holds:
+            for spec in self._unsent_loads.pop(hold.token, []):
+                self._hold_lost(spec)
+
+    @staticmethod
+    def _hold_lost(spec: OffloaddLoadSpec) -> None:
+        """Nothing keeps the keys for this load: the ranks ask for them by key, from whatever
+        daemon answers, and fail loudly only if they are gone."""
+        logger.warning(
+            "offloadd: hold %r refused; its ranks load %d keys by key", spec.hold, len(spec.keys)
+        )
+        spec.hold = ""
+
     def _take_releases(self) -> list[HoldKeys]:
         releases = [HoldKeys(token, keys) for token, keys in self._releases.items()]
         self._releases = {}
@@ -323,8 +362,22 @@ class OffloaddManager(OffloadingManager):
     def _after_request(self) -> None:
         """Apply what arrived with the last exchange (notices come before its reply)."""
         self._last_request = time.monotonic()
-        if self._client is not None:
-            self._apply(self._client.take_notices())
+        client = self._client
+        if client is None:
+            return
+        if client.welcome is not self._welcome:
+            # The client said Hello again by itself (the daemon restarted or reaped us): the
+            # old session's keys, reservations and answers mean nothing to the new one.
+            self._welcome = client.welcome
+            self._forget_session()
+        self._apply(client.take_notices())
+
+    def _forget_session(self) -> None:
+        """Every key misses until the new session's snapshot."""
+        self._mirror.clear()
+        self._in_flight.clear()
+        self._probes = TierProbes()
+        self._acked = 0
 
     def _apply(self, notices: list[KeysChanged]) -> None:
         self._mirror.apply(notices)
@@ -333,14 +386,18 @@ class OffloaddManager(OffloadingManager):
             self._probes.forget(key for notice in notices for key in notice.removed)
 
     def _failed(self, what: str, exc: Exception, holds: Sequence[HoldKeys] = ()) -> None:
-        """Log a failed exchange; holds it carried are sent again if the daemon was away."""
-        if isinstance(exc, RequestFailed):
+        """Log a failed exchange; the holds it carried are lost. A daemon that is away, or a
+        session it no longer knows (``NOT_REGISTERED``) or whose engine waits for its ranks
+        (``ENGINE_NOT_READY``), empties the mirror: every lookup misses until the (new)
+        session's snapshot."""
+        self._holds_lost(holds)
+        if isinstance(exc, RequestFailed) and exc.code not in _SESSION_GONE:
             logger.warning("offloadd: %s refused: %s", what, exc)
             return
-        logger.warning("offloadd: %s failed: %s", what, exc)
-        for hold in holds:
-            self._holds.setdefault(hold.token, []).extend(hold.keys)
-        if isinstance(exc, DaemonUnavailable):
+        logger.warning("offloadd: %s failed: %s; every key misses for now", what, exc)
+        if isinstance(exc, RequestFailed):
+            self._forget_session()
+        else:
             self._disconnect()
 
     def _disconnect(self) -> None:
@@ -348,7 +405,8 @@ class OffloaddManager(OffloadingManager):
         client, self._client = self._client, None
         if client is not None:
             client.close(goodbye=False)
-        self._mirror.clear()
+        self._forget_session()
+        self._holds_lost(self._take_holds())
         self._last_request = time.monotonic()  # the background thread reconnects after a pause
 
     def _background(self) -> None:
@@ -395,14 +453,7 @@ class OffloaddManager(OffloadingManager):
             return
         self._last_request = time.monotonic()
         try:
-            client = OffloadClient.connect(
-                self._endpoint,
-                self._config,
-                role="scheduler",
-                name=f"vllm scheduler {self._config.engine_id}",
-                mirror=True,
-                timeout=0.5,
-            )
+            client = self._connect(STEP_TIMEOUT_SECONDS)
         except OffloaddError:
             return
         with self._lock:

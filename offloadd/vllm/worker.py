@@ -7,6 +7,13 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
 - A store that the daemon could not complete is harmless (the chunk is just not cached), so it
   is reported as done. A load that fails is not: vLLM has no way to recompute it, so the
   worker raises ``LoadFailed`` instead of letting the engine run on wrong KV.
+- A daemon that is away (killed, restarting, stopped) fails no load: a load that could not be
+  sent, or whose session the daemon lost, waits for the daemon to answer again (at most
+  ``offloadd_load_timeout`` from its submit), says Hello again and is sent again by key
+  (the new daemon restored its arena; the old session's hold is gone). Only keys that are
+  gone by then fail it. No call waits on the daemon longer than ``STEP_TIMEOUT_SECONDS``
+  inside a step (``wait`` excepted), and while it is away nothing is asked of it but one
+  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``.
 
 Ordering against the GPU: on CUDA every store and load carries an interprocess event recorded
 on the current stream, and the daemon's copy waits for it; CPU tensors need no event (the
@@ -15,6 +22,7 @@ forward pass has finished writing when vLLM submits).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -30,8 +38,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from offloadd.client import OffloadClient
-from offloadd.errors import DaemonUnavailable, JobError, OffloaddError
+from offloadd.client import SESSION_LOST, OffloadClient
+from offloadd.errors import DaemonUnavailable, JobError, NotPermitted, NotReady, OffloaddError
 from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
@@ -40,7 +48,10 @@ from protocol.messages import JobDone, Segment
 
 logger = logging.getLogger(__name__)
 
-RECONNECT_SECONDS = 1.0
+RECONNECT_SECONDS = 1.0  # how often an idle or waiting rank proves its session
+STEP_TIMEOUT_SECONDS = 0.3  # an exchange inside a step waits at most this long
+PROBE_TIMEOUT_SECONDS = 0.2  # a ping to a daemon that may be away
+RESEND_POLL_SECONDS = 0.05  # wait(): between tries to resend loads the daemon refused
 
 
 class LoadFailed(RuntimeError):
@@ -52,6 +63,9 @@ class _Job:
     load: bool
     started: float
     event: Any = None  # the CUDA event the daemon waits on, kept alive until the job ends
+    # A load: what to send again by key if the daemon loses it (keys, block ids, segments).
+    redo: tuple[list[bytes], list[int], list[Segment]] | None = None
+    sent: bool = True  # False: waiting for the daemon to answer, then sent by key
 
 
 def segments_for(
@@ -108,6 +122,9 @@ class OffloaddWorker(OffloadingWorker):
         self._load_timeout = load_timeout
         self._jobs: dict[int, _Job] = {}
         self._results: list[TransferResult] = []
+        self._checked = time.monotonic()  # the last proof of the session (_tend)
+        self._away_until = 0.0  # the daemon did not answer: not asked again before this
+        self.loads_resent = 0  # loads sent again by key to a daemon that came back
         self._lock = threading.Lock()  # guards the hand-over of a late connection
         self._client: OffloadClient | None = None
         try:
@@ -132,7 +149,7 @@ class OffloaddWorker(OffloadingWorker):
         """Send the store; a store that cannot be sent is reported done (nothing cached)."""
         assert isinstance(dst_spec, OffloaddStoreSpec)
         client = self._connected()
-        if client is None or not dst_spec.keys:
+        if client is None or not dst_spec.keys or self._away():
             self._results.append(TransferResult(job_id, True))
             return True
         segments = segments_for(dst_spec.keys, src_spec, self._bpc, self._group_ids)
@@ -149,6 +166,7 @@ class OffloaddWorker(OffloadingWorker):
             )
         except OffloaddError as exc:
             logger.warning("offloadd: store job %d not sent: %s", job_id, exc)
+            self._note_failure(exc)
             self._results.append(TransferResult(job_id, True))
             return True
         self._jobs[job_id] = job
@@ -168,46 +186,61 @@ class OffloaddWorker(OffloadingWorker):
             raise LoadFailed(f"offloadd: load job {job_id}: no daemon at {self._endpoint}")
         segments = segments_for(src_spec.keys, dst_spec, self._bpc, self._group_ids)
         job = _Job(load=True, started=time.perf_counter())
+        job.redo = (list(src_spec.keys), dst_spec.block_ids.tolist(), segments)
+        self._jobs[job_id] = job
+        if self._away():
+            job.sent = False
+            return True
         wait_event, job.event = self._record_event()
         try:
             client.load(
                 job_id,
                 src_spec.keys,
-                dst_spec.block_ids.tolist(),
+                job.redo[1],
                 segments=segments,
                 hold=src_spec.hold,
                 wait_event=wait_event,
             )
+        except (DaemonUnavailable, NotReady) as exc:
+            logger.warning("offloadd: load job %d waits for the daemon: %s", job_id, exc)
+            self._note_failure(exc)
+            job.sent = False
         except OffloaddError as exc:
+            del self._jobs[job_id]
             raise LoadFailed(f"offloadd: load job {job_id} refused: {exc}") from exc
-        self._jobs[job_id] = job
         return True
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call; never blocks."""
         client = self._connected()
-        if client is not None and self._jobs:
-            try:
-                client.poll(0)
-            except OffloaddError as exc:
-                logger.warning("offloadd: poll failed: %s", exc)
-            self._collect(client)
+        if client is not None:
+            if self._jobs:
+                try:
+                    client.poll(0)
+                except OffloaddError as exc:
+                    logger.warning("offloadd: poll failed: %s", exc)
+                self._collect(client)
+            self._tend(client)
         results, self._results = self._results, []
         return results
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until ``job_ids`` are finished (their results still come from get_finished)."""
         client = self._connected()
-        pending = [job_id for job_id in job_ids if job_id in self._jobs]
-        if client is None or not pending:
+        if client is None:
             return
-        try:
-            client.wait(pending, self._load_timeout, raise_on_failure=False)
-        except JobError as exc:
-            if any(self._jobs[job_id].load for job_id in pending if job_id in self._jobs):
-                raise LoadFailed(f"offloadd: loads did not finish: {exc}") from exc
-            logger.warning("offloadd: stores did not finish in time: %s", exc)
-        self._collect(client)
+        # Ends: each job finishes, or _collect gives it up (stores) or raises (loads) past
+        # its load timeout.
+        while pending := [job_id for job_id in job_ids if job_id in self._jobs]:
+            sent = [job_id for job_id in pending if self._jobs[job_id].sent]
+            if sent:
+                # JobError: not all finished yet (or the daemon is away): tended below.
+                with contextlib.suppress(JobError):
+                    client.wait(sent, RECONNECT_SECONDS, raise_on_failure=False)
+            else:
+                client.poll(RESEND_POLL_SECONDS)
+            self._collect(client)
+            self._tend(client, now=True)
 
     def shutdown(self) -> None:
         """End the session."""
@@ -226,7 +259,7 @@ class OffloaddWorker(OffloadingWorker):
             from offloadd.cuda_ipc import device_uuid as uuid_of
 
             device_uuid = uuid_of(self._device.index or 0)
-        return OffloadClient.connect(
+        client = OffloadClient.connect(
             self._endpoint,
             self._config,
             self._regions,
@@ -236,6 +269,8 @@ class OffloaddWorker(OffloadingWorker):
             timeout=timeout,
             files=self._files,
         )
+        client.timeout = min(timeout, STEP_TIMEOUT_SECONDS)  # asked inside vLLM's steps
+        return client
 
     def _connect_later(self) -> None:
         while self._client is None:
@@ -248,6 +283,54 @@ class OffloaddWorker(OffloadingWorker):
                 self._client = client
             logger.info(
                 "offloadd: rank %d connected to %s", self._config.parallel.rank, self._endpoint
+            )
+
+    def _away(self) -> bool:
+        return time.monotonic() < self._away_until
+
+    def _note_failure(self, exc: Exception) -> None:
+        """After a daemon that did not answer, ask nothing of it until the next check."""
+        if isinstance(exc, DaemonUnavailable):
+            self._away_until = time.monotonic() + RECONNECT_SECONDS
+            self._checked = time.monotonic()
+
+    def _tend(self, client: OffloadClient, *, now: bool = False) -> None:
+        """Every ``RECONNECT_SECONDS`` (or ``now``): prove the session, so that a restarted
+        daemon hears this rank again (its engine is ready again only once every rank said
+        Hello), and send the loads waiting for it, by key."""
+        waiting = any(not job.sent for job in self._jobs.values())
+        clock = time.monotonic()
+        if not (now or waiting) and clock - self._checked < RECONNECT_SECONDS:
+            return
+        if clock < self._away_until or (waiting and not now and clock - self._checked < 0.1):
+            return
+        self._checked = clock
+        try:
+            client.keepalive(PROBE_TIMEOUT_SECONDS)
+        except (DaemonUnavailable, NotReady, NotPermitted) as exc:
+            self._note_failure(exc)
+            return
+        self._away_until = 0.0
+        self._collect(client)  # the lost session's jobs, recorded failed by the keepalive
+        for job_id, job in self._jobs.items():
+            if job.sent or job.redo is None:
+                continue
+            keys, block_ids, segments = job.redo
+            wait_event, job.event = self._record_event()
+            try:
+                client.load(job_id, keys, block_ids, segments=segments, wait_event=wait_event)
+            except (DaemonUnavailable, NotReady) as exc:
+                self._note_failure(exc)
+                return
+            except OffloaddError as exc:
+                raise LoadFailed(f"offloadd: load job {job_id} refused again: {exc}") from exc
+            job.sent = True
+            self.loads_resent += 1
+            logger.info(
+                "offloadd: rank %d: load job %d sent again by key (%d keys)",
+                self._config.parallel.rank,
+                job_id,
+                len(keys),
             )
 
     def _connected(self) -> OffloadClient | None:
@@ -268,7 +351,12 @@ class OffloaddWorker(OffloadingWorker):
     def _collect(self, client: OffloadClient) -> None:
         now = time.perf_counter()
         for job_id, job in list(self._jobs.items()):
-            done = client.finished.get(job_id)
+            done = client.finished.get(job_id) if job.sent else None
+            if done is not None and job.load and not done.ok and done.error == SESSION_LOST:
+                # The daemon that took it is gone: sent again by key once one answers.
+                del client.finished[job_id]
+                job.sent = False
+                done = None
             if done is None:
                 if now - job.started <= self._load_timeout:
                     continue

@@ -297,3 +297,15 @@ def test_keys_of_different_shapes_in_one_call_each_get_their_own_sizes() -> None
     assert [len(cache._row_offsets(cache._tables[NS][k])) for k in keys] == [1, 2, 2, 1, 1]
     with pytest.raises(ValueError, match=r"bad shard sizes \(4096, 0\)"):
         cache.reserve(NS, [key(3), key(4)], "sched", lambda k: one if k == key(3) else (SIZE, 0))
+
+
+def test_clear_ends_the_namespace_reservations() -> None:
+    cache = ChunkCache(4 * SIZE)
+    cache.reserve(NS, [key(0), key(1)], "sched", sizes)
+    store = cache.begin_store(NS, [key(0)], 0, sizes, allocate=False)  # begun before the reset
+    cache.clear_namespace(NS)
+    assert cache.finish_store(store.writes, ok=True) == []  # never commits after the Clear
+    # The rows are reused by another scheduler's reservations: none is still "sched"'s.
+    assert cache.reserve(NS, [key(2), key(3)], "other", sizes).reserved == [0, 1]
+    assert cache.release_reservations("sched") == 0
+    assert cache.get(NS, key(2)) is not None and cache.get(NS, key(3)) is not None
