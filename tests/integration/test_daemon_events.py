@@ -12,8 +12,14 @@ import pytest_asyncio
 from offloadd.settings import DiskSettings, EventSettings, LimitsSettings
 from offloadd.subscriber import Received, Subscriber
 from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_for_wire
-from tests.integration.harness import DaemonThread, Rank, chain_keys, chunk_block_ids, make_rank
-from tests.integration.test_events_pubsub import free_port_pair
+from tests.integration.harness import (
+    DaemonThread,
+    Rank,
+    chain_keys,
+    chunk_block_ids,
+    free_port_pair,
+    make_rank,
+)
 
 BPC = 2
 

@@ -8,9 +8,9 @@ import torch
 from offloadd.client import OffloadClient
 from offloadd.errors import JobError
 from offloadd.settings import LimitsSettings
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     chain_keys,
     chunk_block_ids,
@@ -131,7 +131,7 @@ def test_key_invisible_until_every_rank_stored(daemon: DaemonThread, ranks: list
 def test_session_replaced_mid_store_never_becomes_visible(
     daemon_factory: object, ranks: list[Rank]
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)  # type: ignore[operator]
     engine = _engine(daemon.endpoint, ranks)
     keys = chain_keys(2)
@@ -201,7 +201,7 @@ def test_capacity_evicts_least_recent_never_pinned_or_loading(
 
 
 def test_loading_keys_are_not_evicted(daemon_factory: object, ranks: list[Rank]) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     chunk_bytes = BPC * 4096 * 3
     daemon = daemon_factory(capacity=2 * chunk_bytes * 2, copy_engine=gated)  # type: ignore[operator]
     engine = _engine(daemon.endpoint, ranks)

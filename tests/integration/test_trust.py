@@ -62,9 +62,9 @@ from protocol.messages import (
     decode_reply,
     encode,
 )
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     ServeProcess,
     chain_keys,
@@ -371,7 +371,7 @@ def test_a_rank_truncating_its_file_fails_its_own_jobs_not_the_daemon(workdir: s
 def test_a_file_truncated_under_a_running_copy_fails_that_job(
     daemon_factory: DaemonFactory, ranks: list[Rank]
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)
     rank = make_rank(daemon.endpoint, tp=1)
     ranks.append(rank)
@@ -715,7 +715,7 @@ def test_regions_jobs_sessions_and_registrations_are_bounded(
     with pytest.raises(InvalidRequest, match="registrations_per_uid"):
         register(few.endpoint, identity)
 
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     busy = daemon_factory(copy_engine=gated, limits=LimitsSettings(jobs_per_session=1))
     rank = make_rank(busy.endpoint, tp=1)
     ranks.append(rank)

@@ -14,7 +14,8 @@ from offloadd.server.tenancy import Tenancy, Viewer
 from offloadd.settings import LimitsSettings, TenancySettings
 from protocol.errors import ErrorCode
 from protocol.messages import DaemonStats, EngineState
-from tests.unit.test_registry import hello
+from tests.fakes import Clock
+from tests.helpers import hello
 
 A, B = Peer(1001, 1001, 10), Peer(1002, 1002, 20)
 GROUPS = {"shared": 500}
@@ -118,14 +119,6 @@ def test_regions_and_sessions_per_user() -> None:
 # ---------------------------------------------------------------- protected bytes
 
 ENGINE, OTHER = ("e", 0), ("f", 0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_pins_beyond_the_budget_are_refused_and_leases_end() -> None:
