@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -49,9 +50,9 @@ class RawPeer:
 
 
 @pytest.fixture
-def peer(daemon: DaemonThread) -> RawPeer:
+def peer(daemon: DaemonThread) -> Iterator[RawPeer]:
     raw = RawPeer(daemon.endpoint)
-    yield raw  # type: ignore[misc]
+    yield raw
     raw.close()
 
 

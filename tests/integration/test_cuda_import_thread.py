@@ -73,7 +73,7 @@ class SlowOpener:
 def cuda_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DaemonThread, SlowOpener]]:
     SlowOpener.instances.clear()
     monkeypatch.setattr(cuda_import, "CudaIpcOpener", SlowOpener)
-    daemon = DaemonThread(copy_engine=FakeCopyEngine(name="refusing-cpu", held=()))  # type: ignore[arg-type]
+    daemon = DaemonThread(copy_engine=FakeCopyEngine(name="refusing-cpu", held=()))
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
     daemon.start()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ CHUNKS = 64
 
 
 def _engine(
-    endpoint: str, ranks: list[Rank], tp: int = 2, seed: int = 0, **config: object
+    endpoint: str, ranks: list[Rank], tp: int = 2, seed: int = 0, **config: Any
 ) -> list[Rank]:
     engine = []
     for r in range(tp):

@@ -45,7 +45,7 @@ def test_a_refused_submit_is_an_error_and_leaves_nothing_in_flight(
     daemon_factory: DaemonFactory, ranks: list[Rank], caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = FakeCopyEngine(name="refusing-cpu", held=())
-    daemon = daemon_factory(copy_engine=engine)  # type: ignore[arg-type]
+    daemon = daemon_factory(copy_engine=engine)
     rank = make_rank(daemon.endpoint, rank=0, tp=1)
     ranks.append(rank)
     client = rank.client
@@ -84,7 +84,7 @@ def test_a_refused_submit_is_an_error_and_leaves_nothing_in_flight(
 
 def test_a_cuda_daemon_refuses_shared_memory_regions_at_hello() -> None:
     # No GPU here: the cuda daemon starts with an injected engine and an unpinned arena.
-    daemon = DaemonThread(copy_engine=FakeCopyEngine(name="refusing-cpu", held=()))  # type: ignore[arg-type]
+    daemon = DaemonThread(copy_engine=FakeCopyEngine(name="refusing-cpu", held=()))
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
     daemon.start()
@@ -123,7 +123,7 @@ class UnbatchedEngine(FakeCopyEngine):
 def test_a_degraded_cuda_daemon_says_so_in_its_log_stats_and_status(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    daemon = DaemonThread(copy_engine=UnbatchedEngine())  # type: ignore[arg-type]
+    daemon = DaemonThread(copy_engine=UnbatchedEngine())
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
     with caplog.at_level(logging.ERROR, logger="offloadd.server"):

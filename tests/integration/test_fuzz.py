@@ -770,8 +770,7 @@ def run_fuzzers(plan: FuzzPlan) -> FuzzOutcome:
             drivers.append(ControlDriver(peer, frames, count, plan.seed + index))
         for index in range(2):
             count = plan.replay_messages // 2
-            driver = ReplayDriver(ctx, plan.replay_endpoint, count, plan.seed + 100 + index)
-            drivers.append(driver)
+            drivers.append(ReplayDriver(ctx, plan.replay_endpoint, count, plan.seed + 100 + index))
         started = time.monotonic()
         _multiplex(drivers, started + plan.deadline_seconds)
         return FuzzOutcome(

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from offloadd.client import OffloadClient
-from offloadd.transfer.engine import Direction
+from offloadd.transfer.types import Direction
 from protocol.messages import DaemonStats, JobDone
 from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (

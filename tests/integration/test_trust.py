@@ -27,6 +27,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pytest
@@ -35,6 +36,7 @@ import zmq
 from prometheus_client import generate_latest
 
 import offloadd.peer
+import offloadd.transfer.guarded
 import offloadd.transfer.handles
 from offloadd.client import OffloadClient
 from offloadd.errors import (
@@ -198,7 +200,7 @@ def shared_daemon(shared_dir: str) -> Iterator[Callable[..., DaemonThread]]:
     """Daemons (as root) whose sockets SHARED_GROUP may use."""
     started: list[DaemonThread] = []
 
-    def start(**settings: object) -> DaemonThread:
+    def start(**settings: Any) -> DaemonThread:
         name = f"d{len(started)}.sock"
         daemon = DaemonThread(
             endpoint=f"ipc://{shared_dir}/{name}", socket_group=SHARED_GROUP, **settings
@@ -621,7 +623,7 @@ def test_the_kernels_pid_is_watched_not_the_hellos(daemon: DaemonThread) -> None
 def test_an_error_in_the_middle_of_a_hello_leaks_nothing(
     daemon: DaemonThread, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
-    real = offloadd.transfer.handles.reserve
+    real = offloadd.transfer.guarded.reserve  # what handles imported
     calls = []
 
     def second_fails(size: int) -> int:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from offloadd.transfer.batch import move_arrays
 from offloadd.transfer.copies import Copies
-from offloadd.transfer.plan import GroupLayout, Span, chunk_copies, group_spans
-from offloadd.transfer.types import Direction
+from offloadd.transfer.plan import GroupLayout, chunk_copies, group_spans
+from offloadd.transfer.types import Direction, Span
 from protocol.handles import KVRegion
 from tests.oracles import reference_pairs
 from tests.strategies import plan_cases

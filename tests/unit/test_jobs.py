@@ -22,7 +22,7 @@ from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Namespace, Registry
 from offloadd.server.state import Job, SessionState
 from offloadd.settings import ServerSettings
-from offloadd.transfer.engine import Direction, Triple
+from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
 from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
 from tests.fakes import FakeCopyEngine

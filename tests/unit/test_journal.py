@@ -83,8 +83,8 @@ class Mirror:
             self.refused += len(lost)
             for entry in lost:
                 self.cache.remove(entry.namespace, [entry.key])
-        entry = self.cache.get(NS, key)
-        return entry is not None and entry.committed
+        found = self.cache.get(NS, key)
+        return found is not None and found.committed
 
     def remove(self, n: int) -> None:
         self.journal.removed(self.cache.remove(NS, [key_of(n)]))

@@ -12,8 +12,10 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -340,7 +342,8 @@ def test_a_lookups_contains_goes_before_queued_writes() -> None:
     urgent = worker.submit(lambda: order.append("contains"), urgent=True)
     release.set()
     worker.stop()
-    for future in [busy, *later, urgent]:
+    futures: list[Future[Any]] = [busy, *later, urgent]
+    for future in futures:
         future.result(10)
     assert order == ["contains", "put", "get"]
 

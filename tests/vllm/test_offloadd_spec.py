@@ -238,7 +238,7 @@ def test_events_one_cpu_block_stored_per_chunk(tmp_path: Path, daemon: DaemonThr
 
 def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/nobody.sock"
-    extra = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
+    extra: dict[str, object] = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
     extra |= {"offloadd_endpoint": endpoint, "offloadd_timeout": 0.5}
     with pytest.raises(DaemonUnavailable, match=r"nobody\.sock"):
         VllmHarness(tmp_path, extra)
