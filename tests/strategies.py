@@ -1,4 +1,5 @@
-"""Hypothesis strategies shared by the wire tests, and the settings of property tests."""
+"""Hypothesis strategies shared by the tests (wire types, chunk plans), and the settings of
+property tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from offloadd.transfer.plan import GroupLayout
 from protocol.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -15,6 +17,7 @@ from protocol.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from protocol.handles import KVRegion, ShmHandle
 
 # `make mutate` runs the unit tests once per mutant: property tests then draw fewer examples,
 # always the same ones, so that a run stays short and its verdicts repeat.
@@ -67,3 +70,29 @@ def offloading_configs(
         replicated_layout=st.booleans(),
         num_cpu_blocks=st.none() | ints,
     )
+
+
+@st.composite
+def plan_cases(draw: st.DrawFn) -> tuple[list[KVRegion], GroupLayout, list[int], int, int, bool]:
+    """One chunk to plan: ``(regions, layout, block ids, blocks per chunk, first sub-block,
+    load)``, regions padded or not."""
+    bpc = draw(st.integers(1, 4))
+    num_blocks = draw(st.integers(bpc, 24))
+    regions = []
+    for index in range(draw(st.integers(1, 3))):
+        page = draw(st.sampled_from([8, 16, 64]))
+        stride = page + draw(st.sampled_from([0, 0, 8, 24]))
+        size = (num_blocks - 1) * stride + page
+        regions.append(
+            KVRegion(ShmHandle(f"/dev/shm/r{index}", 0, size), num_blocks, page, stride, ("l",))
+        )
+    layout = GroupLayout(tuple(range(len(regions))), tuple(region.page_size for region in regions))
+    first = draw(st.integers(0, bpc - 1))
+    ids = draw(
+        st.one_of(
+            st.lists(st.integers(0, num_blocks - 1), min_size=bpc - first, max_size=bpc - first),
+            st.integers(0, num_blocks - bpc).map(lambda start: list(range(start, start + bpc))),
+        )
+    )
+    ids = ids[: bpc - first]
+    return regions, layout, ids, bpc, first, draw(st.booleans())

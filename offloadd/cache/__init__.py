@@ -10,19 +10,14 @@ from offloadd.cache.index import (
     ShardWrite,
     StoreReservation,
 )
-from offloadd.cache.policy import ArcPolicy, EvictionPolicy, LruPolicy, make_policy
 
 __all__ = [
-    "ArcPolicy",
     "CacheStats",
     "ChunkCache",
     "Entry",
-    "EvictionPolicy",
     "ExtentAllocator",
     "LoadReservation",
     "LookupOutcome",
-    "LruPolicy",
     "ShardWrite",
     "StoreReservation",
-    "make_policy",
 ]

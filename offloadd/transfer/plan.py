@@ -1,14 +1,27 @@
 """Where every byte of a chunk goes: pure address arithmetic, shared by all copy engines.
 
-A rank registers KV regions; each KV-cache group uses the regions that hold its layers. The
-rank's *shard* of a chunk (one key = one chunk of one group) is laid out as in vLLM's host
-slots: for each of the group's regions in registration order, ``blocks_per_chunk`` pages back
-to back, sub-block ``j`` at ``j * page_size`` inside that region's part. Only the unpadded
-page is moved; blocks sit ``block_stride`` apart in the rank's region.
+A rank registers KV regions; each KV-cache group uses the regions that hold its layers
+(``group_layouts``). The rank's *shard* of a chunk (one key = one chunk of one group) is laid
+out as in vLLM's host slots: for each of the group's regions in registration order,
+``blocks_per_chunk`` pages back to back, sub-block ``j`` at ``j * page_size`` inside that
+region's part. Only the unpadded page is moved; blocks sit ``block_stride`` apart in the rank's
+region.
 
-A plan is a list of ``Move(region, region_offset, shard_offset, nbytes)``; an engine turns it
-into absolute addresses for one direction. Neighbouring moves that are contiguous on both
-sides are merged, so blocks laid out back to back cost one copy.
+What the daemon runs, per request (``server.requests``): ``chunk_ranges`` says which
+sub-blocks of each key's chunk the request's block ids fill, and ``block_id_problem`` refuses
+ids outside the regions. ``group_spans`` resolves a group's layout once per session against
+the addresses the daemon mapped: one ``Span(base, stride, page, part)`` per region, checked to
+stay inside its mapping. The chunks then go, with their spans, into a
+``transfer.copies.ChunkRuns``, which plans consecutive chunks alike into the job's ``Copies``
+as arrays in one go: absolute ``(src, dst, nbytes)`` copies, region -> shard for a store,
+shard -> region for a load, unmerged (the engine merges over the whole job).
+
+``chunk_copies`` plans one chunk the same way, into a ``Copies`` or into a list of tuples with
+runs of consecutive blocks merged; the benchmarks (``bench.cuda_marshal``) time both.
+
+The readable statement of the layout, one block at a time, is ``plan_chunk`` in
+``tests/oracles.py``: the unit tests hold ``chunk_copies`` (both forms) against it byte for
+byte, and ``Copies.add_chunks`` (what ``ChunkRuns`` calls) against ``chunk_copies``.
 """
 
 from __future__ import annotations
@@ -35,15 +48,6 @@ class GroupLayout(NamedTuple):
         return sum(self.pages) * blocks_per_chunk
 
 
-class Move(NamedTuple):
-    """Copy ``nbytes`` between a region's ``region_offset`` and a shard's ``shard_offset``."""
-
-    region: int
-    region_offset: int
-    shard_offset: int
-    nbytes: int
-
-
 def group_layouts(
     regions: Sequence[KVRegion], groups: Sequence[OffloadingGroupConfig]
 ) -> list[GroupLayout]:
@@ -54,52 +58,6 @@ def group_layouts(
         members = [i for i, region in enumerate(regions) if names.intersection(region.layer_names)]
         layouts.append(GroupLayout(tuple(members), tuple(regions[i].page_size for i in members)))
     return layouts
-
-
-def plan_chunk(
-    layout: GroupLayout,
-    regions: Sequence[KVRegion],
-    block_ids: Sequence[int],
-    *,
-    blocks_per_chunk: int,
-    first_sub_block: int = 0,
-) -> list[Move]:
-    """Moves for one chunk: ``block_ids[i]`` holds sub-block ``first_sub_block + i``.
-
-    ``first_sub_block`` > 0 is a load that starts mid-chunk. Block ids must already be
-    validated against the regions (see ``block_id_problem``).
-    """
-    if first_sub_block + len(block_ids) > blocks_per_chunk:
-        raise ValueError("more blocks than fit in one chunk")
-    moves: list[Move] = []
-    part_offset = 0
-    for region_index, page in zip(layout.regions, layout.pages, strict=True):
-        stride = regions[region_index].block_stride
-        for i, block_id in enumerate(block_ids):
-            _append(
-                moves,
-                Move(
-                    region_index,
-                    block_id * stride,
-                    part_offset + (first_sub_block + i) * page,
-                    page,
-                ),
-            )
-        part_offset += page * blocks_per_chunk
-    return moves
-
-
-def _append(moves: list[Move], move: Move) -> None:
-    if moves:
-        last = moves[-1]
-        if (
-            last.region == move.region
-            and last.region_offset + last.nbytes == move.region_offset
-            and last.shard_offset + last.nbytes == move.shard_offset
-        ):
-            moves[-1] = last._replace(nbytes=last.nbytes + move.nbytes)
-            return
-    moves.append(move)
 
 
 def chunk_ranges(
@@ -157,10 +115,8 @@ def block_id_problem(block_ids: Sequence[int], num_blocks: int) -> str | None:
     return None
 
 
-# The daemon's fast path: the same copies as ``plan_chunk``, resolved straight to addresses
-# with the per-region arithmetic hoisted out of the per-block loop (planning runs on the event
-# loop, so its cost per page is paid by every request). ``plan_chunk`` stays the readable
-# reference that tests hold this against.
+# Resolved straight to addresses with the per-region arithmetic hoisted out of the per-block
+# loop: planning runs on the event loop, so its cost per page is paid by every request.
 
 
 def group_spans(
@@ -201,7 +157,7 @@ def chunk_copies(
     A store copies region -> shard, a load (``load=True``) shard -> region. Block ids must be
     validated against ``num_blocks`` already. Into a ``Copies`` (what the daemon passes) the
     chunk goes as arrays, unmerged; into a list, as tuples with runs of consecutive blocks
-    merged (the readable path the tests hold both against).
+    merged.
     """
     if isinstance(out, Copies):
         return out.add_chunk(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ def daemon_factory() -> Iterator[DaemonFactory]:
         capacity: int = 64 << 20,
         copy_engine: CopyEngine | None = None,
         session_timeout: float = 30.0,
-        **settings: object,
+        **settings: Any,
     ) -> DaemonThread:
         daemon = DaemonThread(capacity, copy_engine, session_timeout, **settings).start()
         started.append(daemon)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import msgspec
@@ -37,7 +37,7 @@ from offloadd.settings import (
     TenancySettings,
 )
 from offloadd.shm import SharedKVTensor
-from offloadd.transfer.engine import CopyEngine, CpuCopyEngine, Direction, Triple
+from offloadd.transfer.engine import CopyEngine
 from protocol.config import OffloadingConfig
 from protocol.messages import Hello
 from tests.integration.configs import (
@@ -52,11 +52,11 @@ __all__ = [
     "LAYERS",
     "TOKENS_PER_BLOCK",
     "DaemonThread",
-    "GatedCopyEngine",
     "Rank",
     "ServeProcess",
     "chain_keys",
     "chunk_block_ids",
+    "free_port_pair",
     "make_config",
     "make_rank",
     "shm_leftovers",
@@ -148,42 +148,19 @@ class DaemonThread:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-class GatedCopyEngine:
-    """A CPU engine whose copies wait until the test opens the gate (to catch jobs mid-flight)."""
-
-    name = "gated-cpu"
-
-    def __init__(self) -> None:
-        self.inner = CpuCopyEngine()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.started = threading.Semaphore(0)
-
-    def submit(
-        self,
-        direction: Direction,
-        moves: Sequence[Triple],
-        *,
-        device: int = -1,
-        wait_event: bytes | None = None,
-    ) -> Future[float]:
-        result: Future[float] = Future()
-
-        def wait_then_copy() -> None:
-            self.started.release()
-            self.gate.wait(30)
-            inner = self.inner.submit(direction, moves)
-            try:
-                result.set_result(inner.result())
-            except BaseException as exc:
-                result.set_exception(exc)
-
-        threading.Thread(target=wait_then_copy, daemon=True).start()
-        return result
-
-    def close(self) -> None:
-        self.gate.set()
-        self.inner.close()
+def free_port_pair() -> int:
+    """A port P with P and P + 1 both free on 127.0.0.1."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return int(port)
+    raise AssertionError("no two consecutive free ports")
 
 
 def with_token(endpoint: str, identity: bytes, hello: Hello, fds: Sequence[int] = ()) -> Hello:

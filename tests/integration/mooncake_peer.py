@@ -1,16 +1,70 @@
-"""A peer daemon's share in its own process, for tests that SIGKILL it: opens a node on the
-master named by argv (address, metadata), publishes 8 chunks, prints them as one JSON line
-(``{"arena": path, "chunks": [[key hex, extents, bytes hex], ...]}``), then waits to be
-killed; the test removes the arena file it leaves."""
+"""One daemon's share of the cluster tier (``Node``: an arena and a tier over it), for the
+cluster tier's tests.
+
+Run as a script, a peer daemon's share in its own process, for tests that SIGKILL it: opens a
+node on the master named by argv (address, metadata), publishes 8 chunks, prints them as one
+JSON line (``{"arena": path, "chunks": [[key hex, extents, bytes hex], ...]}``), then waits to
+be killed; the test removes the arena file it leaves."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+import uuid
 from types import SimpleNamespace
 
-from tests.integration.test_mooncake_tier import Node
+from offloadd.cache.arena import Arena
+from offloadd.settings import MooncakeSettings
+from offloadd.tiers.base import ChunkAddress
+from offloadd.tiers.mooncake import MooncakeTier
+from tests.mooncake_master import MooncakeMaster
+
+ARENA = 8 << 20
+SHARDS = (64 << 10, 100_000, 4096)  # one chunk: three shards of uneven sizes
+
+
+def settings(master: MooncakeMaster) -> MooncakeSettings:
+    return MooncakeSettings(
+        master=master.address,
+        metadata=master.metadata,
+        segment=32 << 20,
+        local_buffer=8 << 20,
+        local_hostname="127.0.0.1",
+    )
+
+
+class Node:
+    """One daemon's share: an arena and a tier over it."""
+
+    def __init__(self, master: MooncakeMaster) -> None:
+        self.arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", ARENA)
+        try:
+            self.tier = MooncakeTier(settings(master), self.arena, backoff=0.5, backoff_max=2.0)
+        except BaseException:
+            self.arena.close()
+            raise
+
+    def chunks(self, namespace: str, count: int, base: int = 0) -> list[ChunkAddress]:
+        """``count`` chunks laid out from ``base``, filled with random bytes."""
+        chunks = []
+        offset = base
+        for _ in range(count):
+            extents = []
+            for size in SHARDS:
+                self.arena.view(offset, size)[:] = os.urandom(size)
+                extents.append((offset, size))
+                offset += size
+            chunks.append(ChunkAddress(namespace, os.urandom(16), tuple(extents)))
+        return chunks
+
+    def read(self, chunk: ChunkAddress) -> bytes:
+        return b"".join(bytes(self.arena.view(o, s)) for o, s in chunk.extents)
+
+    def close(self) -> None:
+        self.tier.close()
+        self.arena.close()
 
 
 def main() -> None:

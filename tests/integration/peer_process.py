@@ -121,7 +121,7 @@ def main() -> None:
         if args.path_hello:
             out["path_hello"] = _path_hello(args.endpoint, args.path_hello)
         if args.engine:
-            extra = {"private_cache": True} if args.private else None
+            extra: dict[str, object] | None = {"private_cache": True} if args.private else None
             config = make_config(
                 engine_id=args.engine,
                 rank=args.rank,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -16,9 +17,9 @@ from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.handles import KVRegion, ShmHandle
 from protocol.messages import Error, Hello, Lookup, decode_reply, encode
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     chain_keys,
     chunk_block_ids,
@@ -49,9 +50,9 @@ class RawPeer:
 
 
 @pytest.fixture
-def peer(daemon: DaemonThread) -> RawPeer:
+def peer(daemon: DaemonThread) -> Iterator[RawPeer]:
     raw = RawPeer(daemon.endpoint)
-    yield raw  # type: ignore[misc]
+    yield raw
     raw.close()
 
 
@@ -205,7 +206,7 @@ def test_scheduler_registers_without_tensors_and_cannot_store(
 def test_duplicate_job_id_refused_while_in_flight(
     daemon_factory: object, ranks: list[Rank]
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)  # type: ignore[operator]
     rank = make_rank(daemon.endpoint, rank=0, tp=1)
     ranks.append(rank)

@@ -36,8 +36,8 @@ from protocol.messages import (
     decode_reply,
     encode,
 )
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import LAYERS, DaemonThread, chain_keys, make_config, with_token
-from tests.integration.test_engine_refusal import RefusingEngine
 
 BLOCKS = 64
 PAGE = 4096
@@ -73,7 +73,7 @@ class SlowOpener:
 def cuda_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DaemonThread, SlowOpener]]:
     SlowOpener.instances.clear()
     monkeypatch.setattr(cuda_import, "CudaIpcOpener", SlowOpener)
-    daemon = DaemonThread(copy_engine=RefusingEngine())  # type: ignore[arg-type]
+    daemon = DaemonThread(copy_engine=FakeCopyEngine(name="refusing-cpu", held=()))
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
     daemon.start()

@@ -29,9 +29,9 @@ from offloadd.cache.arena import Arena
 from offloadd.transfer.batch import HostPieces
 from offloadd.transfer.cuda import make_engine
 from offloadd.transfer.cuda_import import CudaIpcOpener
-from offloadd.transfer.engine import Direction, Triple
 from offloadd.transfer.handles import HandleTable
 from offloadd.transfer.pinning import HostRegistration, register_host_memory
+from offloadd.transfer.types import Direction, Triple
 from protocol.handles import KVRegion
 
 pytestmark = [

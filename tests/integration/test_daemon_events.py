@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -12,8 +13,14 @@ import pytest_asyncio
 from offloadd.settings import DiskSettings, EventSettings, LimitsSettings
 from offloadd.subscriber import Received, Subscriber
 from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_for_wire
-from tests.integration.harness import DaemonThread, Rank, chain_keys, chunk_block_ids, make_rank
-from tests.integration.test_events_pubsub import free_port_pair
+from tests.integration.harness import (
+    DaemonThread,
+    Rank,
+    chain_keys,
+    chunk_block_ids,
+    free_port_pair,
+    make_rank,
+)
 
 BPC = 2
 
@@ -59,7 +66,7 @@ async def stream(daemon: DaemonThread) -> AsyncIterator[Stream]:
     subscriber.close()
 
 
-def _engine(endpoint: str, ranks: list[Rank], engine_id: str, dp: int, **kw: object) -> list[Rank]:
+def _engine(endpoint: str, ranks: list[Rank], engine_id: str, dp: int, **kw: Any) -> list[Rank]:
     engine = [
         make_rank(endpoint, rank=r, tp=2, engine_id=engine_id, dp=dp, events=True, **kw)
         for r in range(2)
@@ -211,7 +218,7 @@ async def test_the_snapshot_for_a_joining_engine_is_bounded(
         assert a[0].client is not None
         await asyncio.to_thread(a[0].client.clear)  # after the snapshot, on the same stream
 
-        def at_dp3(kind: type) -> list[int | bytes]:
+        def at_dp3(kind: type[BlockStored | BlockRemoved]) -> list[int | bytes]:
             return [
                 h
                 for r in stream.batches

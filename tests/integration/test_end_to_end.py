@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from offloadd.client import OffloadClient
 from offloadd.errors import JobError
 from offloadd.settings import LimitsSettings
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     chain_keys,
     chunk_block_ids,
@@ -22,7 +24,7 @@ CHUNKS = 64
 
 
 def _engine(
-    endpoint: str, ranks: list[Rank], tp: int = 2, seed: int = 0, **config: object
+    endpoint: str, ranks: list[Rank], tp: int = 2, seed: int = 0, **config: Any
 ) -> list[Rank]:
     engine = []
     for r in range(tp):
@@ -131,7 +133,7 @@ def test_key_invisible_until_every_rank_stored(daemon: DaemonThread, ranks: list
 def test_session_replaced_mid_store_never_becomes_visible(
     daemon_factory: object, ranks: list[Rank]
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)  # type: ignore[operator]
     engine = _engine(daemon.endpoint, ranks)
     keys = chain_keys(2)
@@ -201,7 +203,7 @@ def test_capacity_evicts_least_recent_never_pinned_or_loading(
 
 
 def test_loading_keys_are_not_evicted(daemon_factory: object, ranks: list[Rank]) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     chunk_bytes = BPC * 4096 * 3
     daemon = daemon_factory(capacity=2 * chunk_bytes * 2, copy_engine=gated)  # type: ignore[operator]
     engine = _engine(daemon.endpoint, ranks)

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
 
 import msgspec
 import pytest
@@ -21,10 +18,9 @@ import pytest
 from offloadd import status
 from offloadd.client import OffloadClient
 from offloadd.errors import InvalidRequest, RequestFailed
-from offloadd.transfer.engine import CpuCopyEngine
-from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
 from protocol.handles import CudaIpcHandle, KVRegion
+from tests.fakes import FakeCopyEngine
 from tests.integration.conftest import DaemonFactory
 from tests.integration.harness import (
     LAYERS,
@@ -39,31 +35,6 @@ from tests.integration.harness import (
 BPC = 2
 
 
-class RefusingEngine:
-    """A cpu engine whose ``submit`` raises while ``refuse`` is set (like device=-1 on cuda)."""
-
-    name = "refusing-cpu"
-
-    def __init__(self) -> None:
-        self.inner = CpuCopyEngine()
-        self.refuse = threading.Event()
-
-    def submit(
-        self,
-        direction: Direction,
-        moves: Sequence[Triple],
-        *,
-        device: int = -1,
-        wait_event: bytes | None = None,
-    ) -> Future[float]:
-        if self.refuse.is_set():
-            raise ValueError("the cuda engine needs the local device index of the rank's memory")
-        return self.inner.submit(direction, moves)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def stats_of(daemon: DaemonThread, rank: Rank) -> tuple[int, int]:
     assert rank.client is not None
     stats = rank.client.stats()
@@ -73,8 +44,8 @@ def stats_of(daemon: DaemonThread, rank: Rank) -> tuple[int, int]:
 def test_a_refused_submit_is_an_error_and_leaves_nothing_in_flight(
     daemon_factory: DaemonFactory, ranks: list[Rank], caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = RefusingEngine()
-    daemon = daemon_factory(copy_engine=engine)  # type: ignore[arg-type]
+    engine = FakeCopyEngine(name="refusing-cpu", held=())
+    daemon = daemon_factory(copy_engine=engine)
     rank = make_rank(daemon.endpoint, rank=0, tp=1)
     ranks.append(rank)
     client = rank.client
@@ -113,7 +84,7 @@ def test_a_refused_submit_is_an_error_and_leaves_nothing_in_flight(
 
 def test_a_cuda_daemon_refuses_shared_memory_regions_at_hello() -> None:
     # No GPU here: the cuda daemon starts with an injected engine and an unpinned arena.
-    daemon = DaemonThread(copy_engine=RefusingEngine())  # type: ignore[arg-type]
+    daemon = DaemonThread(copy_engine=FakeCopyEngine(name="refusing-cpu", held=()))
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
     daemon.start()
@@ -140,17 +111,19 @@ def test_a_cpu_daemon_refuses_cuda_regions_at_hello(daemon: DaemonThread) -> Non
     assert "region 0 is CUDA memory" in str(refused.value)
 
 
-class UnbatchedEngine(RefusingEngine):
+class UnbatchedEngine(FakeCopyEngine):
     """Stands in for a cuda engine that fell back to one driver call per copy."""
 
-    name = "cuda"
     batched = False
+
+    def __init__(self) -> None:
+        super().__init__(name="cuda", held=())
 
 
 def test_a_degraded_cuda_daemon_says_so_in_its_log_stats_and_status(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    daemon = DaemonThread(copy_engine=UnbatchedEngine())  # type: ignore[arg-type]
+    daemon = DaemonThread(copy_engine=UnbatchedEngine())
     server = msgspec.structs.replace(daemon.settings.server, copy_engine="cuda")
     daemon.settings = msgspec.structs.replace(daemon.settings, server=server)
     with caplog.at_level(logging.ERROR, logger="offloadd.server"):

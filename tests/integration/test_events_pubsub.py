@@ -37,6 +37,7 @@ from protocol.events import (
     decode_batch,
     encode_batch,
 )
+from tests.integration.harness import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,21 +145,6 @@ async def collectors() -> AsyncIterator[list[Collector]]:
     yield made
     for collector in made:
         await collector.stop()
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 both free on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return int(port)
-    raise AssertionError("no two consecutive free ports")
 
 
 # --- Replay on start, then live ------------------------------------------------------

@@ -71,10 +71,10 @@ from protocol.messages import (
     decode_reply,
     encode,
 )
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     LAYERS,
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     ServeProcess,
     chain_keys,
@@ -770,8 +770,7 @@ def run_fuzzers(plan: FuzzPlan) -> FuzzOutcome:
             drivers.append(ControlDriver(peer, frames, count, plan.seed + index))
         for index in range(2):
             count = plan.replay_messages // 2
-            driver = ReplayDriver(ctx, plan.replay_endpoint, count, plan.seed + 100 + index)
-            drivers.append(driver)
+            drivers.append(ReplayDriver(ctx, plan.replay_endpoint, count, plan.seed + 100 + index))
         started = time.monotonic()
         _multiplex(drivers, started + plan.deadline_seconds)
         return FuzzOutcome(
@@ -1326,7 +1325,7 @@ def test_a_wait_pending_when_its_session_ends_is_still_answered(
     shm_files: list[SharedKVTensor],
     ending: str,
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)
     setup = _fuzz_rank(0, shm_files)
     peer = ControlPeer(zctx, daemon.endpoint)

@@ -25,12 +25,11 @@ from offloadd.tiers.mooncake import (
     encode_companion,
     object_names,
 )
+from tests.integration.mooncake_peer import SHARDS, Node
 from tests.mooncake_master import MooncakeMaster, free_port, require_mooncake
 
 require_mooncake()
 
-ARENA = 8 << 20
-SHARDS = (64 << 10, 100_000, 4096)  # one chunk: three shards of uneven sizes
 HANG_BOUND = 30.0  # a call against a dead master must return well within this
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,48 +38,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def master() -> Iterator[MooncakeMaster]:
     with MooncakeMaster() as running:
         yield running.start()
-
-
-def settings(master: MooncakeMaster) -> MooncakeSettings:
-    return MooncakeSettings(
-        master=master.address,
-        metadata=master.metadata,
-        segment=32 << 20,
-        local_buffer=8 << 20,
-        local_hostname="127.0.0.1",
-    )
-
-
-class Node:
-    """One daemon's share: an arena and a tier over it."""
-
-    def __init__(self, master: MooncakeMaster) -> None:
-        self.arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", ARENA)
-        try:
-            self.tier = MooncakeTier(settings(master), self.arena, backoff=0.5, backoff_max=2.0)
-        except BaseException:
-            self.arena.close()
-            raise
-
-    def chunks(self, namespace: str, count: int, base: int = 0) -> list[ChunkAddress]:
-        """``count`` chunks laid out from ``base``, filled with random bytes."""
-        chunks = []
-        offset = base
-        for _ in range(count):
-            extents = []
-            for size in SHARDS:
-                self.arena.view(offset, size)[:] = os.urandom(size)
-                extents.append((offset, size))
-                offset += size
-            chunks.append(ChunkAddress(namespace, os.urandom(16), tuple(extents)))
-        return chunks
-
-    def read(self, chunk: ChunkAddress) -> bytes:
-        return b"".join(bytes(self.arena.view(o, s)) for o, s in chunk.extents)
-
-    def close(self) -> None:
-        self.tier.close()
-        self.arena.close()
 
 
 @pytest.fixture(scope="module")

@@ -29,14 +29,7 @@ from protocol.peer import (
     decode_peer_reply,
     encode_peer,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import Clock
 
 
 @pytest.fixture
@@ -48,7 +41,7 @@ def socket_dir() -> Iterator[str]:
 
 @pytest_asyncio.fixture
 async def listener(socket_dir: str) -> AsyncIterator[tuple[PeerListener, Clock, str]]:
-    clock = Clock()
+    clock = Clock(1000.0)
     peers = PeerListener(
         f"{socket_dir}/d.sock.peer",
         socket_mode="0660",

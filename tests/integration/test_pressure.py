@@ -15,19 +15,18 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from offloadd.client import OffloadClient
-from offloadd.transfer.engine import Direction, Triple
+from offloadd.transfer.types import Direction
 from protocol.messages import DaemonStats, JobDone
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     chain_keys,
     chunk_block_ids,
@@ -42,22 +41,6 @@ PINNED = 30  # chunks pinned by a lookup
 LOADING = 40  # chunks being loaded while the others store
 ROUNDS = 150  # store requests per rank
 MAX_KEYS = 24  # keys per store request; more than the room left, so the tail is refused
-
-
-class LoadGate(GatedCopyEngine):
-    """Holds loads at the gate; stores copy at once (they must churn while loads wait)."""
-
-    def submit(
-        self,
-        direction: Direction,
-        moves: Sequence[Triple],
-        *,
-        device: int = -1,
-        wait_event: bytes | None = None,
-    ) -> Future[float]:
-        if direction is Direction.LOAD:
-            return super().submit(direction, moves, device=device, wait_event=wait_event)
-        return self.inner.submit(direction, moves)
 
 
 @dataclass
@@ -147,7 +130,7 @@ def test_full_arena_refuses_stores_and_keeps_pinned_and_loading_chunks(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="offloadd.server")
-    gate = LoadGate()
+    gate = FakeCopyEngine(held=(Direction.LOAD,))  # stores must churn while loads wait
     daemon = daemon_factory(capacity=CAPACITY, copy_engine=gate)
     engines: dict[str, list[Rank]] = {}
     for name in ("a", "b", "c"):

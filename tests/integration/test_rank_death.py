@@ -15,9 +15,9 @@ import torch
 
 from offloadd.client import OffloadClient
 from offloadd.errors import NotReady
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     chain_keys,
     chunk_block_ids,
@@ -70,7 +70,7 @@ def _sessions(client: OffloadClient) -> int:
 def test_rank_killed_mid_job(
     daemon_factory: Callable[..., DaemonThread], ranks: list[Rank], spawn: Spawn, action: str
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)
     survivor = make_rank(daemon.endpoint, rank=0, tp=2)
     ranks.append(survivor)

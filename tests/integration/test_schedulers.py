@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -41,12 +42,12 @@ def daemon() -> Iterator[DaemonThread]:
     d.stop()
 
 
-def scheduler(endpoint: str, **config_args: object) -> OffloadClient:
-    config = make_config(tp=1, bytes_per_block=3 * PAGE, **config_args)  # type: ignore[arg-type]
+def scheduler(endpoint: str, **config_args: Any) -> OffloadClient:
+    config = make_config(tp=1, bytes_per_block=3 * PAGE, **config_args)
     return OffloadClient.connect(endpoint, config, role="scheduler", mirror=True)
 
 
-def rank(endpoint: str, seed: int = 1, **config_args: object) -> Rank:
+def rank(endpoint: str, seed: int = 1, **config_args: Any) -> Rank:
     r = make_rank(endpoint, tp=1, page=PAGE, num_blocks=64, **config_args)
     r.fill(seed)
     return r

@@ -29,6 +29,7 @@ from offloadd.server.tiers import TierSlot
 from offloadd.settings import DiskSettings, MooncakeSettings
 from offloadd.tiers import chunkfile
 from protocol.messages import LookupResult, TierState
+from tests.fakes import DictTier
 from tests.integration.conftest import DaemonFactory
 from tests.integration.harness import (
     Rank,
@@ -37,7 +38,6 @@ from tests.integration.harness import (
     chunk_block_ids,
     make_rank,
 )
-from tests.unit.test_tiers_coordinator import DictTier
 
 PAGE = 4096
 BPC = 2

@@ -27,6 +27,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pytest
@@ -35,6 +36,7 @@ import zmq
 from prometheus_client import generate_latest
 
 import offloadd.peer
+import offloadd.transfer.guarded
 import offloadd.transfer.handles
 from offloadd.client import OffloadClient
 from offloadd.errors import (
@@ -62,9 +64,9 @@ from protocol.messages import (
     decode_reply,
     encode,
 )
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     DaemonThread,
-    GatedCopyEngine,
     Rank,
     ServeProcess,
     chain_keys,
@@ -198,7 +200,7 @@ def shared_daemon(shared_dir: str) -> Iterator[Callable[..., DaemonThread]]:
     """Daemons (as root) whose sockets SHARED_GROUP may use."""
     started: list[DaemonThread] = []
 
-    def start(**settings: object) -> DaemonThread:
+    def start(**settings: Any) -> DaemonThread:
         name = f"d{len(started)}.sock"
         daemon = DaemonThread(
             endpoint=f"ipc://{shared_dir}/{name}", socket_group=SHARED_GROUP, **settings
@@ -371,7 +373,7 @@ def test_a_rank_truncating_its_file_fails_its_own_jobs_not_the_daemon(workdir: s
 def test_a_file_truncated_under_a_running_copy_fails_that_job(
     daemon_factory: DaemonFactory, ranks: list[Rank]
 ) -> None:
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     daemon = daemon_factory(copy_engine=gated)
     rank = make_rank(daemon.endpoint, tp=1)
     ranks.append(rank)
@@ -621,7 +623,7 @@ def test_the_kernels_pid_is_watched_not_the_hellos(daemon: DaemonThread) -> None
 def test_an_error_in_the_middle_of_a_hello_leaks_nothing(
     daemon: DaemonThread, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
-    real = offloadd.transfer.handles.reserve
+    real = offloadd.transfer.guarded.reserve  # what handles imported
     calls = []
 
     def second_fails(size: int) -> int:
@@ -715,7 +717,7 @@ def test_regions_jobs_sessions_and_registrations_are_bounded(
     with pytest.raises(InvalidRequest, match="registrations_per_uid"):
         register(few.endpoint, identity)
 
-    gated = GatedCopyEngine()
+    gated = FakeCopyEngine()
     busy = daemon_factory(copy_engine=gated, limits=LimitsSettings(jobs_per_session=1))
     rank = make_rank(busy.endpoint, tp=1)
     ranks.append(rank)

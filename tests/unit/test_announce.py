@@ -7,35 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
-
 from offloadd.cache.index import ChunkCache, Entry
 from offloadd.server.announce import Announcer
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Registry
 from offloadd.settings import EventSettings
-from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from protocol.events import AllBlocksCleared, BlockRemoved, BlockStored
 from protocol.messages import Reply
-from tests.unit.test_registry import config, hello
-
-
-@dataclass
-class FakePublishers:
-    batches: list[tuple[str, int, KVEventBatch]] = field(default_factory=list)
-
-    def publish(self, topic: str, dp: int, batch: KVEventBatch) -> bool:
-        self.batches.append((topic, dp, batch))
-        return True
-
-    def endpoints_for(self, dp: int) -> tuple[str, str]:
-        return f"tcp://127.0.0.1:{5557 + dp}", f"tcp://127.0.0.1:{5558 + dp}"
-
-    def heard(self) -> dict[str, list[str]]:
-        """Event type names per topic, in order."""
-        heard: dict[str, list[str]] = {}
-        for topic, _dp, batch in self.batches:
-            heard.setdefault(topic, []).extend(type(event).__name__ for event in batch.events)
-        return heard
+from tests.fakes import FakePublishers
+from tests.helpers import ready
 
 
 @dataclass
@@ -44,16 +24,6 @@ class FakeJournal:
 
     def removed(self, entries: list[Entry]) -> None:
         self.removed_keys.extend(entry.key for entry in entries)
-
-
-def ready(registry: Registry, engine_id: str, *, events: bool = True, dp: int = 0) -> Engine:
-    outcome = None
-    for rank in range(2):
-        cfg = config(engine_id=engine_id, rank=rank, dp=dp)
-        cfg = msgspec.structs.replace(cfg, enable_kv_cache_events=events)
-        outcome = registry.hello(f"{engine_id}-{dp}-{rank}", hello(cfg))
-    assert outcome is not None and outcome.engine.ready
-    return outcome.engine
 
 
 def entry(namespace: str, name: bytes, *, committed: bool = True) -> Entry:

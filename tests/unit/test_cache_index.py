@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from offloadd.cache.index import ChunkCache, Entry, RestoredChunk, ShardWrite, _overlaps
+from tests.fakes import Clock
 from tests.strategies import property_settings
 
 A = 4096
@@ -27,14 +28,6 @@ def two_shards(key: bytes) -> tuple[int, ...]:
 
 def k(i: int) -> bytes:
     return i.to_bytes(4, "big")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def store(

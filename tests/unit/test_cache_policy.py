@@ -8,15 +8,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offloadd.cache.policy import (
-    ArcPolicy,
-    EvictionPolicy,
-    LruPolicy,
-    RowArc,
-    RowLru,
-    make_policy,
-    make_row_policy,
-)
+from offloadd.cache.policy import RowArc, RowLru, make_row_policy
+from tests.oracles import ArcPolicy, EvictionPolicy, LruPolicy, make_policy
 from tests.strategies import property_settings
 
 

@@ -260,8 +260,8 @@ def test_an_acker_evicting_elsewhere_does_not_acknowledge_its_own_namespace() ->
     cache.remove(NS, [key(0)])  # waits for the scheduler's acknowledgement
     res = cache.begin_store("other", [key(1)], 0, sizes)
     cache.finish_store(res.writes, ok=True)
-    res = cache.reserve("other", [key(2)], "sched", sizes, acker="sched")
-    assert [e.key for e in res.evicted] == [key(1)]  # unwatched: freed at once, nothing acked
+    reserved = cache.reserve("other", [key(2)], "sched", sizes, acker="sched")
+    assert [e.key for e in reserved.evicted] == [key(1)]  # unwatched: freed at once, nothing acked
     assert cache.stats().leaving == 1
 
 

@@ -727,7 +727,7 @@ def test_converter_reads_every_v033_field() -> None:
 
 def test_converter_defaults_fields_an_older_release_lacks() -> None:
     vllm_config = VllmConfigOlder(
-        groups=[VllmGroup(16, ("a.0",))],  # a list where vLLM holds a tuple
+        groups=[VllmGroup(16, ("a.0",))],  # type: ignore[arg-type]  # a list where vLLM holds a tuple
         worker_kv_bytes_per_block=10,
         enable_kv_cache_events=False,
         extra_config={},

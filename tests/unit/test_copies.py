@@ -9,14 +9,15 @@ from hypothesis import strategies as st
 
 from offloadd.transfer.batch import move_arrays
 from offloadd.transfer.copies import Copies
-from offloadd.transfer.plan import GroupLayout, Span, chunk_copies, group_spans
-from offloadd.transfer.types import Direction
+from offloadd.transfer.plan import GroupLayout, chunk_copies, group_spans
+from offloadd.transfer.types import Direction, Span
 from protocol.handles import KVRegion
-from tests.unit.test_plan_fast import _reference, cases
+from tests.oracles import reference_pairs
+from tests.strategies import plan_cases
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(st.lists(cases(), min_size=1, max_size=3))
+@given(st.lists(plan_cases(), min_size=1, max_size=3))
 def test_arrays_plan_the_same_copies_as_tuples(
     chunks: list[tuple[list[KVRegion], GroupLayout, list[int], int, int, bool]],
 ) -> None:
@@ -34,7 +35,7 @@ def test_arrays_plan_the_same_copies_as_tuples(
         total = chunk_copies(spans, ids, shard, arrays, first_sub_block=first, load=load)
         assert total == expected
         planned = {(s + i, d + i) for s, d, n in arrays[before:] for i in range(n)}
-        assert planned == _reference(regions, layout, ids, bpc, first, load, bases, shard)
+        assert planned == reference_pairs(regions, layout, ids, bpc, first, load, bases, shard)
     assert move_arrays(arrays, direction).triples() == move_arrays(tuples, direction).triples()
 
 
@@ -59,7 +60,7 @@ def test_copies_read_back_as_triples() -> None:
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(cases(), st.integers(1, 4))
+@given(plan_cases(), st.integers(1, 4))
 def test_a_run_of_chunks_plans_as_chunk_after_chunk(
     case: tuple[list[KVRegion], GroupLayout, list[int], int, int, bool], chunks: int
 ) -> None:

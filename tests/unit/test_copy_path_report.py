@@ -6,7 +6,7 @@ import pytest
 
 from offloadd.server.metrics import Metrics
 from offloadd.status import describe
-from tests.unit.test_metrics import fake_stats, value
+from tests.helpers import fake_stats, value
 
 
 @pytest.mark.parametrize(

@@ -29,11 +29,10 @@ from offloadd.transfer.batch import (
     BatchCopier,
     HostPieces,
     MemcpyAttributes,
-    MoveArrays,
     move_arrays,
 )
 from offloadd.transfer.cuda import PER_COPY, CudaCopyError, TorchCudaBackend
-from offloadd.transfer.engine import Direction, Triple
+from offloadd.transfer.types import Direction, MoveArrays, Triple
 
 V2, V1 = ABIS
 

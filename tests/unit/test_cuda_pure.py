@@ -37,8 +37,7 @@ from offloadd.cuda_ipc import (
     kv_region_from_tensor,
     span_bytes,
 )
-from offloadd.transfer import cuda_import
-from offloadd.transfer.batch import HostPieces, MoveArrays, move_arrays, src_access_order
+from offloadd.transfer.batch import HostPieces, move_arrays, src_access_order
 from offloadd.transfer.cuda import CudaCopyEngine, CudaCopyError, make_engine
 from offloadd.transfer.cuda_import import CudaIpcOpener, DeviceMap, open_ipc_handle
 from offloadd.transfer.engine import CpuCopyEngine
@@ -49,7 +48,7 @@ from offloadd.transfer.pinning import (
     register_host_memory,
     split_pieces,
 )
-from offloadd.transfer.types import Direction, Triple
+from offloadd.transfer.types import Direction, MoveArrays, Triple
 from protocol.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -709,7 +708,7 @@ def test_parallel_prefault_reports_progress_and_keeps_data(
 ) -> None:
     monkeypatch.setattr(arena_module, "_PREFAULT_STEP", 64 << 10)
     monkeypatch.setattr(arena_module, "_PREFAULT_THREADS", 4)
-    monkeypatch.setattr(arena_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr("offloadd.cache.arena.os.cpu_count", lambda: 4)
     first = Arena(arena_path, 1 << 20, unlink_on_close=False)
     ctypes.memmove(first.address + 700_000, b"kept", 4)
     first.close()
@@ -730,7 +729,7 @@ def test_prefault_falls_back_to_touching_pages(
     monkeypatch.setattr(arena_module, "_populate", lambda address, length: False)
     for threads in (1, 4):
         monkeypatch.setattr(arena_module, "_PREFAULT_THREADS", threads)
-        monkeypatch.setattr(arena_module.os, "cpu_count", lambda: 4)
+        monkeypatch.setattr("offloadd.cache.arena.os.cpu_count", lambda: 4)
         progress: list[float] = []
         arena = Arena(arena_path, 1 << 20, progress=progress.append)
         arena.close()
@@ -926,7 +925,11 @@ def test_jobs_of_a_lane_resolve_in_submission_order(
     for index in range(4):
         move = (ctypes.addressof(src) + index * 32, ctypes.addressof(dst) + index * 32, 32)
         future = engine.submit(Direction.LOAD, [move], device=0)
-        future.add_done_callback(lambda _f, index=index: order.append(index))
+
+        def finished(_future: Future[float], index: int = index) -> None:
+            order.append(index)
+
+        future.add_done_callback(finished)
         futures.append(future)
     time.sleep(0.05)
     assert order == []  # nothing resolves while the device holds its events
@@ -1155,7 +1158,7 @@ def test_an_unwritable_counter_file_is_reported_once(
     with open(path, "wb"):
         pass
     try:
-        monkeypatch.setattr(cuda_import.os, "access", lambda p, mode: p != path)
+        monkeypatch.setattr("offloadd.transfer.cuda_import.os.access", lambda p, mode: p != path)
         opener = CudaIpcOpener(DeviceMap([UUID0]))
         handle = msgspec.structs.replace(cuda_handle(), ref_counter_handle=name.encode())
         with caplog.at_level(logging.WARNING, logger="offloadd.transfer.cuda_import"):

@@ -22,7 +22,7 @@ from offloadd.server.registry import Namespace, Registry
 from offloadd.server.sessions import close_on
 from offloadd.server.state import SessionState, silent_sessions
 from protocol.errors import ErrorCode
-from tests.unit.test_registry import hello, register_engine
+from tests.helpers import hello, register_engine
 
 
 def key(group: int, hash_: bytes = b"h" * 8) -> bytes:

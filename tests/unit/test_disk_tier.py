@@ -245,7 +245,7 @@ def test_files_of_the_previous_version_are_removed_at_open(
     tier.put([a], arena)
     tier.close()
     data = bytearray(path_of(tier, a).read_bytes())
-    header = chunkfile.unpack_header(data)
+    header = chunkfile.unpack_header(memoryview(data))
     payload = bytes(data[header.length : header.length + header.payload_length])
     assert header.payload_sum == xxhash.xxh3_64_intdigest(payload) == checksum_of(payload)
     data[4:6] = (1).to_bytes(2, "little")  # version 1 (crc32s)

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import pathlib
 import shutil
 import socket
 import tempfile
@@ -137,10 +138,21 @@ def test_longest_allowed_path_is_claimed(short_dir: str) -> None:
     EndpointClaim(f"ipc://{path}").release()
 
 
-def test_non_ipc_endpoints_claim_nothing() -> None:
-    claim = EndpointClaim("tcp://127.0.0.1:5555")
-    claim.release()
-    claim.release()
+def test_non_ipc_endpoints_claim_nothing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a lock file named after the endpoint would land here
+    open_fds = sorted(os.listdir("/proc/self/fd"))
+    for endpoint in ("tcp://127.0.0.1:5555", "inproc://offloadd"):
+        assert ipc_path(endpoint) is None
+        claim = EndpointClaim(endpoint)
+        again = EndpointClaim(endpoint)  # nothing is locked: a second claim is not in use
+        assert claim.endpoint == again.endpoint == endpoint
+        claim.release()
+        claim.release()
+        again.release()
+    assert sorted(os.listdir("/proc/self/fd")) == open_fds  # no lock file was opened
+    assert os.listdir(tmp_path) == []  # nor created
 
 
 # --- Arena --------------------------------------------------------------------------------

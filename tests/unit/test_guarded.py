@@ -14,15 +14,13 @@ from offloadd.transfer.batch import move_arrays
 from offloadd.transfer.copies import Copies
 from offloadd.transfer.engine import CpuCopyEngine
 from offloadd.transfer.guarded import (
-    FileWindow,
     guarded_copy,
     region_file_problem,
     reserve,
     shrunk,
     unreserve,
 )
-from offloadd.transfer.plan import Span
-from offloadd.transfer.types import Direction
+from offloadd.transfer.types import Direction, FileWindow, Span
 
 SIZE = 64 << 10
 

@@ -10,8 +10,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +23,11 @@ from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Namespace, Registry
 from offloadd.server.state import Job, SessionState
 from offloadd.settings import ServerSettings
-from offloadd.transfer.engine import Direction, Triple
+from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
 from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
-from tests.unit.test_registry import register_engine
+from tests.fakes import FakeCopyEngine
+from tests.helpers import register_engine
 
 MOVES: list[Triple] = [(0, 4096, 64)]
 
@@ -71,30 +71,6 @@ class FakeAnnouncer:
         self.committed.append((namespace.name, entries))
 
 
-class FakeCopyEngine:
-    """Hands out futures the test resolves; refuses while ``refuse`` is set."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.futures: list[Future[float]] = []
-        self.refuse = False
-
-    def submit(
-        self,
-        direction: Direction,
-        moves: Sequence[Triple],
-        *,
-        device: int = -1,
-        wait_event: bytes | None = None,
-    ) -> Future[float]:
-        if self.refuse:
-            raise RuntimeError("no lane")
-        future: Future[float] = Future()
-        self.futures.append(future)
-        return future
-
-
 @dataclass
 class Rig:
     jobs: Jobs
@@ -125,7 +101,8 @@ def rig() -> Iterator[Rig]:
     session = register_engine(registry)[0].session
     imported = FakeImport()
     state = SessionState(b"peer", session, [imported])  # type: ignore[list-item]
-    cache, copies, announcer, counters = FakeCache(), FakeCopyEngine(), FakeAnnouncer(), Counters()
+    copies = FakeCopyEngine(name="fake", manual=True, refusal=RuntimeError("no lane"))
+    cache, announcer, counters = FakeCache(), FakeAnnouncer(), Counters()
     sent: list[Reply] = []
 
     def send(identity: bytes, message: Reply) -> None:
@@ -218,7 +195,7 @@ async def test_nothing_to_move_completes_the_job_at_once(rig: Rig) -> None:
 
 @pytest.mark.asyncio
 async def test_a_job_the_copy_engine_refuses_is_unbooked(rig: Rig) -> None:
-    rig.copies.refuse = True
+    rig.copies.refuse.set()
     with pytest.raises(Refused, match="refused the job: no lane") as refused:
         rig.jobs.submit(rig.state, 1, rig.job(1), MOVES)
     assert refused.value.code == ErrorCode.INTERNAL

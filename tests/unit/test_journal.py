@@ -26,6 +26,7 @@ import xxhash
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, RestoredChunk
 from offloadd.cache.journal import KEY_SIZE, Journal, JournalError, load_key
+from tests.fakes import Clock
 from tests.journal_faults import FaultyIO
 
 NS = "ns"
@@ -48,14 +49,6 @@ def arena_path() -> Iterator[str]:
     yield path
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key_of(n: int) -> bytes:
@@ -90,8 +83,8 @@ class Mirror:
             self.refused += len(lost)
             for entry in lost:
                 self.cache.remove(entry.namespace, [entry.key])
-        entry = self.cache.get(NS, key)
-        return entry is not None and entry.committed
+        found = self.cache.get(NS, key)
+        return found is not None and found.committed
 
     def remove(self, n: int) -> None:
         self.journal.removed(self.cache.remove(NS, [key_of(n)]))
@@ -400,7 +393,7 @@ def _scenario(node: Node, io: FaultyIO, clock: Clock) -> Mirror:
 
 def _count_writes(node: Node) -> int:
     io = FaultyIO()
-    _scenario(node, io, Clock())
+    _scenario(node, io, Clock(0.0))
     node.crash()
     for path in (node.journal_path, node.arena_path):
         os.unlink(path)
@@ -413,7 +406,7 @@ def test_enospc_at_every_write_never_serves_a_wrong_byte(node: Node, partial: in
     assert writes > 40
     for position in range(1, writes + 1):
         io = FaultyIO([position], partial=partial)
-        mirror = _scenario(node, io, Clock())
+        mirror = _scenario(node, io, Clock(0.0))
         live = mirror.committed_keys()
         node.crash()
         restored = {c.key for c in node.replay()}  # byte-exact, or it raises
@@ -427,7 +420,7 @@ def test_enospc_at_every_write_never_serves_a_wrong_byte(node: Node, partial: in
 def test_a_failed_append_refuses_commits_until_the_journal_is_rewritten(node: Node) -> None:
     full = [False]
     io = FaultyIO(full=lambda: full[0])
-    clock = Clock()
+    clock = Clock(0.0)
     mirror, _ = node.start(io=io, clock=clock, retry_seconds=5.0)
     assert mirror.store(0)
     size = os.path.getsize(node.journal_path)
@@ -450,7 +443,7 @@ def test_a_failed_append_refuses_commits_until_the_journal_is_rewritten(node: No
 
 def test_a_failed_tombstone_empties_the_journal(node: Node) -> None:
     full = [False]
-    mirror, _ = node.start(io=FaultyIO(full=lambda: full[0]), clock=Clock())
+    mirror, _ = node.start(io=FaultyIO(full=lambda: full[0]), clock=Clock(0.0))
     for n in range(8):  # the arena is full now
         assert mirror.store(n)
     full[0] = True
@@ -461,7 +454,7 @@ def test_a_failed_tombstone_empties_the_journal(node: Node) -> None:
 
 def test_a_failed_truncate_after_a_failed_append_removes_the_journal(node: Node) -> None:
     io = FaultyIO(fail_truncates=True)
-    mirror, _ = node.start(io=io, clock=Clock())
+    mirror, _ = node.start(io=io, clock=Clock(0.0))
     assert mirror.store(0)
     io.fail_writes = {io.writes + 1}
     assert not mirror.store(1)

@@ -13,36 +13,8 @@ import pytest
 
 from offloadd import __version__
 from offloadd.server.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
-from protocol.messages import DaemonStats, EngineState, TierState
-
-
-def fake_stats(**changes: object) -> DaemonStats:
-    values: dict[str, object] = {
-        "uptime_seconds": 42.5,
-        "capacity_bytes": 1 << 30,
-        "used_bytes": 3 << 20,
-        "entries": 10,
-        "committed_entries": 7,
-        "lookups": 5,
-        "hits": 12,
-        "misses": 4,
-        "stores_refused": 2,
-        "evictions": 9,
-        "bytes_stored": 100,
-        "bytes_loaded": 50,
-        "protocol_errors": 1,
-        "sessions": 3,
-        "engines": [
-            EngineState("engine-a", 0, 2, True, [0, 1], "ns1", 1),
-            EngineState("engine-b", 1, 4, False, [2], "", 0),
-        ],
-    }
-    values.update(changes)
-    return DaemonStats(**values)  # type: ignore[arg-type]
-
-
-def value(metrics: Metrics, name: str, **labels: str) -> float | None:
-    return metrics.registry.get_sample_value(name, labels)
+from protocol.messages import DaemonStats, TierState
+from tests.helpers import fake_stats, value
 
 
 def test_job_finished_moves_bytes_seconds_jobs_and_sizes() -> None:

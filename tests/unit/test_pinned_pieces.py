@@ -14,11 +14,11 @@ import hashlib
 
 import pytest
 
-from offloadd.cache.index import ChunkCache, RestoredChunk
+from offloadd.cache.index import ChunkCache, RestoredChunk, ShardWrite
 from offloadd.transfer.batch import HostPieces, move_arrays
-from offloadd.transfer.engine import Direction, Triple
 from offloadd.transfer.pinning import DEFAULT_PIECE
-from offloadd.transfer.plan import Span, chunk_copies
+from offloadd.transfer.plan import chunk_copies
+from offloadd.transfer.types import Direction, Span, Triple
 
 GiB = 1 << 30
 ARENA = 0x7E00_0000_0000  # where the fake arena is "mapped"
@@ -41,7 +41,7 @@ def test_a_full_256_gib_arena_plans_no_copy_across_a_pinned_piece(page_kib: int)
     row = page_kib * 1024 * LAYERS  # packed layout: stride == page, blocks back to back
     shard = row * BLOCKS_PER_CHUNK
     cache = ChunkCache(256 * GiB, boundary=DEFAULT_PIECE)
-    writes = []
+    writes: list[ShardWrite] = []
     while True:
         reservation = cache.begin_store(
             "ns", keys(1024, f"{page_kib}-{len(writes)}-"), 0, lambda _: (shard,)

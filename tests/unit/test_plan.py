@@ -1,4 +1,5 @@
-"""offloadd.transfer.plan: every byte of a chunk against a byte-by-byte reference."""
+"""The reference plan (``tests.oracles.plan_chunk``) and ``offloadd.transfer.plan``'s layouts:
+every byte of a chunk against a byte-by-byte reference."""
 
 from __future__ import annotations
 
@@ -10,15 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offloadd.transfer.plan import (
-    GroupLayout,
-    Move,
-    block_id_problem,
-    group_layouts,
-    plan_chunk,
-)
+from offloadd.transfer.plan import GroupLayout, block_id_problem, group_layouts
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import KVRegion, ShmHandle
+from tests.oracles import Move, plan_chunk
 
 PAD = 0xEE  # fills the padding between pages; must never reach a shard
 

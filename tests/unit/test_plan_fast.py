@@ -1,66 +1,18 @@
-"""The daemon's fast planning path copies exactly what the reference ``plan_chunk`` says."""
+"""The fast planning path copies exactly what the reference ``plan_chunk`` says."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from offloadd.transfer.plan import (
-    GroupLayout,
-    chunk_copies,
-    group_spans,
-    plan_chunk,
-)
+from offloadd.transfer.plan import GroupLayout, chunk_copies, group_spans
 from protocol.handles import KVRegion, ShmHandle
-
-
-@st.composite
-def cases(draw: st.DrawFn) -> tuple[list[KVRegion], GroupLayout, list[int], int, int, bool]:
-    bpc = draw(st.integers(1, 4))
-    num_blocks = draw(st.integers(bpc, 24))
-    regions = []
-    for index in range(draw(st.integers(1, 3))):
-        page = draw(st.sampled_from([8, 16, 64]))
-        stride = page + draw(st.sampled_from([0, 0, 8, 24]))
-        size = (num_blocks - 1) * stride + page
-        regions.append(
-            KVRegion(ShmHandle(f"/dev/shm/r{index}", 0, size), num_blocks, page, stride, ("l",))
-        )
-    layout = GroupLayout(tuple(range(len(regions))), tuple(region.page_size for region in regions))
-    first = draw(st.integers(0, bpc - 1))
-    ids = draw(
-        st.one_of(
-            st.lists(st.integers(0, num_blocks - 1), min_size=bpc - first, max_size=bpc - first),
-            st.integers(0, num_blocks - bpc).map(lambda start: list(range(start, start + bpc))),
-        )
-    )
-    ids = ids[: bpc - first]
-    return regions, layout, ids, bpc, first, draw(st.booleans())
-
-
-def _reference(
-    regions: list[KVRegion],
-    layout: GroupLayout,
-    ids: list[int],
-    bpc: int,
-    first: int,
-    load: bool,
-    bases: list[int],
-    shard: int,
-) -> set[tuple[int, int]]:
-    """Every (src byte, dst byte) pair the reference plan copies."""
-    pairs = set()
-    for move in plan_chunk(layout, regions, ids, blocks_per_chunk=bpc, first_sub_block=first):
-        for i in range(move.nbytes):
-            region_byte = bases[move.region] + move.region_offset + i
-            shard_byte = shard + move.shard_offset + i
-            pairs.add((shard_byte, region_byte) if load else (region_byte, shard_byte))
-    return pairs
+from tests.oracles import reference_pairs
+from tests.strategies import plan_cases
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(cases())
+@given(plan_cases())
 def test_fast_path_moves_the_same_bytes(
     case: tuple[list[KVRegion], GroupLayout, list[int], int, int, bool],
 ) -> None:
@@ -76,7 +28,7 @@ def test_fast_path_moves_the_same_bytes(
     out: list[tuple[int, int, int]] = []
     total = chunk_copies(spans, ids, shard, out, first_sub_block=first, load=load)
     fast = {(src + i, dst + i) for src, dst, nbytes in out for i in range(nbytes)}
-    assert fast == _reference(regions, layout, ids, bpc, first, load, bases, shard)
+    assert fast == reference_pairs(regions, layout, ids, bpc, first, load, bases, shard)
     assert total == sum(nbytes for _, _, nbytes in out)
 
 

@@ -12,134 +12,26 @@ import pytest
 
 from offloadd.server.registry import (
     Engine,
-    HelloOutcome,
     RegistrationError,
     Registry,
     group_of_key,
 )
 from protocol.config import (
-    OffloadingCacheConfig,
     OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 from protocol.errors import ErrorCode
-from protocol.handles import KVRegion, ShmHandle
-from protocol.messages import Hello, Role
-
-LAYERS = ("layer.0", "layer.1")
-PAGE = 64
-STRIDE = 64
-NUM_BLOCKS = 16
-
-
-def region(
-    layers: tuple[str, ...],
-    *,
-    page: int = PAGE,
-    stride: int | None = None,
-    num_blocks: int = NUM_BLOCKS,
-    handle_size: int | None = None,
-    offset: int = 0,
-    path: str | None = None,
-) -> KVRegion:
-    # One file per tensor, as ranks register them: regions over one handle are one tensor.
-    path = path if path is not None else "/dev/shm/kv-test-" + "-".join(layers)
-    stride = page if stride is None else stride
-    size = num_blocks * stride if handle_size is None else handle_size
-    return KVRegion(
-        handle=ShmHandle(path=path, offset=offset, size=size),
-        num_blocks=num_blocks,
-        page_size=page,
-        block_stride=stride,
-        layer_names=layers,
-    )
-
-
-def config(
-    *,
-    engine_id: str = "engine-a",
-    dp: int = 0,
-    rank: int = 0,
-    world_size: int = 2,
-    tp_size: int | None = None,
-    pp_size: int = 1,
-    model: str = "org/model",
-    dtype: str = "bfloat16",
-    tokens_per_hash: int = 16,
-    tokens_per_block: int = 16,
-    blocks_per_chunk: int = 2,
-    groups: tuple[tuple[str, ...], ...] = (LAYERS,),
-    worker_kv_bytes_per_block: int | None = None,
-    extra: dict[str, Any] | None = None,
-    replicated: bool = False,
-) -> OffloadingConfig:
-    if worker_kv_bytes_per_block is None:
-        worker_kv_bytes_per_block = STRIDE * sum(len(layers) for layers in groups)
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=layers)
-            for layers in groups
-        ),
-        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        enable_kv_cache_events=True,
-        extra_config=dict(extra or {}),
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name=model, dtype=dtype),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk
-        ),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size // pp_size if tp_size is None else tp_size,
-            pp_size=pp_size,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=dp,
-            is_parallelism_agnostic=True,
-        ),
-        replicated_layout=replicated,
-    )
-
-
-def hello(
-    cfg: OffloadingConfig | None = None,
-    regions: tuple[KVRegion, ...] | None = None,
-    *,
-    role: Role = "worker",
-    **config_overrides: Any,
-) -> Hello:
-    """A Hello; by default one unpadded region per layer of every group."""
-    cfg = cfg if cfg is not None else config(**config_overrides)
-    if regions is None:
-        if role == "scheduler":
-            regions = ()
-        else:
-            regions = tuple(
-                region((name,), path=f"/dev/shm/kv-{cfg.engine_id}-{cfg.parallel.rank}-{name}")
-                for group in cfg.groups
-                for name in group.layer_names
-            )
-    return Hello(
-        request_id=1,
-        protocol_version=1,
-        role=role,
-        config=cfg,
-        regions=regions,
-        device_uuid=f"GPU-{cfg.parallel.rank}",
-        pid=1000 + cfg.parallel.rank,
-    )
-
-
-def register_engine(reg: Registry, prefix: str = "s", **overrides: Any) -> list[HelloOutcome]:
-    """Every rank of one engine says Hello, rank order; session ids ``{prefix}{rank}``."""
-    world_size = overrides.pop("world_size", 2)
-    return [
-        reg.hello(f"{prefix}{rank}", hello(rank=rank, world_size=world_size, **overrides))
-        for rank in range(world_size)
-    ]
+from protocol.handles import KVRegion
+from protocol.messages import Hello
+from tests.helpers import (
+    LAYERS,
+    NUM_BLOCKS,
+    PAGE,
+    STRIDE,
+    config,
+    hello,
+    region,
+    register_engine,
+)
 
 
 def engine_of(reg: Registry, engine_id: str = "engine-a", dp: int = 0) -> Engine:

@@ -11,9 +11,11 @@ import asyncio
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -29,72 +31,13 @@ from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import DiskSettings, EventSettings, MooncakeSettings, Settings
-from offloadd.tiers.base import ChunkAddress, Tier, TierStats, TierWrite
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
 from protocol.messages import KeysChanged, Reply
-from tests.unit.test_announce import FakePublishers, ready
-from tests.unit.test_registry import config, hello
+from tests.fakes import DictTier, FakePublishers
+from tests.helpers import config, hello, ready
 
 ARENA = 1 << 20
-CHUNK = 512  # two shards of 256 bytes (see test_registry.config)
-
-
-class DictTier(Tier):
-    """A tier in a dict: chunks copied out of the arena on put and back on get."""
-
-    def __init__(self, name: str = "disk") -> None:
-        self.name = name
-        self.chunks: dict[tuple[str, bytes], list[bytes]] = {}
-        self.corrupt: set[bytes] = set()  # keys whose get fails verification
-        self.gate = threading.Event()  # put and contains wait for it
-        self.gate.set()
-        self.puts: list[list[bytes]] = []
-        self.gets: list[list[bytes]] = []
-        self.cleared: list[str] = []
-        self.closed = False
-
-    def put(self, chunks: Sequence[ChunkAddress], arena: Arena) -> TierWrite:
-        self.gate.wait(10)
-        self.puts.append([c.key for c in chunks])
-        for chunk in chunks:
-            shards = [bytes(arena.view(offset, size)) for offset, size in chunk.extents]
-            self.chunks[(chunk.namespace, chunk.key)] = shards
-        return TierWrite([True] * len(chunks))
-
-    def get(self, chunks: Sequence[ChunkAddress], arena: Arena) -> list[bool]:
-        self.gets.append([c.key for c in chunks])
-        verified = []
-        for chunk in chunks:
-            shards = self.chunks.get((chunk.namespace, chunk.key))
-            sizes = [size for _, size in chunk.extents]
-            if shards is None or [len(s) for s in shards] != sizes:
-                verified.append(False)
-                continue
-            for (offset, size), shard in zip(chunk.extents, shards, strict=True):
-                data = b"\xff" * size if chunk.key in self.corrupt else shard
-                arena.view(offset, size)[:] = data
-            verified.append(chunk.key not in self.corrupt)
-        return verified
-
-    def contains(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
-        self.gate.wait(10)
-        return [(namespace, key) in self.chunks for key in keys]
-
-    def remove(self, namespace: str, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.chunks.pop((namespace, key), None)
-
-    def clear(self, namespace: str) -> None:
-        self.cleared.append(namespace)
-        for name, key in list(self.chunks):
-            if name == namespace:
-                del self.chunks[(name, key)]
-
-    def stats(self) -> TierStats:
-        return TierStats(self.name, 1 << 30, len(self.chunks) * CHUNK, len(self.chunks))
-
-    def close(self) -> None:
-        self.closed = True
+CHUNK = 512  # two shards of 256 bytes (see tests.helpers.config)
 
 
 @dataclass
@@ -405,7 +348,8 @@ def test_a_lookups_contains_goes_before_queued_writes() -> None:
     urgent = worker.submit(lambda: order.append("contains"), urgent=True)
     release.set()
     worker.stop()
-    for future in [busy, *later, urgent]:
+    futures: list[Future[Any]] = [busy, *later, urgent]
+    for future in futures:
         future.result(10)
     assert order == ["contains", "put", "get"]
 

@@ -16,7 +16,8 @@ from offloadd.server.tenancy import Tenancy, Viewer
 from offloadd.settings import LimitsSettings, TenancySettings
 from protocol.errors import ErrorCode
 from protocol.messages import DaemonStats, EngineState
-from tests.unit.test_registry import hello
+from tests.fakes import Clock
+from tests.helpers import hello
 
 A, B = Peer(1001, 1001, 10), Peer(1002, 1002, 20)
 GROUPS = {"shared": 500}
@@ -120,14 +121,6 @@ def test_regions_and_sessions_per_user() -> None:
 # ---------------------------------------------------------------- protected bytes
 
 ENGINE, OTHER = ("e", 0), ("f", 0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def sized(nbytes: int) -> Callable[[bytes], tuple[int, ...]]:

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from offloadd.vllm.probes import Probe, TierProbes
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import Clock
 
 
 def make() -> tuple[TierProbes, Clock]:

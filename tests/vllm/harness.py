@@ -616,7 +616,7 @@ class VllmHarness:
         # ---- Engine core: scheduler, aggregator, request hasher, batch queue.
         self.structured_output_manager = StructuredOutputManager(vllm_config)
         scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-        self.scheduler: Scheduler = scheduler_cls(
+        scheduler = scheduler_cls(
             vllm_config=vllm_config,
             kv_cache_config=scheduler_kv_cache_config,
             structured_output_manager=self.structured_output_manager,
@@ -624,6 +624,8 @@ class VllmHarness:
             hash_block_size=hash_block_size,
             log_stats=True,
         )
+        assert isinstance(scheduler, Scheduler)  # AsyncScheduler is one too
+        self.scheduler: Scheduler = scheduler
         connector = self.scheduler.connector
         assert connector is not None
         self.scheduler_connector = connector
@@ -854,7 +856,9 @@ class VllmHarness:
             out.req_ids = req_ids
             out.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
             out.sampled_token_ids = [sampled.get(r, []) for r in req_ids]
-        aggregated = self.aggregator.aggregate(list(outputs), output_rank=0)
+        aggregated: ModelRunnerOutput | None = self.aggregator.aggregate(
+            list(outputs), output_rank=0
+        )
         assert aggregated is not None
         return aggregated
 
@@ -1045,7 +1049,7 @@ class VllmHarness:
     def loaded_blocks(self, req_id: str) -> list[tuple[int, int, int]]:
         """(group, block index in the request, GPU block id) of every block
         the connector loaded for `req_id`, in job order."""
-        out = []
+        out: list[tuple[int, int, int]] = []
         for job in self.load_jobs.get(req_id, []):
             block_ids = [int(b) for b in job.dst.block_ids]
             offset = 0

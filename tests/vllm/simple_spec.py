@@ -184,7 +184,9 @@ class SimpleWorker(OffloadingWorker):
             offset += size
         assert key_idx == len(keys) - 1, f"{len(keys)} keys but {key_idx + 1} chunks"
 
-    def _copy(self, job_id: int, gpu: GPULoadStoreSpec, keys: list[OffloadKey], store: bool):
+    def _copy(
+        self, job_id: int, gpu: GPULoadStoreSpec, keys: list[OffloadKey], store: bool
+    ) -> None:
         start = time.perf_counter()
         nbytes = 0
         log = self.log.setdefault(job_id, [])

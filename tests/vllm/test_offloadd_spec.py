@@ -23,7 +23,8 @@ from offloadd.errors import DaemonUnavailable
 from offloadd.settings import DiskSettings
 from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import LoadFailed
-from tests.integration.harness import DaemonThread, GatedCopyEngine
+from tests.fakes import FakeCopyEngine
+from tests.integration.harness import DaemonThread
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
 
 BLOCK = 16
@@ -237,7 +238,7 @@ def test_events_one_cpu_block_stored_per_chunk(tmp_path: Path, daemon: DaemonThr
 
 def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/nobody.sock"
-    extra = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
+    extra: dict[str, object] = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
     extra |= {"offloadd_endpoint": endpoint, "offloadd_timeout": 0.5}
     with pytest.raises(DaemonUnavailable, match=r"nobody\.sock"):
         VllmHarness(tmp_path, extra)
@@ -282,7 +283,7 @@ def test_optional_daemon_starts_offloading_when_it_appears(tmp_path: Path) -> No
 
 def test_a_load_that_never_finishes_stops_the_engine(tmp_path: Path) -> None:
     """vLLM cannot recompute a failed load: the worker raises instead of reporting success."""
-    copies = GatedCopyEngine()
+    copies = FakeCopyEngine()
     d = DaemonThread(copy_engine=copies).start()
     try:
         with VllmHarness(tmp_path, extra_for(d, offloadd_load_timeout=1.0)) as h:
