@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -26,6 +27,7 @@ from offloadd import __version__
 from offloadd.settings import (
     ENDPOINT_EXAMPLES,
     ENV_PREFIX,
+    SETTINGS_SECTIONS,
     Settings,
     SettingsError,
     configure_logging,
@@ -78,6 +80,8 @@ SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line: the command, the flag and the problem."""
+
+    commands: Mapping[str, argparse.ArgumentParser]  # the subcommands' parsers, by name
 
     def error(self, message: str) -> NoReturn:
         """Print ``message`` as one line and exit with status 2."""
@@ -420,13 +424,58 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(argv)
 
 
-def build_parser() -> argparse.ArgumentParser:
+OVERVIEW = """\
+offloadd keeps a node's KV cache in host memory for the inference engines (vLLM) on it.
+Run one daemon per GPU node; engines connect to its socket through the plugin.
+
+  offloadd serve                      run the daemon (works with no settings file)
+  offloadd check-config --preflight   check the settings and this machine before serving
+  offloadd status                     what the running daemon holds, serves and refuses
+  offloadd demo                       a daemon and simulated engines moving real bytes
+  offloadd events                     follow the KV-cache events routers receive
+  offloadd bench                      measure it against same-run baselines
+
+Settings come from built-in defaults < --config FILE (TOML) < OFFLOADD_<SECTION>__<KEY>
+environment variables < flags. systemd/offloadd.toml lists every setting at its default.
+"""
+
+SETTINGS_EPILOG = """\
+Settings without a flag ({count}) are set in the --config file or as OFFLOADD_<SECTION>__<KEY>
+environment variables, e.g. OFFLOADD_SERVER__COPY_ENGINE=cuda: {names}.
+Sizes take units (8GiB); "" means the setting's default or "off", as each says.
+"""
+
+
+def _settings_epilog() -> str:
+    flagged = {(section, key) for section, key, _help in SETTINGS_FLAGS.values()}
+    names = [
+        f"{section}.{key}"
+        for section, struct in sorted(SETTINGS_SECTIONS.items())
+        for key in struct.__struct_fields__
+        if (section, key) not in flagged
+    ]
+    return SETTINGS_EPILOG.format(count=len(names), names=", ".join(names))
+
+
+def build_parser() -> _Parser:
     """The argument parser (exposed for tests and docs)."""
-    parser = _Parser(prog="offloadd", description=__doc__)
+    parser = _Parser(
+        prog="offloadd",
+        description=OVERVIEW,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"offloadd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.commands = commands.choices  # filled in as each command is added below
 
-    serve = commands.add_parser("serve", help="run the daemon (built-in defaults need no file)")
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon (built-in defaults need no file)",
+        description="Run the daemon in the foreground until SIGTERM or SIGINT (a second one "
+        "ends the drain at once). Every port, directory and the arena's room are checked "
+        "before the arena is pre-faulted; a start that fails says which setting and exits 1.",
+        epilog=_settings_epilog(),
+    )
     _add_settings_flags(serve)
     serve.set_defaults(handler=_serve)
 
@@ -537,7 +586,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``offloadd`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse reports an unknown flag from the top-level parser, whose help does not
+        # list the command's flags: point at the command's own, with the nearest flag.
+        command = parser.commands[args.command]
+        flags = [flag for action in command._actions for flag in action.option_strings]
+        close = difflib.get_close_matches(unknown[0].partition("=")[0], flags, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     handler = args.handler
     status = handler(args)
     assert isinstance(status, int)

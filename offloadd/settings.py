@@ -304,6 +304,7 @@ ENV_PREFIX = "OFFLOADD_"
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     info.name: info.type for info in msgspec.structs.fields(Settings)
 }
+SETTINGS_SECTIONS: Mapping[str, type[msgspec.Struct]] = _SECTIONS  # section name -> its struct
 _FIELDS: dict[str, dict[str, Any]] = {
     name: {info.name: info.type for info in msgspec.structs.fields(section)}
     for name, section in _SECTIONS.items()

@@ -323,3 +323,26 @@ def test_check_config_takes_serves_flags_and_names_them_as_sources(
     )
     assert "capacity = 2147483648  # 2.0GiB" in out.splitlines()
     assert "persist = false" in out.splitlines()
+
+
+def test_the_help_is_written_for_operators(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(["--help"], capsys)
+    assert status == 0
+    assert "``" not in out and "SETTINGS_FLAGS" not in out  # no RST, no internal names
+    assert "offloadd check-config --preflight" in out
+    status, out, _ = run_cli(["serve", "--help"], capsys)
+    assert status == 0
+    text = " ".join(out.split())
+    assert "Settings without a flag" in text
+    assert "server.copy_engine" in text and "limits.sessions_per_uid" in text
+    assert "cache.capacity," not in text  # it has a flag (--capacity)
+
+
+def test_a_misspelt_flag_points_at_the_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run_cli(["serve", "--capcity", "8GiB"], capsys)
+    assert_refused(status, err, "--capcity")
+    assert "did you mean --capacity?" in err
+    assert err.strip().endswith("(see offloadd serve --help)")
+    status, _, err = run_cli(["status", "--jsn"], capsys)
+    assert_refused(status, err, "--jsn")
+    assert "did you mean --json?" in err and "(see offloadd status --help)" in err
