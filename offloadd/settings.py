@@ -489,19 +489,12 @@ def physical_memory() -> int:
 
 
 def _size_in_bounds(section: str, key: str, size: int, given: Any, head: str, tail: str) -> int:
-    """``size``, unless the arena's capacity could hold no chunk or more than the machine."""
-    if (section, key) != ("cache", "capacity"):
-        return size
-    if size < MIN_CAPACITY:
+    """``size``, unless it is an arena capacity that could hold no chunk. (More than this
+    machine's memory is a question about the machine: ``offloadd.server.preflight``.)"""
+    if (section, key) == ("cache", "capacity") and size < MIN_CAPACITY:
         raise SettingsError(
             f"{head}{given!r} is {size} bytes, too small to hold a chunk: give at least "
             f"1MiB, with a unit (8GiB){tail}"
-        )
-    memory = physical_memory()
-    if memory and size > memory:
-        raise SettingsError(
-            f"{head}{format_size(size)} is more than this machine's memory "
-            f"({format_size(memory)}){tail}"
         )
     return size
 

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 from offloadd.endpoint import check_tcp_security, ipc_path
 from offloadd.safety import private_dir_problem, secret_file_problem
-from offloadd.settings import UNIX_PREFIX, Settings, format_size, parse_address
+from offloadd.settings import (
+    UNIX_PREFIX,
+    Settings,
+    format_size,
+    parse_address,
+    physical_memory,
+)
 from offloadd.transfer.choice import choose_copy_engine, cuda_copy_problem
 
 __all__ = ["Check", "PreflightError", "preflight", "raise_on_failure"]
@@ -197,6 +203,12 @@ def _arena_check(settings: Settings) -> Check:
     problem = _creatable_dir(directory)
     if not problem and os.path.lexists(path):
         problem = _file_problem(path, lambda info: os.access(path, os.R_OK | os.W_OK))
+    memory = physical_memory()
+    if not problem and memory and capacity > memory:
+        problem = (
+            f"cache.capacity {format_size(capacity)} is more than this machine's memory "
+            f"({format_size(memory)})"
+        )
     if not problem and os.path.isdir(directory):
         info = os.statvfs(directory)
         existing = os.stat(path).st_size if os.path.exists(path) else 0

@@ -140,6 +140,9 @@ def container() -> Iterator[Container]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+
+
 def _wait_serving(container: Container, process: subprocess.Popen[bytes]) -> str:
     """``/metrics`` once the daemon reports its uptime (its sockets are bound by then)."""
     deadline = time.monotonic() + 90
@@ -172,6 +175,12 @@ def test_entrypoint_serves_the_demo_and_stops_on_sigterm(container: Container) -
     try:
         metrics = _wait_serving(container, process)
         assert "offloadd_capacity_bytes 6.7108864e+07" in metrics
+        # The kubelet's probes, as the DaemonSet declares them, pass once it serves.
+        probes = [daemon[kind]["httpGet"]["path"] for kind in PROBES if kind in daemon]
+        assert {"/healthz", "/readyz"} <= set(probes)
+        for path in probes:
+            with urllib.request.urlopen(f"http://{container.metrics}{path}", timeout=5) as r:
+                assert r.status == 200, path
         # exec: the daemon is the process the kubelet signals, reading the mounted config.
         with open(f"/proc/{process.pid}/cmdline", "rb") as cmdline:
             argv = cmdline.read().split(b"\0")
