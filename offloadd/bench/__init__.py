@@ -37,6 +37,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   documents, each request a document plus its own chunks, several times the arena) on a
   daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
   interleaved (``tiers_hit_rate_disk4x``, ``tiers_request_time_disk4x``).
+- ``sharing``: arena bytes per cached token of an MLA engine (latent replicated on every TP
+  rank, stored once) at TP=1/2/4/8 vs one copy of the latent (``mla_bytes_per_token_tp<N>``;
+  goal: 1.0, flat).
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -140,6 +143,12 @@ def _mooncake(ctx: Context) -> list[Result]:
     return mooncake.run(ctx) + tiers.run_cluster(ctx)
 
 
+def _sharing(ctx: Context) -> list[Result]:
+    from offloadd.bench import sharing
+
+    return sharing.run(ctx)
+
+
 def _tiers(ctx: Context) -> list[Result]:
     from offloadd.bench import tiers
 
@@ -170,6 +179,7 @@ GROUPS = (
     Group("disk", ("disk_*",), _disk),
     Group("mooncake", ("mooncake_*",), _mooncake),
     Group("tiers", ("tiers_*",), _tiers),
+    Group("sharing", ("mla_bytes_per_token_*",), _sharing),
 )
 
 

@@ -31,7 +31,7 @@ the layer caches through `register_kv_caches` (the connector builds the
 and `update_from_output`, and the KV event publisher.
 
 What is simulated: the forward pass and the sampler. For token position p of a
-request, every layer l on rank r holds ``token_kv_bytes(prefix[:p+1], l, r)`` in
+request, every layer l on rank r holds ``token_kv_bytes(prefix[:p+1], l, kv_rank(r))`` in
 its slot (all heads, K and V); the token sampled after a prefix is
 ``sampled_token(prefix)``. So the same prefix always gives the same bytes, on
 every engine (DP) and after every recompute, and differs between ranks and
@@ -142,7 +142,12 @@ with warnings.catch_warnings():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheSpec,
+        MLAAttentionSpec,
+    )
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -159,6 +164,13 @@ NUM_HEADS = 4
 HIDDEN_SIZE = 64
 HEAD_SIZE = HIDDEN_SIZE // NUM_HEADS
 KV_DTYPE = torch.bfloat16
+# The tiny MLA model (``model="mla"``, a DeepSeek-V2 config): one latent vector per token and
+# layer, ``MLA_KV_LORA_RANK + MLA_ROPE_DIM`` wide, the same on every TP rank.
+MLA_NUM_HEADS = 8
+MLA_KV_LORA_RANK = 32
+MLA_ROPE_DIM = 16
+MLA_HEAD_SIZE = MLA_KV_LORA_RANK + MLA_ROPE_DIM
+MODELS = ("llama", "mla")
 
 _HASH_SEED = b"offloadd-vllm-harness"
 
@@ -170,9 +182,37 @@ class KVMismatchError(AssertionError):
 # --------------------------------------------------------------------------- model
 
 
-def write_model_dir(path: Path) -> Path:
-    """Write a config.json-only tiny Llama into `path` (created); return `path`."""
+def write_model_dir(path: Path, model: str = "llama") -> Path:
+    """Write a config.json-only tiny model (a Llama, or with ``model="mla"`` a DeepSeek-V2
+    whose attention is MLA) into `path` (created); return `path`."""
     path.mkdir(parents=True, exist_ok=True)
+    if model == "mla":
+        mla = {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "hidden_size": HIDDEN_SIZE,
+            "intermediate_size": 2 * HIDDEN_SIZE,
+            "moe_intermediate_size": HIDDEN_SIZE,
+            "first_k_dense_replace": NUM_LAYERS,  # no MoE layer
+            "num_attention_heads": MLA_NUM_HEADS,
+            "num_key_value_heads": MLA_NUM_HEADS,
+            "num_hidden_layers": NUM_LAYERS,
+            "kv_lora_rank": MLA_KV_LORA_RANK,
+            "qk_rope_head_dim": MLA_ROPE_DIM,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        }
+        (path / "config.json").write_text(json.dumps(mla, indent=1))
+        return path
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -451,6 +491,10 @@ class VllmHarness:
         kv_cache_layout: force a layout name (e.g. "BLHNC"); default: vLLM's
             resolution, which takes the connector's preference (LBHNC).
         shm_dir: where the per-rank KV files go.
+        model: ``"llama"`` (2 KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
+            latent KV every TP rank holds whole: vLLM's ``use_mla``, ``MLAAttentionSpec``
+            with ``max_tp_shards=1``); MLA pages hold the same bytes on every rank
+            (`kv_rank`).
     """
 
     def __init__(
@@ -471,6 +515,7 @@ class VllmHarness:
         max_model_len: int | None = None,
         kv_cache_layout: str | None = None,
         shm_dir: Path = Path("/dev/shm"),
+        model: str = "llama",
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -479,6 +524,9 @@ class VllmHarness:
         self._shm_dir = Path(shm_dir)
         self._buffers: list[ShmBuffer] = []
         self.ranks: list[RankState] = []
+        if model not in MODELS:
+            raise ValueError(f"model {model!r}: one of {MODELS}")
+        self.model = model
         try:
             self._build(
                 extra_config=dict(extra_config),
@@ -526,7 +574,10 @@ class VllmHarness:
         if max_model_len is None:
             # vLLM refuses a max_model_len the KV cache cannot hold (less the null block).
             max_model_len = (num_blocks - 1) * block_size
-        model_dir = write_model_dir(self.workdir / "model")
+        model_dir = write_model_dir(
+            self.workdir / ("model" if self.model == "llama" else f"model-{self.model}"),
+            self.model,
+        )
         self.kv_events_endpoint: str | None = None
         kv_events_config = None
         if kv_events:
@@ -559,6 +610,12 @@ class VllmHarness:
         # CpuPlatform.check_and_update_config turns async scheduling off ("not
         # required on CPU"); a GPU platform keeps what was asked for.
         vllm_config.scheduler_config.async_scheduling = async_scheduling
+        if vllm_config.model_config.use_mla:
+            # CpuPlatform also turns prefix caching and chunked prefill off for MLA (its
+            # kernels); a GPU platform keeps them, and the simulated pass needs neither kernel.
+            vllm_config.cache_config.enable_prefix_caching = True
+            vllm_config.scheduler_config.enable_chunked_prefill = True
+            vllm_config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
         parallel = vllm_config.parallel_config
         if dp_size > 1 or dp_index > 0:
             # What EngineCoreProc.run_engine_core does for one DP engine of a
@@ -668,10 +725,26 @@ class VllmHarness:
             path = Path(tempfile.mkdtemp(prefix="vllmh-")) / f"{name}.sock"
         return f"ipc://{path}"
 
-    @staticmethod
-    def _worker_kv_cache_spec(vllm_config: VllmConfig, tp: int) -> dict[str, KVCacheSpec]:
+    def kv_rank(self, rank: int) -> int:
+        """The rank whose bytes `rank` holds: itself, or 0 when every rank holds the same
+        (MLA's latent KV is replicated on every TP rank, never head-sharded)."""
+        return 0 if self.model == "mla" else rank
+
+    def _worker_kv_cache_spec(self, vllm_config: VllmConfig, tp: int) -> dict[str, KVCacheSpec]:
         """What GPUModelRunner.get_kv_cache_spec reports: one spec per
-        attention layer (Attention.get_kv_cache_spec), heads split over TP."""
+        attention layer (Attention.get_kv_cache_spec / MLAAttention's), heads split over TP."""
+        if self.model == "mla":
+            assert vllm_config.model_config.use_mla
+            assert vllm_config.model_config.get_head_size() == MLA_HEAD_SIZE
+            mla = MLAAttentionSpec(
+                block_size=vllm_config.cache_config.block_size,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=MLA_HEAD_SIZE,
+                dtype=KV_DTYPE,
+                cache_dtype_str="auto",
+            )
+            return {layer_name(i): mla for i in range(NUM_LAYERS)}
         assert NUM_KV_HEADS % tp == 0, "the tiny model has 2 KV heads"
         spec = FullAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
@@ -946,6 +1019,7 @@ class VllmHarness:
         req = self._runner[req_id]
         end = start + n
         assert end <= len(req.tokens), (req_id, start, n, len(req.tokens))
+        byte_rank = self.kv_rank(state.rank)
         for group, kv_group in enumerate(state.kv_cache_config.kv_cache_groups):
             for name in kv_group.layer_names:
                 layer = self.layer_names.index(name)
@@ -954,7 +1028,7 @@ class VllmHarness:
                 if start:
                     # Attention reads every earlier token: cached, loaded or computed.
                     blocks, slots = self._slots(req, group, 0, start)
-                    data = req.slot_bytes(layer, state.rank, heads * width, 0, start)
+                    data = req.slot_bytes(layer, byte_rank, heads * width, 0, start)
                     want = self._as_slots(data, heads, width)
                     got = kv[blocks, :, slots, :]
                     if not torch.equal(got, want):
@@ -970,7 +1044,7 @@ class VllmHarness:
                             f"before computing tokens [{start}, {end})"
                         )
                 blocks, slots = self._slots(req, group, start, end)
-                data = req.slot_bytes(layer, state.rank, heads * width, start, end)
+                data = req.slot_bytes(layer, byte_rank, heads * width, start, end)
                 kv[blocks, :, slots, :] = self._as_slots(data, heads, width)
 
     def _sample(self, so: SchedulerOutput) -> dict[str, list[int]]:
@@ -1039,7 +1113,7 @@ class VllmHarness:
         kv = self.ranks[rank].kv_bytes[self.layer_names[layer]]
         _, heads, tokens, width = kv.shape
         hashes = prefix_hashes(prefix_tokens)[-self.block_size :]
-        slots = self._expected_slots(hashes, layer, rank, heads, width)  # (N, H, C)
+        slots = self._expected_slots(hashes, layer, self.kv_rank(rank), heads, width)
         page = torch.zeros(self._page_span(kv), dtype=torch.int8)
         torch.as_strided(page, (heads, tokens, width), kv.stride()[1:]).copy_(
             slots.permute(1, 0, 2)
