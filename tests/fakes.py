@@ -1,5 +1,6 @@
 """Test doubles shared by the unit and integration tests: a copy engine the test drives, a clock
-it sets, event publishers and a tier that record what they are handed."""
+it sets, event publishers and a tier that record what they are handed, imported handles and a
+handle table that count references (with a move list to submit)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,35 @@ from offloadd.transfer.engine import CpuCopyEngine
 from offloadd.transfer.types import Direction, Triple
 from protocol.events import KVEventBatch
 
-__all__ = ["Clock", "DictTier", "FakeCopyEngine", "FakePublishers"]
+__all__ = [
+    "MOVES",
+    "Clock",
+    "DictTier",
+    "FakeCopyEngine",
+    "FakeHandles",
+    "FakeImport",
+    "FakePublishers",
+]
+
+MOVES: list[Triple] = [(0, 4096, 64)]  # one move for a job the copy engine is handed
+
+
+@dataclass(eq=False)
+class FakeImport:
+    """An imported handle: its device and its reference count."""
+
+    device: int = -1
+    refs: int = 1
+
+
+class FakeHandles:
+    """A handle table that counts the references ``Jobs`` takes and lets go of."""
+
+    def retain(self, imported: FakeImport) -> None:
+        imported.refs += 1
+
+    def release(self, imported: FakeImport) -> None:
+        imported.refs -= 1
 
 
 class Clock:

@@ -61,7 +61,9 @@ def test_over_budget_nothing_is_taken_so_nothing_is_given_back() -> None:
     assert cache.lookup(NS, keys, pin_owner="s1", lease=5).pinned == 3
 
 
-OPS = st.lists(
+Op = tuple[str, str, list[int], int]  # what, whose, which keys, how much later
+
+OPS: st.SearchStrategy[list[Op]] = st.lists(
     st.tuples(
         st.sampled_from(
             ["pin", "release", "hold", "unhold", "reserve", "commit", "remove", "clear", "end"]
@@ -76,11 +78,11 @@ OPS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(OPS)
-def test_each_owners_bytes_are_the_sum_of_what_it_protects(ops: list[object]) -> None:
+def test_each_owners_bytes_are_the_sum_of_what_it_protects(ops: list[Op]) -> None:
     clock = Clock()
     cache = ChunkCache(1 << 12, align=8, budget=96, clock=clock)
     commit(cache, [bytes([i]) for i in range(4)])
-    for op, owner, picks, later in ops:  # type: ignore[misc]
+    for op, owner, picks, later in ops:
         keys = [bytes([i]) for i in picks]
         clock.now += later
         if op == "pin":

@@ -1,8 +1,8 @@
 """offloadd.server.commit: a chunk is visible only when written, sealed and journaled.
 
 No sockets. A real cache, arena, journal (its writes fail on cue: ``FaultyIO``), announcer and
-tier coordinator over a dict tier (``tests.unit.test_tiers_coordinator``); a rank's store goes
-through ``Jobs`` with a copy engine whose copies the test ends (``tests.unit.test_jobs``).
+tier coordinator over a dict tier (``tests.unit.tier_rig``); a rank's store goes through
+``Jobs`` with a copy engine whose copies the test ends (``tests.fakes.FakeCopyEngine``).
 """
 
 from __future__ import annotations
@@ -28,17 +28,9 @@ from offloadd.settings import ServerSettings
 from offloadd.transfer.types import Direction
 from protocol.events import MEDIUM_CPU, BlockStored
 from protocol.messages import JobDone, Reply
+from tests.fakes import MOVES, FakeCopyEngine, FakeHandles, FakeImport
 from tests.journal_faults import FaultyIO
-from tests.unit.test_jobs import MOVES, FakeCopyEngine, FakeHandles, FakeImport
-from tests.unit.test_tiers_coordinator import (
-    ARENA,
-    Rig,
-    events,
-    keys_named,
-    make_rig,
-    pattern,
-    until,
-)
+from tests.unit.tier_rig import ARENA, Rig, events, keys_named, make_rig, pattern, until
 
 
 @dataclass
@@ -98,7 +90,7 @@ class Ranks:
 
 
 def ranks_of(rig: Rig) -> Ranks:
-    copies = FakeCopyEngine()
+    copies = FakeCopyEngine(name="fake", manual=True, refusal=RuntimeError("no lane"))
     states = [
         SessionState(f"rank{r}".encode(), rig.engine.workers[r], [FakeImport()])  # type: ignore[list-item]
         for r in range(2)
@@ -249,7 +241,11 @@ def test_sealed_then_visible_then_journaled_then_announced(arena: Arena) -> None
             writes = [
                 w for s in range(2) for w in rig.cache.begin_store(name, [key], s, sizes).writes
             ]
-            committer.seal(writes, lambda log=steps.log: log.append("sealed"))
+
+            def sealed_then(log: list[str] = steps.log) -> None:
+                log.append("sealed")
+
+            committer.seal(writes, sealed_then)
             outcome = committer.commit(rig.namespace, writes)
             assert steps.log == ["seal", "sealed", "journal", f"announce {0 if refuse else 1}"]
             entry = rig.cache.get(name, key)

@@ -23,27 +23,11 @@ from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Namespace, Registry
 from offloadd.server.state import Job, SessionState
 from offloadd.settings import ServerSettings
-from offloadd.transfer.types import Direction, Triple
+from offloadd.transfer.types import Direction
 from protocol.errors import ErrorCode
 from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
-from tests.fakes import FakeCopyEngine
+from tests.fakes import MOVES, FakeCopyEngine, FakeHandles, FakeImport
 from tests.helpers import register_engine
-
-MOVES: list[Triple] = [(0, 4096, 64)]
-
-
-@dataclass(eq=False)
-class FakeImport:
-    device: int = -1
-    refs: int = 1
-
-
-class FakeHandles:
-    def retain(self, imported: FakeImport) -> None:
-        imported.refs += 1
-
-    def release(self, imported: FakeImport) -> None:
-        imported.refs -= 1
 
 
 @dataclass

@@ -22,9 +22,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from offloadd.vllm.manager import STEP_BOUND_SECONDS, OffloaddManager
-from tests.integration.harness import DaemonThread, GatedCopyEngine, ServeProcess
+from tests.fakes import FakeCopyEngine
+from tests.integration.harness import DaemonThread, ServeProcess
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
-from tests.vllm.test_offloadd_spec import A_PROMPT, b_prompt, compute, prompt_of, settle
+from tests.vllm.prompts import A_PROMPT, b_prompt, compute, prompt_of, settle
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -158,7 +159,7 @@ def test_reset_with_a_store_in_flight(tmp_path: Path) -> None:
     """vLLM flushes the jobs a reset finds; the store it flushed never commits, its keys miss,
     and a request with the same prompt is scheduled at once (it was deferred for good while
     those keys answered HIT_PENDING)."""
-    copies = GatedCopyEngine()
+    copies = FakeCopyEngine()
     d = DaemonThread(copy_engine=copies).start()
     try:
         extra = {

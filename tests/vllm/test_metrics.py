@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,7 +26,7 @@ from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 from offloadd.vllm.stats import chunk_bytes
 from tests.integration.harness import DaemonThread
 from tests.vllm.harness import VllmHarness
-from tests.vllm.test_offloadd_spec import A_PROMPT, b_prompt, compute, extra_for, settle
+from tests.vllm.prompts import A_PROMPT, b_prompt, compute, extra_for, settle
 
 CAPACITY = 64 << 20
 
@@ -104,7 +104,8 @@ def test_offload_stats_reach_vllms_prometheus_series(tmp_path: Path, daemon: Dae
             assert sources == {CacheHitSource.HOST: 64}
 
             # What vLLM's Prometheus logger exports from them.
-            labels = {"model_name": h.vllm_config.model_config.served_model_name, "engine": "0"}
+            model = cast(str, h.vllm_config.model_config.served_model_name)
+            labels = {"model_name": model, "engine": "0"}
             assert _sample("vllm:kv_offload_store_bytes_total", labels) == counters.bytes_stored
             assert _sample("vllm:kv_offload_load_bytes_total", labels) == counters.bytes_loaded
             assert _sample("vllm:kv_offload_load_size_count", labels) == 2 * len(h.load_jobs[b])

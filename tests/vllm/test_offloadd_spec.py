@@ -8,7 +8,6 @@ derived from each token prefix, and every loaded page on every rank is checked a
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,42 +24,10 @@ from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import LoadFailed
 from tests.fakes import FakeCopyEngine
 from tests.integration.harness import DaemonThread
-from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
+from tests.vllm.harness import NUM_LAYERS, VllmHarness
+from tests.vllm.prompts import A_PROMPT, b_prompt, compute, extra_for, prompt_of, settle
 
 BLOCK = 16
-
-
-def prompt_of(n: int, seed: int = 0) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, 1000) for _ in range(n)]
-
-
-A_PROMPT = prompt_of(100)
-
-
-def b_prompt(shared: int, seed: int = 1) -> list[int]:
-    return A_PROMPT[:shared] + prompt_of(7, seed=seed)
-
-
-def compute(h: VllmHarness, prompt: list[int], max_tokens: int = 2) -> str:
-    """Run one request to completion and check the simulated sampler's output."""
-    req = h.add_request(prompt, max_tokens=max_tokens)
-    h.run_until_finished()
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(sampled_token(tokens))
-    assert h.outputs[req] == tokens[len(prompt) :]
-    return req
-
-
-def settle(h: VllmHarness, chunks: int) -> None:
-    """Wait until the scheduler's mirror shows ``chunks`` chunks (commits reach it async)."""
-    manager = h.offloading_manager
-    assert isinstance(manager, OffloaddManager)
-    deadline = time.monotonic() + 10
-    while len(manager._mirror.keys) < chunks:
-        assert time.monotonic() < deadline, f"mirror has {len(manager._mirror.keys)} chunks"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -68,15 +35,6 @@ def daemon() -> Iterator[DaemonThread]:
     d = DaemonThread(capacity=64 << 20).start()
     yield d
     d.stop()
-
-
-def extra_for(daemon: DaemonThread, **more: object) -> dict[str, object]:
-    return {
-        "spec_name": "OffloaddSpec",
-        "spec_module_path": "offloadd.vllm",
-        "offloadd_endpoint": daemon.endpoint,
-        **more,
-    }
 
 
 @pytest.mark.parametrize("tp", [1, 2])
