@@ -1,14 +1,10 @@
-"""The daemon's composition root: it builds the parts, wires them, and dispatches requests.
+"""The daemon's composition root: it builds the parts, wires them, and closes them.
 
 Everything runs on one asyncio loop (uvloop when available) except byte copies, which the
-copy engine runs on its own threads. Each request is handled to completion without awaiting,
-so handlers never interleave; a store or load replies ``JobAccepted`` at once and its
-``JobDone`` is sent when the copy engine's future resolves. One exception: a cuda daemon
-imports a Hello's CUDA IPC handles (and closes imports) on an import thread, since each
-import blocks; that peer's later requests are held (``offloadd.server.gate``) until its Hello is
-answered, so every peer still sees its requests handled in order. Any request that fails
-validation, and any bug inside a handler, is answered with an ``Error`` and the daemon goes
-on serving everyone else.
+copy engine runs on its own threads, and a cuda daemon's CUDA IPC imports (an import
+thread). How each request is answered, and on which thread, is declared in one table
+(``offloadd.server.dispatch``); any request that fails validation, and any bug inside a
+handler, is answered with an ``Error`` and the daemon goes on serving everyone else.
 
 ``Daemon`` owns the resources (endpoint claim, arena, journal, handle table, copy engine,
 sockets, event publishers, metrics) and their order of start and close. The request
@@ -20,6 +16,7 @@ another but through what it was given:
 - ``offloadd.server.jobs``: the copies in flight, their completion, Wait, the drain.
 - ``offloadd.server.schedulers``: Reserve, UpdateHolds, Ack.
 - ``offloadd.server.announce``: the journal, the key mirrors and the KV events of each cache change.
+- ``offloadd.server.stats``: GetStats and the stats the metrics show.
 - ``offloadd.server.tiers``: the tiers below the arena (``[disk]``, ``[mooncake]``;
   built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
   arena is unmapped.
@@ -27,6 +24,12 @@ another but through what it was given:
 Who a peer is comes from the kernel, through the registration socket beside an ipc control
 socket (``offloadd.peer``); what it may see and share from ``offloadd.server.tenancy``; how much it
 may use from ``offloadd.server.limits``. The daemon builds those and hands them to the parts.
+
+Shutdown (``serve``): the first SIGTERM or SIGINT stops new jobs and drains the copies in
+flight for up to ``server.drain_seconds``; a second one during the drain forces the exit:
+the drain is cancelled, nothing waits for copies still running (the arena stays mapped
+until the process ends), and ``run`` returns 128 + that signal's number (143 for SIGTERM,
+130 for SIGINT) for ``offloadd serve`` to exit with at once.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security
 from offloadd.server.announce import Announcer
-from offloadd.server.checks import Refused
 from offloadd.server.control import ControlSocket
+from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits, Protection
@@ -60,38 +63,17 @@ from offloadd.server.registry import Registry
 from offloadd.server.requests import CacheRequests
 from offloadd.server.schedulers import Schedulers
 from offloadd.server.sessions import Sessions, close_on
-from offloadd.server.state import SessionState
+from offloadd.server.stats import Stats, copy_path
 from offloadd.server.storage import PIN_PIECE, open_arena, open_journal
 from offloadd.server.systemd import Notifier
-from offloadd.server.tenancy import Tenancy, Viewer
+from offloadd.server.tenancy import Tenancy
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import Settings
 from offloadd.tiers.base import Tier
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.handles import HandleTable
-from protocol.errors import ErrorCode
 from protocol.events import MEDIUM_DISK
-from protocol.messages import (
-    Ack,
-    Bye,
-    Clear,
-    DaemonStats,
-    EngineState,
-    GetStats,
-    Hello,
-    Load,
-    Lookup,
-    Ok,
-    Ping,
-    Release,
-    Reply,
-    Request,
-    Reserve,
-    StatsResult,
-    Store,
-    UpdateHolds,
-    Wait,
-)
+from protocol.messages import DaemonStats, Reply, Request
 from protocol.peer import peer_socket_path
 
 logger = logging.getLogger(__name__)
@@ -107,6 +89,8 @@ class _Parts:
     requests: CacheRequests
     schedulers: Schedulers
     tiers: Tiers | None
+    stats: Stats
+    dispatch: Dispatcher
 
 
 def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
@@ -268,7 +252,7 @@ class Daemon:
             await self._close_events()
             self._release_resources()
             raise
-        path = self._copy_path()
+        path = copy_path(self._copy, self._arena)
         if not all(path.values()):
             logger.error(
                 "copy path DEGRADED: %s; see the warnings above (offloadd status shows it too)",
@@ -375,12 +359,27 @@ class Daemon:
             limits=self.limits,
             protection=self._protection,
             tiers=tiers,
-            send=self._control.send,
         )
         schedulers = Schedulers(
             registry, cache, mirrors, announce, limits=self.limits, protection=self._protection
         )
-        return _Parts(announce, jobs, sessions, requests, schedulers, tiers)
+        stats = Stats(
+            cache,
+            registry,
+            self.counters,
+            self.tenancy,
+            sessions=sessions,
+            jobs=jobs,
+            handles=handles,
+            events=self._events,
+            peers=self._peers,
+            tiers=tiers,
+            copy_path=copy_path(copy, arena),
+            started=self._started,
+        )
+        table = handlers(sessions, requests, jobs, schedulers, stats)
+        dispatch = Dispatcher(table, self._control, session_of=sessions.get)
+        return _Parts(announce, jobs, sessions, requests, schedulers, tiers, stats, dispatch)
 
     async def serve(self, shutdown: asyncio.Event) -> None:
         """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
@@ -470,103 +469,14 @@ class Daemon:
             self._claim = None
         self._notify.close()
 
-    # ----------------------------------------------------------------- dispatch
+    # ----------------------------------------------------------------- wiring
 
-    def _dispatch(self, identity: bytes, request: Request) -> Reply | None:
-        parts = self._require_parts()
-        sessions, requests, schedulers = parts.sessions, parts.requests, parts.schedulers
-        if isinstance(request, Hello):
-            return sessions.hello(identity, request)
-        state = sessions.get(identity.hex())
-        if isinstance(request, GetStats):
-            return StatsResult(request.request_id, self._visible_stats(identity, request, state))
-        if isinstance(request, Ping):
-            return sessions.ping(state, request)
-        if state is None:
-            raise Refused(ErrorCode.NOT_REGISTERED, "say Hello first")
-        state.last_seen = time.monotonic()
-        match request:
-            case Lookup():
-                return requests.lookup(state, request)
-            case Store():
-                return requests.store(state, request)
-            case Load():
-                return requests.load(state, request)
-            case Release():
-                return requests.release(state, request)
-            case Wait():
-                return parts.jobs.wait(state, request)
-            case Clear():
-                return requests.clear(state, request)
-            case Reserve():
-                return schedulers.reserve(state, request)
-            case UpdateHolds():
-                return schedulers.update_holds(state, request)
-            case Ack():
-                return schedulers.ack(state, request)
-            case Bye():
-                sessions.end_session(state, "said goodbye")
-                return Ok(request.request_id)
-        raise Refused(ErrorCode.MALFORMED, f"unexpected message {type(request).__name__}")
-
-    # ----------------------------------------------------------------- stats
-
-    def _visible_stats(
-        self, identity: bytes, request: GetStats, state: SessionState | None
-    ) -> DaemonStats:
-        """The stats as this sender may see them (``offloadd.server.tenancy``): its session's or its
-        registration's user decides; an unknown sender sees aggregate counters only."""
-        viewer: Viewer | None = None
-        if state is not None:
-            viewer = self.tenancy.viewer(state.peer)
-        elif request.token and self._peers is not None:
-            registration = self._peers.take(request.token, identity)
-            if registration is not None:
-                viewer = self.tenancy.viewer(registration.peer)
-                registration.close()
-
-        def tenant_of(engine: EngineState) -> str:
-            found = self.registry.engine((engine.engine_id, engine.data_parallel_index))
-            return found.tenant if found is not None else ""
-
-        return self.tenancy.visible_stats(self.stats(), viewer, tenant_of)
+    def _dispatch(self, identity: bytes, request: Request) -> None:
+        self._require_parts().dispatch(identity, request)
 
     def stats(self) -> DaemonStats:
         """Every counter and engine (metrics, admins); GetStats filters it per sender."""
-        cache = self._require_cache().stats()
-        events = self._events.endpoints_for(0) if self._events is not None else ("", "")
-        parts = self._parts
-        return DaemonStats(
-            uptime_seconds=time.monotonic() - self._started,
-            capacity_bytes=cache.capacity,
-            used_bytes=cache.used_bytes,
-            entries=cache.entries,
-            committed_entries=cache.committed,
-            lookups=cache.lookups,
-            hits=cache.hit_keys,
-            misses=cache.miss_keys,
-            stores_refused=cache.stores_refused,
-            evictions=cache.evictions,
-            bytes_stored=self.counters.bytes_stored,
-            bytes_loaded=self.counters.bytes_loaded,
-            protocol_errors=self.counters.protocol_errors,
-            sessions=len(parts.sessions) if parts is not None else 0,
-            engines=[engine.state() for engine in self.registry.engines()],
-            imports=len(self._handles) if self._handles is not None else 0,
-            jobs_in_flight=parts.jobs.in_flight if parts is not None else 0,
-            events_endpoint=events[0],
-            events_replay_endpoint=events[1],
-            copy_path=self._copy_path(),
-            tiers=parts.tiers.stats() if parts is not None and parts.tiers is not None else [],
-        )
-
-    def _copy_path(self) -> dict[str, bool]:
-        """Whether the cuda engine runs its fast path (empty for engines without one)."""
-        batched = getattr(self._copy, "batched", None)
-        if batched is None:
-            return {}
-        pinned = self._arena is not None and self._arena.pinned is not None
-        return {"batched": bool(batched), "pinned": pinned}
+        return self._require_parts().stats.all()
 
     def _require_cache(self) -> ChunkCache:
         assert self._cache is not None, "daemon not started"

@@ -12,8 +12,8 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   capacity, ``offloadd.server.limits.Protection``, are given back at once and not counted). With
   tiers below the arena (``offloadd.server.tiers``), keys after the hits that a tier
   holds are promoted and reported pending; a tier that answers off the loop (the cluster)
-  defers the reply, sent through ``send`` within its ``lookup_timeout``. Without tiers
-  nothing of this runs.
+  defers the reply (``reply`` is kept, ``offloadd.server.dispatch``'s DEFERRED mode), sent
+  within its ``lookup_timeout``. Without tiers nothing of this runs.
 - ``store`` and ``load``: worker ranks of a ready engine only, never while draining, a job id
   not in flight in the session, at most ``limits.jobs_per_session`` in flight, and only while
   the rank's files are as large as when it registered (a file that shrank is refused here,
@@ -33,6 +33,7 @@ from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, LoadReservation
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
+from offloadd.server.dispatch import Accepted
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits, Protection
 from offloadd.server.metrics import Metrics
@@ -81,11 +82,9 @@ class CacheRequests:
         limits: Limits,
         protection: Protection,
         tiers: Tiers | None = None,
-        send: Callable[[bytes, Reply], None] | None = None,
     ) -> None:
         self.settings = settings
         self._tiers = tiers
-        self._send = send  # deferred Lookup replies (a tier answering off the loop)
         self._limits = limits
         self._protection = protection
         self.registry = registry
@@ -96,7 +95,7 @@ class CacheRequests:
         self._announce = announce
         self.metrics = metrics
 
-    def lookup(self, state: SessionState, request: Lookup) -> Reply | None:
+    def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
         """Which leading keys are committed, which are pending; pin the hits if asked."""
         started = time.perf_counter()
         engine, namespace = ready_engine(self.registry, state.session)
@@ -128,21 +127,20 @@ class CacheRequests:
 
             def answer(promoted: list[int]) -> None:
                 # A deferred reply: the session may have left meanwhile.
-                if state.alive and self._send is not None:
+                if state.alive:
                     found = sorted(pending + promoted)
-                    result = LookupResult(request.request_id, hits, found, pinned)
-                    self._send(state.identity, result)
+                    reply(LookupResult(request.request_id, hits, found, pinned))
                 self.metrics.lookup_finished(time.perf_counter() - started)
 
             promoted = tiers.probe(
                 namespace, request.keys, hits, answer, acker=acker(self._mirrors, state)
             )
             if promoted is None:
-                return None
+                return  # ``answer`` replies when the tier's probe ends
             if promoted:
                 pending = sorted(pending + promoted)
         self.metrics.lookup_finished(time.perf_counter() - started)
-        return LookupResult(request.request_id, outcome.hits, pending, pinned)
+        reply(LookupResult(request.request_id, outcome.hits, pending, pinned))
 
     def release(self, state: SessionState, request: Release) -> Reply:
         """Drop the session's pins of ``request.keys``."""
@@ -188,7 +186,7 @@ class CacheRequests:
         state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
 
-    def store(self, state: SessionState, request: Store) -> Reply | None:
+    def store(self, state: SessionState, request: Store) -> Accepted:
         """Reserve the rank's shard of each key and copy its blocks into the arena."""
         _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
@@ -239,7 +237,7 @@ class CacheRequests:
         job.nbytes += runs.flush()
         return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
 
-    def load(self, state: SessionState, request: Load) -> Reply | None:
+    def load(self, state: SessionState, request: Load) -> Accepted:
         """Copy committed chunks into the rank's blocks: every key, or none."""
         engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from offloadd.cache.index import Entry, ShardWrite
@@ -16,7 +16,7 @@ from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import Session
 from offloadd.transfer.handles import Import
 from offloadd.transfer.types import Direction, FileWindow, Span
-from protocol.messages import JobDone, WaitResult
+from protocol.messages import JobDone, Reply, WaitResult
 
 __all__ = ["Job", "SessionState", "Waiter", "silent_sessions", "wait_result"]
 
@@ -73,6 +73,7 @@ class Waiter:
 
     request_id: int
     job_ids: list[int]
+    reply: Callable[[Reply], None]  # the Wait's sender, as dispatch gave it
     timer: asyncio.TimerHandle | None = None
 
 
