@@ -143,6 +143,7 @@ class Daemon:
         self._tier_slots = list(tiers) if tiers is not None else None
         self._tiers: Tiers | None = None
         self._tiers_closed = True  # False while tier threads may still use the arena
+        self._forced = False  # a second signal cancelled the drain: wait for no thread
         self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
         self._copy = copy_engine
@@ -381,8 +382,9 @@ class Daemon:
         dispatch = Dispatcher(table, self._control, session_of=sessions.get)
         return _Parts(announce, jobs, sessions, requests, schedulers, tiers, stats, dispatch)
 
-    async def serve(self, shutdown: asyncio.Event) -> None:
-        """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
+    async def serve(self, shutdown: asyncio.Event, *, force: asyncio.Event | None = None) -> None:
+        """Answer requests until ``shutdown`` is set, then drain in-flight copies; ``force``,
+        set during the drain, cancels it (see the module docstring)."""
         parts = self._require_parts()
         receiver = asyncio.create_task(self._control.receive_loop())
         stopper = asyncio.create_task(shutdown.wait())
@@ -397,14 +399,28 @@ class Daemon:
             parts.jobs.draining = True
             self._notify.stopping(f"draining {parts.jobs.in_flight} jobs")
             logger.info("stopping: no new jobs, draining copies in flight")
-            await parts.jobs.drain()
-            await self._drain_tiers()
+            drain = asyncio.create_task(self._drain(parts.jobs))
+            forced = asyncio.create_task((force or asyncio.Event()).wait())
+            background.append(forced)
+            await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+            if not drain.done():
+                drain.cancel()
+                self._forced = True
+                logger.warning(
+                    "forced exit: drain cancelled with %d jobs in flight", parts.jobs.in_flight
+                )
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
         finally:
             for task in background:
                 task.cancel()
             for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def _drain(self, jobs: Jobs) -> None:
+        await jobs.drain()
+        await self._drain_tiers()
 
     async def _watchdog(self, interval: float) -> None:
         # Pinged from the event loop itself, so a wedged loop stops the pings and systemd
@@ -422,8 +438,8 @@ class Daemon:
         self._release_resources()
 
     async def _drain_tiers(self) -> None:
-        """Let the tiers finish their calls (bounded), then close them."""
-        if self._tiers is not None and not self._tiers_closed:
+        """Let the tiers finish their calls (bounded), then close them; not once forced."""
+        if self._tiers is not None and not self._tiers_closed and not self._forced:
             self._tiers_closed = await self._tiers.drain(self.settings.server.drain_seconds)
 
     async def _close_events(self) -> None:
@@ -435,8 +451,9 @@ class Daemon:
 
     def _release_resources(self) -> None:
         self.metrics.close()
-        if self._copy is not None:
-            self._copy.close()
+        forced = self._forced
+        if self._copy is not None and not forced:
+            self._copy.close()  # waits for the copies queued
         self._control.close()
         if self._peers is not None:
             self._peers.close()
@@ -445,12 +462,13 @@ class Daemon:
             self._ctx.term()
             self._ctx = None
         if self._importer is not None:
-            self._importer.shutdown(wait=True)  # imports in progress finish first
+            self._importer.shutdown(wait=not forced)  # imports in progress finish first
         if self._handles is not None:
             if self._parts is not None:  # copies and imports that end later release nothing
                 self._parts.sessions.handles_closed()
                 self._parts.jobs.handles_closed()
-            self._handles.close()
+            if not forced:  # else a copy may still use the imports: the exit unmaps them
+                self._handles.close()
             self._handles = None
         if self._journal is not None:
             if self._parts is not None:
@@ -458,11 +476,11 @@ class Daemon:
             self._journal.close()
             self._journal = None
         if self._arena is not None:
-            if self._tiers_closed:
+            if self._tiers_closed and not forced:
                 self._arena.close()
             else:
                 # A tier's thread may still read or write it: unmapping would crash it.
-                logger.warning("tiers did not stop: the arena stays mapped until exit")
+                logger.warning("copies or tiers did not stop: the arena stays mapped until exit")
             self._arena = None
         if self._claim is not None:
             self._claim.release()
@@ -470,6 +488,11 @@ class Daemon:
         self._notify.close()
 
     # ----------------------------------------------------------------- wiring
+
+    @property
+    def forced(self) -> bool:
+        """Whether a forced exit cut the drain short (nothing waited for the copies)."""
+        return self._forced
 
     def _dispatch(self, identity: bytes, request: Request) -> None:
         self._require_parts().dispatch(identity, request)
@@ -496,23 +519,45 @@ class Daemon:
         return self._arena
 
 
-async def serve(settings: Settings, *, shutdown: asyncio.Event | None = None) -> None:
-    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given."""
-    stop = shutdown or asyncio.Event()
+async def serve(
+    settings: Settings,
+    *,
+    shutdown: asyncio.Event | None = None,
+    force: asyncio.Event | None = None,
+) -> int:
+    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given
+    (a second signal, or ``force``, during the drain forces the exit). Returns the exit
+    status: 0, or 128 + the second signal's number (1 when ``force`` was set)."""
+    stop, forced = shutdown or asyncio.Event(), force or asyncio.Event()
+    second = 0
     if shutdown is None:
         loop = asyncio.get_running_loop()
+
+        def on_signal(signum: signal.Signals) -> None:
+            nonlocal second
+            if not stop.is_set():
+                logger.info("%s: stopping (a second signal forces the exit)", signum.name)
+                stop.set()
+            elif not forced.is_set():
+                logger.warning("%s again: exiting without waiting for the drain", signum.name)
+                second = signum
+                forced.set()
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal, signum)
     async with Daemon(settings) as daemon:
-        await daemon.serve(stop)
+        await daemon.serve(stop, force=forced)
+    if daemon.forced:
+        logger.warning("offloadd stopped without finishing its drain")
+        return 128 + second if second else 1
     logger.info("offloadd stopped")
+    return 0
 
 
-def run(settings: Settings) -> None:
-    """Blocking entry point for ``offloadd serve``: uvloop when installed."""
+def run(settings: Settings) -> int:
+    """Blocking entry point for ``offloadd serve`` (uvloop when installed): its exit status."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency, but keep serving without
-        asyncio.run(serve(settings))
-        return
-    uvloop.run(serve(settings))
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))
