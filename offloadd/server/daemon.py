@@ -1,35 +1,20 @@
-"""The daemon's composition root: it builds the parts, wires them, and closes them.
+"""The daemon's composition root: it builds the resources in order, wires the parts over
+them, serves, and closes them in the reverse order.
 
-Everything runs on one asyncio loop (uvloop when available) except byte copies, which the
-copy engine runs on its own threads, and a cuda daemon's CUDA IPC imports (an import
-thread). How each request is answered, and on which thread, is declared in one table
-(``offloadd.server.dispatch``); any request that fails validation, and any bug inside a
-handler, is answered with an ``Error`` and the daemon goes on serving everyone else.
+Everything runs on one asyncio loop (uvloop when available) except byte copies (the copy
+engine's threads) and a cuda daemon's CUDA IPC imports (an import thread). How each request
+is answered, and on which thread, is declared once, in ``offloadd.server.dispatch``. The
+parts, one module each, get what they use in their constructors and never reach for each
+other: ``sessions`` (Hello, liveness), ``requests`` (Lookup, Store, Load, Release, Clear),
+``jobs`` (copies in flight, Wait, the drain), ``schedulers`` (Reserve, UpdateHolds, Ack),
+``announce`` (journal, key mirrors, KV events), ``stats`` (GetStats, metrics), ``tiers``
+(below the arena, built by ``storage.tier_slots``; drained before the arena is unmapped).
 
-``Daemon`` owns the resources (endpoint claim, arena, journal, handle table, copy engine,
-sockets, event publishers, metrics) and their order of start and close. The request
-handling lives in the parts it wires in ``start``, one module each, none reaching for
-another but through what it was given:
-
-- ``offloadd.server.sessions``: Hello, the per-session state, liveness (pidfd, heartbeats), ends.
-- ``offloadd.server.requests``: Lookup, Store, Load, Release, Clear.
-- ``offloadd.server.jobs``: the copies in flight, their completion, Wait, the drain.
-- ``offloadd.server.schedulers``: Reserve, UpdateHolds, Ack.
-- ``offloadd.server.announce``: the journal, the key mirrors and the KV events of each cache change.
-- ``offloadd.server.stats``: GetStats and the stats the metrics show.
-- ``offloadd.server.tiers``: the tiers below the arena (``[disk]``, ``[mooncake]``;
-  built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
-  arena is unmapped.
-
-Who a peer is comes from the kernel, through the registration socket beside an ipc control
-socket (``offloadd.peer``); what it may see and share from ``offloadd.server.tenancy``; how much it
-may use from ``offloadd.server.limits``. The daemon builds those and hands them to the parts.
-
-Shutdown (``serve``): the first SIGTERM or SIGINT stops new jobs and drains the copies in
-flight for up to ``server.drain_seconds``; a second one during the drain forces the exit:
-the drain is cancelled, nothing waits for copies still running (the arena stays mapped
-until the process ends), and ``run`` returns 128 + that signal's number (143 for SIGTERM,
-130 for SIGINT) for ``offloadd serve`` to exit with at once.
+Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT stops new
+jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
+the drain forces the exit: the drain is cancelled, nothing waits for copies still running
+(their imports and the arena stay mapped until the process ends), and ``run`` returns
+128 + that signal's number for ``offloadd serve`` to exit with at once.
 """
 
 from __future__ import annotations
@@ -37,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,24 +41,28 @@ from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits, Protection
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.mirrors import Mirrors
-from offloadd.server.peers import PeerListener
+from offloadd.server.peers import PeerListener, listen_beside
 from offloadd.server.publisher import PublisherSet
 from offloadd.server.registry import Registry
 from offloadd.server.requests import CacheRequests
 from offloadd.server.schedulers import Schedulers
 from offloadd.server.sessions import Sessions, close_on
+from offloadd.server.shutdown import Shutdown, unless_forced
 from offloadd.server.stats import Stats, copy_path
-from offloadd.server.storage import PIN_PIECE, open_arena, open_journal
+from offloadd.server.storage import (
+    PIN_PIECE,
+    open_arena,
+    open_copy_engine,
+    open_journal,
+    tier_slots,
+)
 from offloadd.server.systemd import Notifier
 from offloadd.server.tenancy import Tenancy
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import Settings
-from offloadd.tiers.base import Tier
-from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
+from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable
-from protocol.events import MEDIUM_DISK
-from protocol.messages import DaemonStats, Reply, Request
-from protocol.peer import peer_socket_path
+from protocol.messages import DaemonStats, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -93,40 +81,6 @@ class _Parts:
     dispatch: Dispatcher
 
 
-def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
-    """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
-    slots: list[TierSlot] = []
-    if settings.disk.path:
-        from offloadd.tiers.disk import DiskTier
-
-        disk = DiskTier.from_settings(settings.disk)
-        # Its index is in memory: a lookup asks it on the loop.
-        slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
-    if settings.mooncake.master:
-        cluster = _open_cluster(settings, arena)
-        if cluster is not None:
-            timeout = settings.mooncake.lookup_timeout
-            slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
-    return slots
-
-
-def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
-    """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
-    or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
-    try:
-        from offloadd.tiers.mooncake import MooncakeTier
-
-        tier: Tier = MooncakeTier(settings.mooncake, arena)
-    except Exception as exc:
-        logger.error(
-            "cluster tier OFF: cannot open Mooncake Store at %s: %s (restart to retry)",
-            settings.mooncake.master,
-            exc,
-        )
-        return None
-    return tier
-
-
 class Daemon:
     """One offloadd instance. Use ``async with Daemon(settings) as d: await d.serve(stop)``."""
 
@@ -143,7 +97,7 @@ class Daemon:
         self._tier_slots = list(tiers) if tiers is not None else None
         self._tiers: Tiers | None = None
         self._tiers_closed = True  # False while tier threads may still use the arena
-        self._forced = False  # a second signal cancelled the drain: wait for no thread
+        self.forced = False  # a second signal cut the drain short: wait for no copy thread
         self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
         self._copy = copy_engine
@@ -175,7 +129,7 @@ class Daemon:
             settings,
             self.endpoint,
             self._gate,
-            dispatch=self._dispatch,
+            dispatch=lambda identity, request: self._require_parts().dispatch(identity, request),
             metrics=self.metrics,
             counters=self.counters,
         )
@@ -220,18 +174,10 @@ class Daemon:
                 cuda=opener,
                 closer=close_on(self._importer) if self._importer is not None else None,
             )
-            if self._copy is None:
-                if cuda:
-                    from offloadd.transfer.batch import HostPieces
-                    from offloadd.transfer.cuda import make_engine
-
-                    pieces = HostPieces(self._arena.address, PIN_PIECE)
-                    self._copy = make_engine(host_pieces=pieces)
-                else:
-                    self._copy = CpuCopyEngine()
+            self._copy = self._copy or open_copy_engine(self._arena, cuda=cuda)
             self._ctx = zmq.asyncio.Context()
             self._control.bind(self._ctx)
-            self._peers = self._start_peers()
+            self._peers = listen_beside(self.endpoint, settings, asyncio.get_running_loop())
             if settings.events.enabled:
                 self._events = PublisherSet(
                     settings.events,
@@ -269,29 +215,13 @@ class Daemon:
             self._copy.name,
         )
 
-    def _start_peers(self) -> PeerListener | None:
-        """The registration socket beside an ipc control socket (``offloadd.peer``)."""
-        path = peer_socket_path(self.endpoint)
-        if path is None:
-            return None  # tcp:// and inproc://: no kernel identity, no regions (Sessions)
-        server, limits = self.settings.server, self.settings.limits
-        peers = PeerListener(
-            path,
-            socket_mode=server.socket_mode,
-            socket_group=server.socket_group,
-            max_descriptors=limits.regions_per_session,
-            per_uid=limits.registrations_per_uid,
-            token_seconds=limits.token_seconds,
-        )
-        peers.start(asyncio.get_running_loop())
-        return peers
-
     def _wire(self) -> _Parts:
         """Build the request handling over the resources ``start`` created."""
         settings, registry = self.settings, self.registry
-        cache, arena = self._require_cache(), self._require_arena()
-        mirrors, handles, copy = self._mirrors, self._handles, self._copy
-        assert mirrors is not None and handles is not None and copy is not None
+        cache, arena, mirrors, handles = self._cache, self._arena, self._mirrors, self._handles
+        copy = self._copy
+        assert cache is not None and arena is not None and mirrors is not None
+        assert handles is not None and copy is not None
         announce = Announcer(
             settings.events,
             registry,
@@ -391,7 +321,9 @@ class Daemon:
         reaper = asyncio.create_task(parts.sessions.reap_silent_sessions())
         background = [receiver, stopper, reaper]
         if self._notify.watchdog_seconds:
-            background.append(asyncio.create_task(self._watchdog(self._notify.watchdog_seconds)))
+            background.append(
+                asyncio.create_task(self._notify.keep_alive(self._notify.watchdog_seconds))
+            )
         try:
             done, _ = await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if receiver in done:
@@ -399,18 +331,11 @@ class Daemon:
             parts.jobs.draining = True
             self._notify.stopping(f"draining {parts.jobs.in_flight} jobs")
             logger.info("stopping: no new jobs, draining copies in flight")
-            drain = asyncio.create_task(self._drain(parts.jobs))
-            forced = asyncio.create_task((force or asyncio.Event()).wait())
-            background.append(forced)
-            await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
-            if not drain.done():
-                drain.cancel()
-                self._forced = True
+            if not await unless_forced(self._drain(parts.jobs), force or asyncio.Event()):
+                self.forced = True
                 logger.warning(
                     "forced exit: drain cancelled with %d jobs in flight", parts.jobs.in_flight
                 )
-            with contextlib.suppress(asyncio.CancelledError):
-                await drain
         finally:
             for task in background:
                 task.cancel()
@@ -422,13 +347,6 @@ class Daemon:
         await jobs.drain()
         await self._drain_tiers()
 
-    async def _watchdog(self, interval: float) -> None:
-        # Pinged from the event loop itself, so a wedged loop stops the pings and systemd
-        # restarts the daemon.
-        while True:
-            self._notify.watchdog()
-            await asyncio.sleep(interval / 2)
-
     async def close(self) -> None:
         """Publish the last events, then release everything; idempotent."""
         if self._parts is not None:
@@ -439,7 +357,7 @@ class Daemon:
 
     async def _drain_tiers(self) -> None:
         """Let the tiers finish their calls (bounded), then close them; not once forced."""
-        if self._tiers is not None and not self._tiers_closed and not self._forced:
+        if self._tiers is not None and not self._tiers_closed and not self.forced:
             self._tiers_closed = await self._tiers.drain(self.settings.server.drain_seconds)
 
     async def _close_events(self) -> None:
@@ -451,7 +369,7 @@ class Daemon:
 
     def _release_resources(self) -> None:
         self.metrics.close()
-        forced = self._forced
+        forced = self.forced
         if self._copy is not None and not forced:
             self._copy.close()  # waits for the copies queued
         self._control.close()
@@ -487,23 +405,9 @@ class Daemon:
             self._claim = None
         self._notify.close()
 
-    # ----------------------------------------------------------------- wiring
-
-    @property
-    def forced(self) -> bool:
-        """Whether a forced exit cut the drain short (nothing waited for the copies)."""
-        return self._forced
-
-    def _dispatch(self, identity: bytes, request: Request) -> None:
-        self._require_parts().dispatch(identity, request)
-
     def stats(self) -> DaemonStats:
         """Every counter and engine (metrics, admins); GetStats filters it per sender."""
         return self._require_parts().stats.all()
-
-    def _require_cache(self) -> ChunkCache:
-        assert self._cache is not None, "daemon not started"
-        return self._cache
 
     def _require_parts(self) -> _Parts:
         assert self._parts is not None, "daemon not started"
@@ -514,10 +418,6 @@ class Daemon:
         if state is not None:
             self._control.send(state.identity, message)
 
-    def _require_arena(self) -> Arena:
-        assert self._arena is not None, "daemon not started"
-        return self._arena
-
 
 async def serve(
     settings: Settings,
@@ -525,33 +425,16 @@ async def serve(
     shutdown: asyncio.Event | None = None,
     force: asyncio.Event | None = None,
 ) -> int:
-    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given
-    (a second signal, or ``force``, during the drain forces the exit). Returns the exit
-    status: 0, or 128 + the second signal's number (1 when ``force`` was set)."""
-    stop, forced = shutdown or asyncio.Event(), force or asyncio.Event()
-    second = 0
+    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given; a
+    second signal, or ``force``, during the drain forces the exit. Returns the exit status
+    (``offloadd.server.shutdown``)."""
+    stopping = Shutdown(shutdown, force)
     if shutdown is None:
-        loop = asyncio.get_running_loop()
-
-        def on_signal(signum: signal.Signals) -> None:
-            nonlocal second
-            if not stop.is_set():
-                logger.info("%s: stopping (a second signal forces the exit)", signum.name)
-                stop.set()
-            elif not forced.is_set():
-                logger.warning("%s again: exiting without waiting for the drain", signum.name)
-                second = signum
-                forced.set()
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, on_signal, signum)
+        stopping.install(asyncio.get_running_loop())
     async with Daemon(settings) as daemon:
-        await daemon.serve(stop, force=forced)
-    if daemon.forced:
-        logger.warning("offloadd stopped without finishing its drain")
-        return 128 + second if second else 1
-    logger.info("offloadd stopped")
-    return 0
+        await daemon.serve(stopping.stop, force=stopping.force)
+    logger.info("offloadd stopped%s", " without finishing its drain" if daemon.forced else "")
+    return stopping.exit_status(daemon.forced)
 
 
 def run(settings: Settings) -> int:
