@@ -233,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(settings.log)
     try:
-        run(settings)
+        status = run(settings)
     except (
         EndpointInUse,
         EndpointRefused,
@@ -251,6 +251,13 @@ def _serve(args: argparse.Namespace) -> int:
         logger.debug("offloadd serve failed", exc_info=True)
         print(f"offloadd: {exc} (serving {settings.endpoint()})", file=sys.stderr)
         return 1
+    if status:
+        # A forced exit: copies may still run on the engine's threads, which the interpreter
+        # would join at exit; the socket and locks are gone already.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return 0
 
 

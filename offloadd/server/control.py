@@ -3,9 +3,10 @@
 It binds the daemon's endpoint (an ipc socket is created with no access for others, then
 given ``server.socket_mode`` and ``server.socket_group``; CURVE when configured), receives
 one request per frame, checks the framing (one frame, at most ``server.max_frame_bytes``),
-decodes it and hands it to ``dispatch``; a handler's ``Refused`` and any frame that cannot
-be read are answered with an ``Error`` and counted, and a bug inside a handler is logged and
-answered with ``INTERNAL``, so one peer never takes the daemon down for the others.
+decodes it and hands it to ``dispatch`` (``offloadd.server.dispatch``: who answers, and
+when); any frame that cannot be read is answered with an ``Error`` and counted, and a bug
+inside a handler is logged and answered with ``INTERNAL``, so one peer never takes the daemon
+down for the others.
 
 Contract of ``ControlSocket`` (the event loop's thread only):
 - ``bind(ctx)``: create and bind the socket; on failure nothing stays open (an open socket
@@ -16,6 +17,7 @@ Contract of ``ControlSocket`` (the event loop's thread only):
 - ``send(identity, reply)``: never blocks: a reply to a peer that is gone or not reading is
   dropped, and so is every reply once the socket is closed.
 - ``protocol_error(identity, request_id, code, message)``: answer an Error and count it.
+- ``internal_error(identity, request_id)``: answer ``INTERNAL`` for a bug, counted in metrics.
 - ``close()``: close the socket and stop CURVE authentication; idempotent.
 """
 
@@ -33,7 +35,6 @@ import zmq.asyncio
 
 from offloadd.endpoint import ipc_path, restrict_socket
 from offloadd.safety import printable
-from offloadd.server.checks import Refused
 from offloadd.server.gate import RequestGate
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.settings import Settings
@@ -59,7 +60,7 @@ class ControlSocket:
         endpoint: str,
         gate: RequestGate,
         *,
-        dispatch: Callable[[bytes, Request], Reply | None],
+        dispatch: Callable[[bytes, Request], None],
         metrics: Metrics,
         counters: Counters,
     ) -> None:
@@ -175,12 +176,12 @@ class ControlSocket:
         except Exception:
             # A bug must not take the daemon down; the peer still gets an answer.
             logger.exception("internal error while handling a request")
-            request_id = peek_request_id(frames[-1]) if frames else 0
-            self.metrics.protocol_error(ErrorCode.INTERNAL.name)
-            self.send(
-                identity,
-                Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
-            )
+            self.internal_error(identity, peek_request_id(frames[-1]) if frames else 0)
+
+    def internal_error(self, identity: bytes, request_id: int) -> None:
+        """Answer ``INTERNAL`` for a bug (the caller logged it)."""
+        self.metrics.protocol_error(ErrorCode.INTERNAL.name)
+        self.send(identity, Error(request_id, ErrorCode.INTERNAL, "internal error; see daemon log"))
 
     def send(self, identity: bytes, message: Reply) -> None:
         """Send without ever blocking the loop: a peer that is gone or not reading loses it."""
@@ -218,13 +219,7 @@ class ControlSocket:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.protocol_error(identity, peek_request_id(frame), ErrorCode.MALFORMED, str(exc))
             return
-        try:
-            reply = self._dispatch(identity, request)
-        except Refused as refused:
-            self.protocol_error(identity, request.request_id, refused.code, str(refused))
-            return
-        if reply is not None:
-            self.send(identity, reply)
+        self._dispatch(identity, request)
 
     def protocol_error(
         self, identity: bytes, request_id: int, code: ErrorCode, message: str

@@ -1,14 +1,14 @@
-"""The daemon's composition root: it builds the parts, wires them, and dispatches requests.
+"""The daemon's composition root: it builds the resources in order, wires the parts over
+them, serves, and closes them in the reverse order.
 
-Everything runs on one asyncio loop (uvloop when available) except byte copies, which the
-copy engine runs on its own threads. Each request is handled to completion without awaiting,
-so handlers never interleave; a store or load replies ``JobAccepted`` at once and its
-``JobDone`` is sent when the copy engine's future resolves. One exception: a cuda daemon
-imports a Hello's CUDA IPC handles (and closes imports) on an import thread, since each
-import blocks; that peer's later requests are held (``offloadd.server.gate``) until its Hello is
-answered, so every peer still sees its requests handled in order. Any request that fails
-validation, and any bug inside a handler, is answered with an ``Error`` and the daemon goes
-on serving everyone else.
+Everything runs on one asyncio loop (uvloop when available) except byte copies (the copy
+engine's threads) and a cuda daemon's CUDA IPC imports (an import thread). How each request
+is answered, and on which thread, is declared once, in ``offloadd.server.dispatch``. The
+parts, one module each, get what they use in their constructors and never reach for each
+other: ``sessions`` (Hello, liveness), ``requests`` (Lookup, Store, Load, Release, Clear),
+``jobs`` (copies in flight, Wait, the drain), ``schedulers`` (Reserve, UpdateHolds, Ack),
+``announce`` (journal, key mirrors, KV events), ``stats`` (GetStats, metrics), ``tiers``
+(below the arena, built by ``storage.tier_slots``; drained before the arena is unmapped).
 
 ``Daemon`` owns the resources (endpoint claim, arena, journal, handle table, copy engine,
 sockets, event publishers, metrics) and their order of start and close. The request
@@ -29,6 +29,12 @@ another but through what it was given:
 Who a peer is comes from the kernel, through the registration socket beside an ipc control
 socket (``offloadd.peer``); what it may see and share from ``offloadd.server.tenancy``; how much it
 may use from ``offloadd.server.limits``. The daemon builds those and hands them to the parts.
+
+Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT stops new
+jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
+the drain forces the exit: the drain is cancelled, nothing waits for copies still running
+(their imports and the arena stay mapped until the process ends), and ``run`` returns
+128 + that signal's number for ``offloadd serve`` to exit with at once.
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,61 +51,43 @@ from dataclasses import dataclass
 import msgspec
 import zmq.asyncio
 
-from offloadd import __version__
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security
 from offloadd.server.announce import Announcer
-from offloadd.server.checks import Refused
 from offloadd.server.commit import Committer
 from offloadd.server.control import ControlSocket
+from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.mirrors import Mirrors
-from offloadd.server.peers import PeerListener
+from offloadd.server.peers import PeerListener, listen_beside
 from offloadd.server.preflight import raise_on_failure
 from offloadd.server.publisher import PublisherSet
 from offloadd.server.registry import Registry
 from offloadd.server.requests import CacheRequests
 from offloadd.server.schedulers import Schedulers
 from offloadd.server.sessions import Sessions, close_on
-from offloadd.server.state import SessionState
-from offloadd.server.storage import PIN_PIECE, open_arena, open_journal
+from offloadd.server.shutdown import Shutdown, unless_forced
+from offloadd.server.stats import Stats, copy_path
+from offloadd.server.storage import (
+    PIN_PIECE,
+    open_arena,
+    open_copy_engine,
+    open_journal,
+    tier_slots,
+)
 from offloadd.server.systemd import Notifier
-from offloadd.server.tenancy import Tenancy, Viewer
+from offloadd.server.tenancy import Tenancy
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import Settings
-from offloadd.tiers.base import Tier
 from offloadd.transfer.choice import choose_copy_engine
-from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
+from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable
-from protocol.errors import ErrorCode
-from protocol.events import MEDIUM_DISK
-from protocol.messages import (
-    Ack,
-    Bye,
-    Clear,
-    DaemonStats,
-    EngineState,
-    GetStats,
-    Hello,
-    Load,
-    Lookup,
-    Ok,
-    Ping,
-    Release,
-    Reply,
-    Request,
-    Reserve,
-    StatsResult,
-    Store,
-    UpdateHolds,
-    Wait,
-)
-from protocol.peer import peer_socket_path
+from protocol.messages import DaemonStats, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -116,40 +103,8 @@ class _Parts:
     requests: CacheRequests
     schedulers: Schedulers
     tiers: Tiers | None
-
-
-def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
-    """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
-    slots: list[TierSlot] = []
-    if settings.disk.path:
-        from offloadd.tiers.disk import DiskTier
-
-        disk = DiskTier.from_settings(settings.disk)
-        # Its index is in memory: a lookup asks it on the loop.
-        slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
-    if settings.mooncake.master:
-        cluster = _open_cluster(settings, arena)
-        if cluster is not None:
-            timeout = settings.mooncake.lookup_timeout
-            slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
-    return slots
-
-
-def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
-    """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
-    or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
-    try:
-        from offloadd.tiers.mooncake import MooncakeTier
-
-        tier: Tier = MooncakeTier(settings.mooncake, arena)
-    except Exception as exc:
-        logger.error(
-            "cluster tier OFF: cannot open Mooncake Store at %s: %s (restart to retry)",
-            settings.mooncake.master,
-            exc,
-        )
-        return None
-    return tier
+    stats: Stats
+    dispatch: Dispatcher
 
 
 def with_copy_engine_chosen(settings: Settings) -> Settings:
@@ -179,6 +134,7 @@ class Daemon:
         self._tier_slots = list(tiers) if tiers is not None else None
         self._tiers: Tiers | None = None
         self._tiers_closed = True  # False while tier threads may still use the arena
+        self.forced = False  # a second signal cut the drain short: wait for no copy thread
         self._notify = notifier or Notifier()
         self.endpoint = settings.endpoint()
         self._copy = copy_engine
@@ -210,7 +166,7 @@ class Daemon:
             settings,
             self.endpoint,
             self._gate,
-            dispatch=self._dispatch,
+            dispatch=lambda identity, request: self._require_parts().dispatch(identity, request),
             metrics=self.metrics,
             counters=self.counters,
         )
@@ -268,18 +224,10 @@ class Daemon:
                 cuda=opener,
                 closer=close_on(self._importer) if self._importer is not None else None,
             )
-            if self._copy is None:
-                if cuda:
-                    from offloadd.transfer.batch import HostPieces
-                    from offloadd.transfer.cuda import make_engine
-
-                    pieces = HostPieces(self._arena.address, PIN_PIECE)
-                    self._copy = make_engine(host_pieces=pieces)
-                else:
-                    self._copy = CpuCopyEngine()
+            self._copy = self._copy or open_copy_engine(self._arena, cuda=cuda)
             self._ctx = zmq.asyncio.Context()
             self._control.bind(self._ctx)
-            self._peers = self._start_peers()
+            self._peers = listen_beside(self.endpoint, settings, asyncio.get_running_loop())
             if settings.events.enabled:
                 self._events = PublisherSet(
                     settings.events,
@@ -305,7 +253,7 @@ class Daemon:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(created)
             raise
-        path = self._copy_path()
+        path = copy_path(self._copy, self._arena)
         if not all(path.values()):
             logger.error(
                 "copy path DEGRADED: %s; see the warnings above (offloadd status shows it too)",
@@ -321,29 +269,13 @@ class Daemon:
             self._copy.name,
         )
 
-    def _start_peers(self) -> PeerListener | None:
-        """The registration socket beside an ipc control socket (``offloadd.peer``)."""
-        path = peer_socket_path(self.endpoint)
-        if path is None:
-            return None  # tcp:// and inproc://: no kernel identity, no regions (Sessions)
-        server, limits = self.settings.server, self.settings.limits
-        peers = PeerListener(
-            path,
-            socket_mode=server.socket_mode,
-            socket_group=server.socket_group,
-            max_descriptors=limits.regions_per_session,
-            per_uid=limits.registrations_per_uid,
-            token_seconds=limits.token_seconds,
-        )
-        peers.start(asyncio.get_running_loop())
-        return peers
-
     def _wire(self) -> _Parts:
         """Build the request handling over the resources ``start`` created."""
         settings, registry = self.settings, self.registry
-        cache, arena = self._require_cache(), self._require_arena()
-        mirrors, handles, copy = self._mirrors, self._handles, self._copy
-        assert mirrors is not None and handles is not None and copy is not None
+        cache, arena, mirrors, handles = self._cache, self._arena, self._mirrors, self._handles
+        copy = self._copy
+        assert cache is not None and arena is not None and mirrors is not None
+        assert handles is not None and copy is not None
         announce = Announcer(
             settings.events,
             registry,
@@ -402,20 +334,42 @@ class Daemon:
             metrics=self.metrics,
             limits=self.limits,
             tiers=tiers,
-            send=self._control.send,
         )
         schedulers = Schedulers(registry, cache, mirrors, announce, limits=self.limits)
-        return _Parts(announce, commit, jobs, sessions, requests, schedulers, tiers)
+        stats = Stats(
+            cache,
+            registry,
+            self.counters,
+            self.tenancy,
+            sessions=sessions,
+            jobs=jobs,
+            handles=handles,
+            events=self._events,
+            peers=self._peers,
+            tiers=tiers,
+            copy_path=copy_path(copy, arena),
+            started=self._started,
+            arena=arena.path,
+            copy_engine=settings.server.copy_engine,
+        )
+        table = handlers(sessions, requests, jobs, schedulers, stats)
+        dispatch = Dispatcher(table, self._control, session_of=sessions.get)
+        return _Parts(
+            announce, commit, jobs, sessions, requests, schedulers, tiers, stats, dispatch
+        )
 
-    async def serve(self, shutdown: asyncio.Event) -> None:
-        """Answer requests until ``shutdown`` is set, then drain in-flight copies."""
+    async def serve(self, shutdown: asyncio.Event, *, force: asyncio.Event | None = None) -> None:
+        """Answer requests until ``shutdown`` is set, then drain in-flight copies; ``force``,
+        set during the drain, cancels it (see the module docstring)."""
         parts = self._require_parts()
         receiver = asyncio.create_task(self._control.receive_loop())
         stopper = asyncio.create_task(shutdown.wait())
         reaper = asyncio.create_task(parts.sessions.reap_silent_sessions())
         background = [receiver, stopper, reaper]
         if self._notify.watchdog_seconds:
-            background.append(asyncio.create_task(self._watchdog(self._notify.watchdog_seconds)))
+            background.append(
+                asyncio.create_task(self._notify.keep_alive(self._notify.watchdog_seconds))
+            )
         try:
             done, _ = await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if receiver in done:
@@ -423,8 +377,11 @@ class Daemon:
             parts.jobs.draining = True
             self._notify.stopping(f"draining {parts.jobs.in_flight} jobs")
             logger.info("stopping: no new jobs, draining copies in flight")
-            await parts.jobs.drain()
-            await self._drain_tiers()
+            if not await unless_forced(self._drain(parts.jobs), force or asyncio.Event()):
+                self.forced = True
+                logger.warning(
+                    "forced exit: drain cancelled with %d jobs in flight", parts.jobs.in_flight
+                )
         finally:
             for task in background:
                 task.cancel()
@@ -432,12 +389,9 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def _watchdog(self, interval: float) -> None:
-        # Pinged from the event loop itself, so a wedged loop stops the pings and systemd
-        # restarts the daemon.
-        while True:
-            self._notify.watchdog()
-            await asyncio.sleep(interval / 2)
+    async def _drain(self, jobs: Jobs) -> None:
+        await jobs.drain()
+        await self._drain_tiers()
 
     async def close(self) -> None:
         """Publish the last events, then release everything; idempotent."""
@@ -448,8 +402,8 @@ class Daemon:
         self._release_resources()
 
     async def _drain_tiers(self) -> None:
-        """Let the tiers finish their calls (bounded), then close them."""
-        if self._tiers is not None and not self._tiers_closed:
+        """Let the tiers finish their calls (bounded), then close them; not once forced."""
+        if self._tiers is not None and not self._tiers_closed and not self.forced:
             self._tiers_closed = await self._tiers.drain(self.settings.server.drain_seconds)
 
     async def _close_events(self) -> None:
@@ -461,8 +415,9 @@ class Daemon:
 
     def _release_resources(self) -> None:
         self.metrics.close()
-        if self._copy is not None:
-            self._copy.close()
+        forced = self.forced
+        if self._copy is not None and not forced:
+            self._copy.close()  # waits for the copies queued
         self._control.close()
         if self._peers is not None:
             self._peers.close()
@@ -471,12 +426,13 @@ class Daemon:
             self._ctx.term()
             self._ctx = None
         if self._importer is not None:
-            self._importer.shutdown(wait=True)  # imports in progress finish first
+            self._importer.shutdown(wait=not forced)  # imports in progress finish first
         if self._handles is not None:
             if self._parts is not None:  # copies and imports that end later release nothing
                 self._parts.sessions.handles_closed()
                 self._parts.jobs.handles_closed()
-            self._handles.close()
+            if not forced:  # else a copy may still use the imports: the exit unmaps them
+                self._handles.close()
             self._handles = None
         if self._journal is not None:
             if self._parts is not None:
@@ -485,122 +441,20 @@ class Daemon:
             self._journal.close()
             self._journal = None
         if self._arena is not None:
-            if self._tiers_closed:
+            if self._tiers_closed and not forced:
                 self._arena.close()
             else:
                 # A tier's thread may still read or write it: unmapping would crash it.
-                logger.warning("tiers did not stop: the arena stays mapped until exit")
+                logger.warning("copies or tiers did not stop: the arena stays mapped until exit")
             self._arena = None
         if self._claim is not None:
             self._claim.release()
             self._claim = None
         self._notify.close()
 
-    # ----------------------------------------------------------------- dispatch
-
-    def _dispatch(self, identity: bytes, request: Request) -> Reply | None:
-        parts = self._require_parts()
-        sessions, requests, schedulers = parts.sessions, parts.requests, parts.schedulers
-        if isinstance(request, Hello):
-            return sessions.hello(identity, request)
-        state = sessions.get(identity.hex())
-        if isinstance(request, GetStats):
-            return StatsResult(request.request_id, self._visible_stats(identity, request, state))
-        if isinstance(request, Ping):
-            return sessions.ping(state, request)
-        if state is None:
-            raise Refused(ErrorCode.NOT_REGISTERED, "say Hello first")
-        state.last_seen = time.monotonic()
-        match request:
-            case Lookup():
-                return requests.lookup(state, request)
-            case Store():
-                return requests.store(state, request)
-            case Load():
-                return requests.load(state, request)
-            case Release():
-                return requests.release(state, request)
-            case Wait():
-                return parts.jobs.wait(state, request)
-            case Clear():
-                return requests.clear(state, request)
-            case Reserve():
-                return schedulers.reserve(state, request)
-            case UpdateHolds():
-                return schedulers.update_holds(state, request)
-            case Ack():
-                return schedulers.ack(state, request)
-            case Bye():
-                sessions.end_session(state, "said goodbye")
-                return Ok(request.request_id)
-        raise Refused(ErrorCode.MALFORMED, f"unexpected message {type(request).__name__}")
-
-    # ----------------------------------------------------------------- stats
-
-    def _visible_stats(
-        self, identity: bytes, request: GetStats, state: SessionState | None
-    ) -> DaemonStats:
-        """The stats as this sender may see them (``offloadd.server.tenancy``): its session's or its
-        registration's user decides; an unknown sender sees aggregate counters only."""
-        viewer: Viewer | None = None
-        if state is not None:
-            viewer = self.tenancy.viewer(state.peer)
-        elif request.token and self._peers is not None:
-            registration = self._peers.take(request.token, identity)
-            if registration is not None:
-                viewer = self.tenancy.viewer(registration.peer)
-                registration.close()
-
-        def tenant_of(engine: EngineState) -> str:
-            found = self.registry.engine((engine.engine_id, engine.data_parallel_index))
-            return found.tenant if found is not None else ""
-
-        return self.tenancy.visible_stats(self.stats(), viewer, tenant_of)
-
     def stats(self) -> DaemonStats:
         """Every counter and engine (metrics, admins); GetStats filters it per sender."""
-        cache = self._require_cache().stats()
-        events = self._events.endpoints_for(0) if self._events is not None else ("", "")
-        parts = self._parts
-        return DaemonStats(
-            uptime_seconds=time.monotonic() - self._started,
-            capacity_bytes=cache.capacity,
-            used_bytes=cache.used_bytes,
-            entries=cache.entries,
-            committed_entries=cache.committed,
-            lookups=cache.lookups,
-            hits=cache.hit_keys,
-            misses=cache.miss_keys,
-            stores_refused=cache.stores_refused,
-            evictions=cache.evictions,
-            bytes_stored=self.counters.bytes_stored,
-            bytes_loaded=self.counters.bytes_loaded,
-            protocol_errors=self.counters.protocol_errors,
-            sessions=len(parts.sessions) if parts is not None else 0,
-            engines=[engine.state() for engine in self.registry.engines()],
-            imports=len(self._handles) if self._handles is not None else 0,
-            jobs_in_flight=parts.jobs.in_flight if parts is not None else 0,
-            events_endpoint=events[0],
-            events_replay_endpoint=events[1],
-            copy_path=self._copy_path(),
-            tiers=parts.tiers.stats() if parts is not None and parts.tiers is not None else [],
-            version=__version__,
-            pid=os.getpid(),
-            arena=self.settings.arena_path(),
-            copy_engine=self.settings.server.copy_engine,
-        )
-
-    def _copy_path(self) -> dict[str, bool]:
-        """Whether the cuda engine runs its fast path (empty for engines without one)."""
-        batched = getattr(self._copy, "batched", None)
-        if batched is None:
-            return {}
-        pinned = self._arena is not None and self._arena.pinned is not None
-        return {"batched": bool(batched), "pinned": pinned}
-
-    def _require_cache(self) -> ChunkCache:
-        assert self._cache is not None, "daemon not started"
-        return self._cache
+        return self._require_parts().stats.all()
 
     def _require_parts(self) -> _Parts:
         assert self._parts is not None, "daemon not started"
@@ -611,28 +465,29 @@ class Daemon:
         if state is not None:
             self._control.send(state.identity, message)
 
-    def _require_arena(self) -> Arena:
-        assert self._arena is not None, "daemon not started"
-        return self._arena
 
-
-async def serve(settings: Settings, *, shutdown: asyncio.Event | None = None) -> None:
-    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given."""
-    stop = shutdown or asyncio.Event()
+async def serve(
+    settings: Settings,
+    *,
+    shutdown: asyncio.Event | None = None,
+    force: asyncio.Event | None = None,
+) -> int:
+    """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given; a
+    second signal, or ``force``, during the drain forces the exit. Returns the exit status
+    (``offloadd.server.shutdown``)."""
+    stopping = Shutdown(shutdown, force)
     if shutdown is None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+        stopping.install(asyncio.get_running_loop())
     async with Daemon(settings) as daemon:
-        await daemon.serve(stop)
-    logger.info("offloadd stopped")
+        await daemon.serve(stopping.stop, force=stopping.force)
+    logger.info("offloadd stopped%s", " without finishing its drain" if daemon.forced else "")
+    return stopping.exit_status(daemon.forced)
 
 
-def run(settings: Settings) -> None:
-    """Blocking entry point for ``offloadd serve``: uvloop when installed."""
+def run(settings: Settings) -> int:
+    """Blocking entry point for ``offloadd serve`` (uvloop when installed): its exit status."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency, but keep serving without
-        asyncio.run(serve(settings))
-        return
-    uvloop.run(serve(settings))
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))

@@ -7,16 +7,18 @@ Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from th
 engine's threads through ``call_soon_threadsafe``):
 - ``submit(state, request_id, job, moves, wait_event)``: book the job in its session's table,
   take a reference on the session's imports for the copy, hand the moves to the copy engine,
-  answer ``JobAccepted``. Nothing to move: the job completes at once. If the engine refuses
-  the job, the booking is undone and ``Refused(INTERNAL)`` raised.
+  answer ``Accepted(JobAccepted)`` (``offloadd.server.dispatch``'s NOTICE mode). Nothing to
+  move: the job completes right after its JobAccepted is sent. If the engine refuses the
+  job, the booking is undone and ``Refused(INTERNAL)`` raised.
 - When the copy ends (and a store's shards are sealed), the cache side is finished (a
   store's chunks commit through ``offloadd.server.commit``; a load's entries are let go), the
   imports released, and ``complete`` sends ``JobDone``, keeps it for ``Wait`` (the last
   ``server.recent_jobs`` per session) and answers the waiters it satisfies.
-- ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted`` and ``JobDone`` at
+- ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted``, then ``JobDone`` at
   once, for a job with nothing to copy.
-- ``wait(state, request)``: ``WaitResult`` at once when none of the jobs is in flight or the
-  timeout is not positive, else when the last one finishes or the timeout passes.
+- ``wait(state, request, reply)`` (DEFERRED): ``reply(WaitResult)`` at once when none of the
+  jobs is in flight or the timeout is not positive, else when the last one finishes or the
+  timeout passes.
 - ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
   becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
   listed as pending).
@@ -37,7 +39,7 @@ from offloadd.server.checks import Refused
 from offloadd.server.commit import Committer
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Registry
-from offloadd.server.state import Job, SessionState, Waiter, wait_result
+from offloadd.server.state import Accepted, Job, SessionState, Waiter, wait_result
 from offloadd.settings import ServerSettings
 from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable, Import
@@ -104,11 +106,13 @@ class Jobs:
 
     def accept_without_copy(
         self, state: SessionState, request_id: int, job: Job, error: str = ""
-    ) -> Reply | None:
-        """Answer JobAccepted and JobDone at once: ``job`` has nothing to copy."""
-        self._send(state.identity, JobAccepted(request_id, job.job_id))
-        self.complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
-        return None
+    ) -> Accepted:
+        """Answer JobAccepted, then JobDone at once: ``job`` has nothing to copy."""
+
+        def done() -> None:
+            self.complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
+
+        return Accepted(JobAccepted(request_id, job.job_id), then=done)
 
     def submit(
         self,
@@ -117,7 +121,7 @@ class Jobs:
         job: Job,
         moves: Sequence[Triple],
         wait_event: bytes = b"",
-    ) -> Reply | None:
+    ) -> Accepted:
         """Book ``job`` and start its copy; see the module docstring."""
         if not moves:
             error = self._commit_store(job, ok=True) if job.direction is Direction.STORE else ""
@@ -155,7 +159,7 @@ class Jobs:
             finished()
 
         future.add_done_callback(on_done)
-        return JobAccepted(request_id, job.job_id)
+        return Accepted(JobAccepted(request_id, job.job_id))
 
     def _unbook(self, job: Job, imports: list[Import]) -> None:
         """Undo ``submit``'s booking of a job the copy engine refused to start."""
@@ -242,25 +246,25 @@ class Jobs:
                 waiter.timer.cancel()
             # Every request is answered: a peer that said Hello again (or Bye) on this socket
             # still gets its Wait's reply, the abandoned jobs listed as pending.
-            self._send(state.identity, wait_result(state, waiter))
+            waiter.reply(wait_result(state, waiter))
         state.waiters.clear()
 
     # ----------------------------------------------------------------- wait
 
-    def wait(self, state: SessionState, request: Wait) -> Reply | None:
+    def wait(self, state: SessionState, request: Wait, reply: Callable[[Reply], None]) -> None:
         """Answer now, or register a waiter answered when its jobs finish or it times out."""
         if math.isnan(request.timeout):  # uvloop's call_later raises on NaN
             raise Refused(ErrorCode.BAD_REQUEST, "Wait timeout is NaN")
         unknown = [j for j in request.job_ids if j not in state.jobs and j not in state.done]
         if unknown:
             raise Refused(ErrorCode.BAD_REQUEST, f"unknown job ids {unknown[:10]}")
-        waiter = Waiter(request.request_id, list(request.job_ids))
+        waiter = Waiter(request.request_id, list(request.job_ids), reply)
         if not any(j in state.jobs for j in waiter.job_ids) or request.timeout <= 0:
-            return wait_result(state, waiter)
+            reply(wait_result(state, waiter))
+            return
         loop = asyncio.get_running_loop()
         waiter.timer = loop.call_later(request.timeout, self._wait_timed_out, state, waiter)
         state.waiters.append(waiter)
-        return None
 
     def _wake_waiters(self, state: SessionState) -> None:
         for waiter in list(state.waiters):
@@ -268,9 +272,9 @@ class Jobs:
                 state.waiters.remove(waiter)
                 if waiter.timer is not None:
                     waiter.timer.cancel()
-                self._send(state.identity, wait_result(state, waiter))
+                waiter.reply(wait_result(state, waiter))
 
     def _wait_timed_out(self, state: SessionState, waiter: Waiter) -> None:
         if waiter in state.waiters and state.alive:
             state.waiters.remove(waiter)
-            self._send(state.identity, wait_result(state, waiter))
+            waiter.reply(wait_result(state, waiter))

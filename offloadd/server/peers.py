@@ -15,6 +15,8 @@ hands over. The wire is ``protocol.peer``; the client end is ``offloadd.peer``.
   its token from the ZeroMQ identity it names, once; the caller then owns it and ``close()``s
   it (its descriptors; the pidfd unless taken). Tokens expire after ``token_seconds``; a uid
   may have at most ``per_uid`` registrations waiting; each may carry ``max_descriptors``.
+- ``listen_beside(endpoint, settings, loop)``: the listener an ipc control endpoint gets,
+  bounded by ``[limits]``, started; None for tcp:// and inproc://.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from offloadd.endpoint import private_umask, restrict_socket
+from offloadd.settings import Settings
 from protocol.errors import ErrorCode
 from protocol.peer import (
     FDS_PER_MESSAGE,
@@ -45,9 +48,10 @@ from protocol.peer import (
     RegisterRefused,
     decode_register,
     encode_peer,
+    peer_socket_path,
 )
 
-__all__ = ["REMOTE", "Peer", "PeerListener", "Registration"]
+__all__ = ["REMOTE", "Peer", "PeerListener", "Registration", "listen_beside"]
 
 logger = logging.getLogger(__name__)
 
@@ -360,3 +364,24 @@ def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
             usable = len(data) - len(data) % 4
             fds.extend(array.array("i", data[:usable]))
     return fds
+
+
+def listen_beside(
+    endpoint: str, settings: Settings, loop: asyncio.AbstractEventLoop
+) -> PeerListener | None:
+    """The registration socket beside an ipc control ``endpoint``, started on ``loop``; None
+    for tcp:// and inproc:// (no kernel identity, no regions)."""
+    path = peer_socket_path(endpoint)
+    if path is None:
+        return None
+    server, limits = settings.server, settings.limits
+    peers = PeerListener(
+        path,
+        socket_mode=server.socket_mode,
+        socket_group=server.socket_group,
+        max_descriptors=limits.regions_per_session,
+        per_uid=limits.registrations_per_uid,
+        token_seconds=limits.token_seconds,
+    )
+    peers.start(loop)
+    return peers

@@ -12,8 +12,8 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   share of the capacity, which the cache counts with the engine as the pins' account). With
   tiers below the arena (``offloadd.server.tiers``), keys after the hits that a tier
   holds are promoted and reported pending; a tier that answers off the loop (the cluster)
-  defers the reply, sent through ``send`` within its ``lookup_timeout``. Without tiers
-  nothing of this runs.
+  defers the reply (``reply`` is kept, ``offloadd.server.dispatch``'s DEFERRED mode), sent
+  within its ``lookup_timeout``. Without tiers nothing of this runs.
 - ``store`` and ``load``: worker ranks of a ready engine only, never while draining, a job id
   not in flight in the session, at most ``limits.jobs_per_session`` in flight, and only while
   the rank's files are as large as when it registered (a file that shrank is refused here,
@@ -39,7 +39,7 @@ from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry, group_of_key
 from offloadd.server.schedulers import acker
-from offloadd.server.state import Job, SessionState
+from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.server.tiers import Tiers
 from offloadd.settings import Settings
 from offloadd.transfer.copies import ChunkRuns, Copies
@@ -80,11 +80,9 @@ class CacheRequests:
         metrics: Metrics,
         limits: Limits,
         tiers: Tiers | None = None,
-        send: Callable[[bytes, Reply], None] | None = None,
     ) -> None:
         self.settings = settings
         self._tiers = tiers
-        self._send = send  # deferred Lookup replies (a tier answering off the loop)
         self._limits = limits
         self.registry = registry
         self._cache = cache
@@ -94,7 +92,7 @@ class CacheRequests:
         self._announce = announce
         self.metrics = metrics
 
-    def lookup(self, state: SessionState, request: Lookup) -> Reply | None:
+    def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
         """Which leading keys are committed, which are pending; pin the hits if asked."""
         started = time.perf_counter()
         engine, namespace = ready_engine(self.registry, state.session)
@@ -118,21 +116,20 @@ class CacheRequests:
 
             def answer(promoted: list[int]) -> None:
                 # A deferred reply: the session may have left meanwhile.
-                if state.alive and self._send is not None:
+                if state.alive:
                     found = sorted(pending + promoted)
-                    result = LookupResult(request.request_id, hits, found, pinned)
-                    self._send(state.identity, result)
+                    reply(LookupResult(request.request_id, hits, found, pinned))
                 self.metrics.lookup_finished(time.perf_counter() - started)
 
             promoted = tiers.probe(
                 namespace, request.keys, hits, answer, acker=acker(self._mirrors, state)
             )
             if promoted is None:
-                return None
+                return  # ``answer`` replies when the tier's probe ends
             if promoted:
                 pending = sorted(pending + promoted)
         self.metrics.lookup_finished(time.perf_counter() - started)
-        return LookupResult(request.request_id, outcome.hits, pending, pinned)
+        reply(LookupResult(request.request_id, outcome.hits, pending, pinned))
 
     def release(self, state: SessionState, request: Release) -> Reply:
         """Drop the session's pins of ``request.keys``."""
@@ -177,7 +174,7 @@ class CacheRequests:
         state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
 
-    def store(self, state: SessionState, request: Store) -> Reply | None:
+    def store(self, state: SessionState, request: Store) -> Accepted:
         """Reserve the rank's shard of each key and copy its blocks into the arena."""
         _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
@@ -228,7 +225,7 @@ class CacheRequests:
         job.nbytes += runs.flush()
         return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
 
-    def load(self, state: SessionState, request: Load) -> Reply | None:
+    def load(self, state: SessionState, request: Load) -> Accepted:
         """Copy committed chunks into the rank's blocks: every key, or none."""
         engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk

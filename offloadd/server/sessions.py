@@ -52,7 +52,7 @@ from offloadd.transfer.handles import HandleError, HandleTable, Import
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.handles import CudaIpcHandle, ShmHandle
-from protocol.messages import EngineReady, Error, Hello, Ok, Ping, Reply, Welcome
+from protocol.messages import Bye, EngineReady, Hello, Ok, Ping, Reply, Welcome
 from protocol.peer import peer_socket_path
 
 __all__ = ["Sessions", "close_on"]
@@ -98,6 +98,7 @@ class Sessions:
         self.metrics = metrics
         self._send = control.send
         self._protocol_error = control.protocol_error
+        self._internal_error = control.internal_error
         self._handle_frames = control.handle_frames
         self._peers = peers
         self._tenancy = tenancy
@@ -131,8 +132,13 @@ class Sessions:
 
     # ----------------------------------------------------------------- hello
 
-    def hello(self, identity: bytes, hello: Hello) -> Reply | None:
-        """Register the sender; see the module docstring."""
+    def bye(self, state: SessionState, request: Bye) -> Reply:
+        """End the sender's session at its request."""
+        self.end_session(state, "said goodbye")
+        return Ok(request.request_id)
+
+    def hello(self, identity: bytes, hello: Hello) -> None:
+        """Register the sender and answer it (OFF_LOOP: ``offloadd.server.dispatch``)."""
         # The token is used up by any Hello that brings it, refused or not.
         peers = self._peers
         taken = peers.take(hello.token, identity) if peers is not None else None
@@ -162,11 +168,9 @@ class Sessions:
                 raise
             submitted.add_done_callback(imported)
             self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
-            return None
+            return
         try:
-            return self._register(
-                identity, hello, self._open_regions(hello, registration), registration
-            )
+            self._register(identity, hello, self._open_regions(hello, registration), registration)
         finally:
             registration.close()  # the table keeps its own descriptors; the session its pidfd
 
@@ -231,19 +235,12 @@ class Sessions:
             if self._handles is None:
                 return  # closed meanwhile; the table's close unmapped everything
             try:
-                reply = self._register(identity, hello, future.result(), registration)
+                self._register(identity, hello, future.result(), registration)
             except Refused as refused:
                 self._protocol_error(identity, hello.request_id, refused.code, str(refused))
             except Exception:
                 logger.exception("internal error while handling a Hello")
-                self.metrics.protocol_error(ErrorCode.INTERNAL.name)
-                self._send(
-                    identity,
-                    Error(hello.request_id, ErrorCode.INTERNAL, "internal error; see daemon log"),
-                )
-            else:
-                if reply is not None:
-                    self._send(identity, reply)
+                self._internal_error(identity, hello.request_id)
         finally:
             registration.close()
             self._gate.open(identity)
@@ -253,7 +250,7 @@ class Sessions:
 
     def _register(
         self, identity: bytes, hello: Hello, imports: list[Import], registration: Registration
-    ) -> Reply | None:
+    ) -> None:
         """The rest of a Hello once its regions are imported: register, answer Welcome."""
         session_id = identity.hex()
         peer = registration.peer
@@ -312,7 +309,6 @@ class Sessions:
         else:
             self._mirrors.start(outcome.session)
         self.report_status()
-        return None
 
     def _open_regions(self, hello: Hello, registration: Registration) -> list[Import]:
         handles = self._handles

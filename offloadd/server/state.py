@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from offloadd.cache.index import Entry, ShardWrite
@@ -16,9 +16,9 @@ from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import Session
 from offloadd.transfer.handles import Import
 from offloadd.transfer.types import Direction, FileWindow, Span
-from protocol.messages import JobDone, WaitResult
+from protocol.messages import JobDone, Reply, WaitResult
 
-__all__ = ["Job", "SessionState", "Waiter", "silent_sessions", "wait_result"]
+__all__ = ["Accepted", "Job", "SessionState", "Waiter", "silent_sessions", "wait_result"]
 
 
 @dataclass(eq=False)
@@ -73,6 +73,7 @@ class Waiter:
 
     request_id: int
     job_ids: list[int]
+    reply: Callable[[Reply], None]  # the Wait's sender, as dispatch gave it
     timer: asyncio.TimerHandle | None = None
 
 
@@ -81,3 +82,12 @@ def wait_result(state: SessionState, waiter: Waiter) -> WaitResult:
     done = [state.done[j] for j in waiter.job_ids if j in state.done]
     pending = [j for j in waiter.job_ids if j in state.jobs]
     return WaitResult(waiter.request_id, done, pending)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A NOTICE handler's answer (``offloadd.server.dispatch``): ``reply`` now, then
+    ``then()`` (if any) right after it."""
+
+    reply: Reply
+    then: Callable[[], None] | None = None

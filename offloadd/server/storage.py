@@ -10,6 +10,10 @@ seconds to minutes.
   previous run's journal into ``cache`` (warm restart), compact it so that it names exactly
   what the cache holds, and return it; without, remove any journal left behind (it names
   chunks of an arena that is not kept) and return None.
+- ``open_copy_engine(arena, cuda=)``: the cuda engine over the arena's pinned pieces, or the
+  cpu engine.
+- ``tier_slots(settings, arena)``: the tiers below the arena the settings turn on (disk,
+  then the cluster); a cluster that cannot open is left off, logged.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal, discard
 from offloadd.server.systemd import Notifier
+from offloadd.server.tiers import TierSlot
 from offloadd.settings import Settings
+from offloadd.tiers.base import Tier
+from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
+from protocol.events import MEDIUM_DISK
 
-__all__ = ["PIN_PIECE", "open_arena", "open_journal"]
+__all__ = ["PIN_PIECE", "open_arena", "open_copy_engine", "open_journal", "tier_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +94,47 @@ def open_journal(
     if kept:
         logger.info("warm start: %d committed chunks from the previous run", kept)
     return journal
+
+
+def open_copy_engine(arena: Arena, *, cuda: bool) -> CopyEngine:
+    """The engine that moves the bytes between the ranks' memory and ``arena``."""
+    if not cuda:
+        return CpuCopyEngine()
+    from offloadd.transfer.batch import HostPieces
+    from offloadd.transfer.cuda import make_engine
+
+    return make_engine(host_pieces=HostPieces(arena.address, PIN_PIECE))
+
+
+def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
+    """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
+    slots: list[TierSlot] = []
+    if settings.disk.path:
+        from offloadd.tiers.disk import DiskTier
+
+        disk = DiskTier.from_settings(settings.disk)
+        # Its index is in memory: a lookup asks it on the loop.
+        slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
+    if settings.mooncake.master:
+        cluster = _open_cluster(settings, arena)
+        if cluster is not None:
+            timeout = settings.mooncake.lookup_timeout
+            slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
+    return slots
+
+
+def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
+    """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
+    or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
+    try:
+        from offloadd.tiers.mooncake import MooncakeTier
+
+        tier: Tier = MooncakeTier(settings.mooncake, arena)
+    except Exception as exc:
+        logger.error(
+            "cluster tier OFF: cannot open Mooncake Store at %s: %s (restart to retry)",
+            settings.mooncake.master,
+            exc,
+        )
+        return None
+    return tier

@@ -7,6 +7,7 @@ a socket name starting with ``@`` lives in the abstract namespace. Without ``NOT
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -66,6 +67,13 @@ class Notifier:
     def watchdog(self) -> None:
         """WATCHDOG=1: the event loop is alive."""
         self.send(WATCHDOG=1)
+
+    async def keep_alive(self, interval: float) -> None:
+        """Ping the watchdog every ``interval / 2`` until cancelled. Run on the event loop
+        itself, so a wedged loop stops the pings and systemd restarts the daemon."""
+        while True:
+            self.watchdog()
+            await asyncio.sleep(interval / 2)
 
     def stopping(self, status: str = "stopping") -> None:
         """STOPPING=1."""

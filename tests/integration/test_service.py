@@ -49,9 +49,14 @@ class Served:
         self.log_path = f"{workdir}/daemon.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, *args: str, env: dict[str, str] | None = None) -> Served:
+    def start(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        runner: tuple[str, ...] = ("-m", "offloadd"),
+    ) -> Served:
         command = [
-            sys.executable, "-m", "offloadd", "serve",
+            sys.executable, *runner, "serve",
             "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", "64MiB",
             "--no-persist",
             "--events-endpoint", f"ipc://{self.workdir}/ev.sock",
@@ -197,6 +202,44 @@ def test_systemd_notify_ready_watchdog_stopping(served: Served, abstract: bool) 
         listener.close()
     assert not os.path.exists(served.socket_path), "socket file left behind"
     assert not os.path.exists(served.arena), "arena left behind (--no-persist)"
+
+
+def _wait_for_log(served: Served, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in served.log():
+        assert served.process is not None, "daemon not started"
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{served.log()}"
+        with contextlib.suppress(subprocess.TimeoutExpired):  # paced by the process's exit
+            served.process.wait(0.05)
+            raise AssertionError(f"daemon exited:\n{served.log()}")
+
+
+@pytest.mark.timeout(120)
+def test_a_second_sigterm_during_the_drain_forces_the_exit(
+    served: Served, ranks: list[Rank]
+) -> None:
+    # Copies that never end (tests.integration.wedged_serve) and a grace of 600 s: only the
+    # second signal can end this drain in time.
+    env = _clean_env(OFFLOADD_SERVER__DRAIN_SECONDS="600")
+    served.start(env=env, runner=("-m", "tests.integration.wedged_serve"))
+    served.wait_serving()
+    rank = make_rank(served.endpoint, rank=0, tp=1)
+    ranks.append(rank)
+    assert rank.client is not None
+    rank.client.wait_ready(5)
+    rank.client.store(1, chain_keys(1), chunk_block_ids([0], 2))
+    assert rank.client.stats().jobs_in_flight == 1
+    assert served.process is not None
+    served.process.send_signal(signal.SIGTERM)
+    _wait_for_log(served, "draining 1 in-flight jobs (up to 600s)")
+    served.process.send_signal(signal.SIGTERM)
+    status = served.process.wait(60)  # far inside the 600 s grace
+    served.process = None
+    log = served.log()
+    assert status == 128 + signal.SIGTERM, log  # the documented status of a forced exit
+    assert "SIGTERM again: exiting without waiting for the drain" in log
+    assert "forced exit: drain cancelled with 1 jobs in flight" in log
+    assert not os.path.exists(served.socket_path)  # the endpoint was still released
 
 
 # --- offloadd status -------------------------------------------------------------------------

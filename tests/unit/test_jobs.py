@@ -21,7 +21,7 @@ from offloadd.server.commit import Committer
 from offloadd.server.jobs import Jobs
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Namespace, Registry
-from offloadd.server.state import Job, SessionState
+from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.settings import ServerSettings
 from offloadd.transfer.types import Direction
 from protocol.errors import ErrorCode
@@ -71,9 +71,27 @@ class Rig:
 
     def submit(self, job_id: int, direction: Direction = Direction.STORE) -> Job:
         job = self.job(job_id, direction)
-        reply = self.jobs.submit(self.state, 100 + job_id, job, MOVES)
-        assert reply == JobAccepted(100 + job_id, job_id)
+        accepted = self.jobs.submit(self.state, 100 + job_id, job, MOVES)
+        assert accepted == Accepted(JobAccepted(100 + job_id, job_id))
         return job
+
+    def answer(self, accepted: Accepted) -> None:
+        """What dispatch does with a NOTICE handler's answer: send it, then run ``then``."""
+        self.sent.append(accepted.reply)
+        if accepted.then is not None:
+            accepted.then()
+
+    def wait(self, request: Wait) -> list[Reply]:
+        """Handle ``request``: the replies sent at once (later ones go to ``sent``)."""
+        now: list[Reply] = []
+        returned = False
+
+        def reply(message: Reply) -> None:
+            (self.sent if returned else now).append(message)
+
+        self.jobs.wait(self.state, request, reply)
+        returned = True
+        return now
 
     def replies(self, kind: type[Any]) -> list[Any]:
         return [reply for reply in self.sent if isinstance(reply, kind)]
@@ -121,7 +139,7 @@ async def test_a_finished_copy_commits_answers_its_waiter_and_lets_the_imports_g
 ) -> None:
     rig.submit(1)
     assert rig.jobs.in_flight == 1 and rig.imported.refs == 2 and 1 in rig.state.jobs
-    assert rig.jobs.wait(rig.state, Wait(7, [1], timeout=30.0)) is None  # waits for job 1
+    assert rig.wait(Wait(7, [1], timeout=30.0)) == []  # waits for job 1
     rig.copies.futures[0].set_result(0.25)
     await settle(lambda: rig.jobs.in_flight == 0)
     done = JobDone(1, True, [], 4096, 0.25, "")
@@ -130,7 +148,7 @@ async def test_a_finished_copy_commits_answers_its_waiter_and_lets_the_imports_g
     assert rig.announcer.committed and rig.counters.bytes_stored == 4096
     assert rig.imported.refs == 1 and not rig.state.jobs and not rig.state.waiters
     # Finished jobs stay known to Wait: answered at once.
-    assert rig.jobs.wait(rig.state, Wait(8, [1], timeout=30.0)) == WaitResult(8, [done], [])
+    assert rig.wait(Wait(8, [1], timeout=30.0)) == [WaitResult(8, [done], [])]
 
 
 @pytest.mark.asyncio
@@ -147,14 +165,14 @@ async def test_a_failed_copy_fails_every_key_and_is_counted(rig: Rig) -> None:
 @pytest.mark.asyncio
 async def test_wait_answers_at_once_refuses_unknown_ids_and_times_out(rig: Rig) -> None:
     with pytest.raises(Refused, match=r"unknown job ids \[5\]") as refused:
-        rig.jobs.wait(rig.state, Wait(1, [5], timeout=1.0))
+        rig.wait(Wait(1, [5], timeout=1.0))
     assert refused.value.code == ErrorCode.BAD_REQUEST
     with pytest.raises(Refused, match="NaN"):
-        rig.jobs.wait(rig.state, Wait(1, [], timeout=math.nan))
+        rig.wait(Wait(1, [], timeout=math.nan))
     rig.submit(2)
     # A timeout of 0 is a poll: the job is still pending.
-    assert rig.jobs.wait(rig.state, Wait(2, [2], timeout=0.0)) == WaitResult(2, [], [2])
-    assert rig.jobs.wait(rig.state, Wait(3, [2], timeout=0.01)) is None
+    assert rig.wait(Wait(2, [2], timeout=0.0)) == [WaitResult(2, [], [2])]
+    assert rig.wait(Wait(3, [2], timeout=0.01)) == []
     await settle(lambda: rig.replies(WaitResult))
     assert rig.replies(WaitResult) == [WaitResult(3, [], [2])] and not rig.state.waiters
 
@@ -162,16 +180,16 @@ async def test_wait_answers_at_once_refuses_unknown_ids_and_times_out(rig: Rig) 
 @pytest.mark.asyncio
 async def test_each_session_keeps_its_last_recent_jobs_for_wait(rig: Rig) -> None:
     for job_id in range(5):
-        rig.jobs.accept_without_copy(rig.state, job_id, rig.job(job_id))
+        rig.answer(rig.jobs.accept_without_copy(rig.state, job_id, rig.job(job_id)))
     assert list(rig.state.done) == [2, 3, 4]  # recent_jobs = 3
     assert rig.replies(JobAccepted) == [JobAccepted(i, i) for i in range(5)]
     with pytest.raises(Refused, match="unknown job ids"):
-        rig.jobs.wait(rig.state, Wait(9, [1], timeout=0.0))
+        rig.wait(Wait(9, [1], timeout=0.0))
 
 
 @pytest.mark.asyncio
 async def test_nothing_to_move_completes_the_job_at_once(rig: Rig) -> None:
-    assert rig.jobs.submit(rig.state, 11, rig.job(1), []) is None  # answered already
+    rig.answer(rig.jobs.submit(rig.state, 11, rig.job(1), []))  # JobAccepted, then JobDone
     assert rig.sent == [JobAccepted(11, 1), JobDone(1, True, [], 4096, 0.0, "")]
     assert rig.cache.calls == [("finish_store", True)] and rig.jobs.in_flight == 0
     assert not rig.copies.futures
@@ -193,7 +211,7 @@ async def test_an_abandoned_session_answers_its_waiters_and_its_late_copy_nobody
     rig: Rig,
 ) -> None:
     job = rig.submit(1)
-    assert rig.jobs.wait(rig.state, Wait(5, [1], timeout=30.0)) is None
+    assert rig.wait(Wait(5, [1], timeout=30.0)) == []
     rig.state.alive = False  # what Sessions does before abandoning
     rig.jobs.abandon(rig.state)
     assert job.abandoned and ("abandon", 0) in rig.cache.calls

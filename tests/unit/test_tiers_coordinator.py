@@ -21,7 +21,7 @@ import pytest
 
 from offloadd.cache.arena import Arena
 from offloadd.server import tiers as coordinator
-from offloadd.server.daemon import tier_slots
+from offloadd.server.storage import tier_slots
 from offloadd.settings import DiskSettings, MooncakeSettings, Settings
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
 from tests.unit.tier_rig import ARENA, CHUNK, events, keys_named, make_rig, until

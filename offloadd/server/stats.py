@@ -1,0 +1,129 @@
+"""The daemon's stats: ``DaemonStats`` assembled from the parts, and what GetStats shows whom.
+
+Contract of ``Stats`` (the event loop's thread only, once the daemon is wired):
+- ``all()``: every counter and engine (metrics, admins).
+- ``get_stats(identity, state, request)``: the GetStats handler (NOW, no session needed):
+  ``all()`` as this sender may see it (``offloadd.server.tenancy``): its session's or its
+  registration's user decides; an unknown sender sees aggregate counters only. A token
+  brought here is used up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from offloadd import __version__
+from offloadd.cache.arena import Arena
+from offloadd.cache.index import ChunkCache
+from offloadd.server.jobs import Jobs
+from offloadd.server.metrics import Counters
+from offloadd.server.peers import PeerListener
+from offloadd.server.publisher import PublisherSet
+from offloadd.server.registry import Registry
+from offloadd.server.sessions import Sessions
+from offloadd.server.state import SessionState
+from offloadd.server.tenancy import Tenancy, Viewer
+from offloadd.server.tiers import Tiers
+from offloadd.transfer.engine import CopyEngine
+from offloadd.transfer.handles import HandleTable
+from protocol.messages import DaemonStats, EngineState, GetStats, Reply, StatsResult
+
+__all__ = ["Stats", "copy_path"]
+
+
+def copy_path(copy: CopyEngine | None, arena: Arena | None) -> dict[str, bool]:
+    """Whether the cuda engine runs its fast path (empty for engines without one)."""
+    batched = getattr(copy, "batched", None)
+    if batched is None:
+        return {}
+    pinned = arena is not None and arena.pinned is not None
+    return {"batched": bool(batched), "pinned": pinned}
+
+
+class Stats:
+    """Assembles ``DaemonStats``; see the module docstring."""
+
+    def __init__(
+        self,
+        cache: ChunkCache,
+        registry: Registry,
+        counters: Counters,
+        tenancy: Tenancy,
+        *,
+        sessions: Sessions,
+        jobs: Jobs,
+        handles: HandleTable,
+        events: PublisherSet | None,
+        peers: PeerListener | None,
+        tiers: Tiers | None,
+        copy_path: dict[str, bool],
+        started: float,
+        arena: str = "",
+        copy_engine: str = "",
+    ) -> None:
+        self._arena_path = arena
+        self._copy_engine = copy_engine
+        self._cache = cache
+        self._registry = registry
+        self._counters = counters
+        self._tenancy = tenancy
+        self._sessions = sessions
+        self._jobs = jobs
+        self._handles = handles
+        self._events = events
+        self._peers = peers
+        self._tiers = tiers
+        self._copy_path = copy_path
+        self._started = started
+
+    def get_stats(self, identity: bytes, state: SessionState | None, request: GetStats) -> Reply:
+        """``StatsResult`` with what this sender may see."""
+        viewer: Viewer | None = None
+        if state is not None:
+            viewer = self._tenancy.viewer(state.peer)
+        elif request.token and self._peers is not None:
+            registration = self._peers.take(request.token, identity)
+            if registration is not None:
+                viewer = self._tenancy.viewer(registration.peer)
+                registration.close()
+
+        def tenant_of(engine: EngineState) -> str:
+            found = self._registry.engine((engine.engine_id, engine.data_parallel_index))
+            return found.tenant if found is not None else ""
+
+        visible = self._tenancy.visible_stats(self.all(), viewer, tenant_of)
+        return StatsResult(request.request_id, visible)
+
+    def all(self) -> DaemonStats:
+        """Every counter and engine; GetStats filters it per sender."""
+        cache = self._cache.stats()
+        events = self._events.endpoints_for(0) if self._events is not None else ("", "")
+        counters = self._counters
+        return DaemonStats(
+            uptime_seconds=time.monotonic() - self._started,
+            capacity_bytes=cache.capacity,
+            used_bytes=cache.used_bytes,
+            entries=cache.entries,
+            committed_entries=cache.committed,
+            lookups=cache.lookups,
+            hits=cache.hit_keys,
+            misses=cache.miss_keys,
+            stores_refused=cache.stores_refused,
+            evictions=cache.evictions,
+            bytes_stored=counters.bytes_stored,
+            bytes_loaded=counters.bytes_loaded,
+            protocol_errors=counters.protocol_errors,
+            sessions=len(self._sessions),
+            engines=[engine.state() for engine in self._registry.engines()],
+            imports=len(self._handles),
+            jobs_in_flight=self._jobs.in_flight,
+            events_endpoint=events[0],
+            events_replay_endpoint=events[1],
+            copy_path=dict(self._copy_path),
+            tiers=self._tiers.stats() if self._tiers is not None else [],
+            version=__version__,
+            pid=os.getpid(),
+            arena=self._arena_path,
+            copy_engine=self._copy_engine,
+        )

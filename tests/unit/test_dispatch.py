@@ -1,0 +1,189 @@
+"""The handler table (``offloadd.server.dispatch``): one entry per request type, and dispatch
+that keeps each mode's reply rule. Pure: fake handlers, a recorder for replies."""
+
+from __future__ import annotations
+
+import logging
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from offloadd.server.checks import Refused
+from offloadd.server.dispatch import TABLE, Dispatcher, Mode, Session
+from offloadd.server.registry import Registry
+from offloadd.server.state import Accepted, SessionState
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    Bye,
+    Clear,
+    GetStats,
+    Hello,
+    Lookup,
+    LookupResult,
+    Ok,
+    Ping,
+    Reply,
+    Request,
+    Store,
+    Wait,
+)
+from tests.helpers import hello as make_hello
+from tests.helpers import register_engine
+
+PEER = b"peer"
+
+
+@dataclass
+class Recorder:
+    sent: list[Reply] = field(default_factory=list)
+    errors: list[tuple[int, ErrorCode, str]] = field(default_factory=list)
+
+    def send(self, identity: bytes, message: Reply) -> None:
+        assert identity == PEER
+        self.sent.append(message)
+
+    def protocol_error(
+        self, identity: bytes, request_id: int, code: ErrorCode, message: str
+    ) -> None:
+        self.errors.append((request_id, code, message))
+
+    def internal_error(self, identity: bytes, request_id: int) -> None:
+        self.errors.append((request_id, ErrorCode.INTERNAL, ""))
+
+
+def _state() -> SessionState:
+    return SessionState(PEER, register_engine(Registry())[0].session, [])
+
+
+def _dispatcher(
+    recorder: Recorder, state: SessionState | None, **overrides: Callable[..., object]
+) -> Dispatcher:
+    """Every handler refuses unless overridden (by request class name)."""
+
+    def refuse(*_args: object) -> object:
+        raise Refused(ErrorCode.BAD_REQUEST, "not in this test")
+
+    table = {kind: overrides.get(kind.__name__, refuse) for kind in TABLE}
+    return Dispatcher(table, recorder, session_of=lambda _sid: state)
+
+
+def test_every_request_of_the_wire_has_exactly_one_entry_with_a_mode() -> None:
+    wire = typing.get_args(Request)
+    assert len(wire) == len(set(wire))
+    assert set(TABLE) == set(wire)
+    assert all(isinstance(TABLE[kind].mode, Mode) for kind in wire)
+    # Only Hello runs off the loop; the jobs are answered by a notice; the waits deferred.
+    assert [k for k in wire if TABLE[k].mode is Mode.OFF_LOOP] == [Hello]
+    assert {k.__name__ for k in wire if TABLE[k].mode is Mode.NOTICE} == {"Store", "Load"}
+    assert {k for k in wire if TABLE[k].mode is Mode.DEFERRED} == {Lookup, Wait}
+    assert {k for k in wire if TABLE[k].session is not Session.REQUIRED} == {
+        Hello,
+        GetStats,
+        Ping,
+    }
+
+
+def test_handlers_must_match_the_table() -> None:
+    table: dict[type[Any], Callable[..., object]] = {kind: print for kind in TABLE}
+    del table[Clear]
+    with pytest.raises(ValueError, match=r"differ for \['Clear'\]"):
+        Dispatcher(table, Recorder(), session_of=lambda _sid: None)
+
+
+def test_a_now_handler_s_reply_is_sent() -> None:
+    recorder, state = Recorder(), _state()
+    dispatch = _dispatcher(recorder, state, Bye=lambda st, request: Ok(request.request_id, 1))
+    dispatch(PEER, Bye(7))
+    assert recorder.sent == [Ok(7, 1)] and not recorder.errors
+
+
+def test_a_now_handler_returning_none_is_an_internal_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder = Recorder()
+    dispatch = _dispatcher(recorder, _state(), Clear=lambda state, request: None)
+    with caplog.at_level(logging.ERROR, logger="offloadd.server.dispatch"):
+        dispatch(PEER, Clear(4))
+    assert recorder.sent == []
+    assert recorder.errors == [(4, ErrorCode.INTERNAL, "")]
+    assert "Clear is answered now, but its handler returned None" in caplog.text
+
+
+def test_a_notice_handler_s_reply_goes_before_what_then_sends() -> None:
+    recorder = Recorder()
+
+    def store(state: SessionState, request: Store) -> Accepted:
+        return Accepted(Ok(request.request_id), then=lambda: recorder.sent.append(Ok(99)))
+
+    dispatch = _dispatcher(recorder, _state(), Store=store)
+    dispatch(PEER, Store(3, job_id=1, keys=[], block_ids=[]))
+    assert recorder.sent == [Ok(3), Ok(99)]
+
+
+def test_a_notice_handler_returning_a_bare_reply_is_an_internal_error() -> None:
+    recorder = Recorder()
+    dispatch = _dispatcher(recorder, _state(), Store=lambda state, request: Ok(1))
+    dispatch(PEER, Store(3, job_id=1, keys=[], block_ids=[]))
+    assert recorder.sent == [] and recorder.errors == [(3, ErrorCode.INTERNAL, "")]
+
+
+def test_a_deferred_handler_answers_later_once_through_reply(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder, kept = Recorder(), []
+
+    def lookup(state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
+        kept.append(reply)
+
+    dispatch = _dispatcher(recorder, _state(), Lookup=lookup)
+    dispatch(PEER, Lookup(5, keys=[]))
+    assert recorder.sent == [] and not recorder.errors  # nothing yet: deferred
+    kept[0](LookupResult(5, 0, [], 0))
+    with caplog.at_level(logging.ERROR, logger="offloadd.server.dispatch"):
+        kept[0](LookupResult(5, 1, [], 0))  # a second answer is a bug: dropped, logged
+    assert recorder.sent == [LookupResult(5, 0, [], 0)]
+    assert "a second reply to request 5 dropped" in caplog.text
+
+
+def test_a_deferred_handler_returning_a_reply_is_an_internal_error() -> None:
+    recorder = Recorder()
+    dispatch = _dispatcher(recorder, _state(), Wait=lambda state, request, reply: Ok(1))
+    dispatch(PEER, Wait(6, [], 1.0))
+    assert recorder.sent == [] and recorder.errors == [(6, ErrorCode.INTERNAL, "")]
+
+
+def test_hello_answers_itself_and_gets_no_session() -> None:
+    recorder, calls = Recorder(), []
+
+    def hello(identity: bytes, request: Hello) -> None:
+        calls.append(identity)
+
+    dispatch = _dispatcher(recorder, None, Hello=hello)
+    dispatch(PEER, make_hello())
+    assert calls == [PEER] and recorder.sent == [] and not recorder.errors
+
+
+def test_a_session_is_required_except_for_stats_ping_and_hello() -> None:
+    recorder = Recorder()
+    seen: list[SessionState | None] = []
+
+    def ping(identity: bytes, state: SessionState | None, request: Ping) -> Reply:
+        seen.append(state)
+        return Ok(request.request_id)
+
+    dispatch = _dispatcher(recorder, None, Ping=ping, Bye=lambda st, rq: Ok(rq.request_id))
+    dispatch(PEER, Ping(1))
+    dispatch(PEER, Bye(2))
+    assert seen == [None] and recorder.sent == [Ok(1)]
+    assert recorder.errors == [(2, ErrorCode.NOT_REGISTERED, "say Hello first")]
+
+
+def test_a_refusal_is_answered_with_its_code_and_refreshes_last_seen() -> None:
+    recorder, state = Recorder(), _state()
+    state.last_seen = 0.0
+    _dispatcher(recorder, state)(PEER, Clear(9))
+    assert recorder.errors == [(9, ErrorCode.BAD_REQUEST, "not in this test")]
+    assert state.last_seen > 0.0
