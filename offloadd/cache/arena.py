@@ -212,8 +212,8 @@ class Arena:
             raise ValueError("range outside the arena")
         return memoryview(self._mmap)[offset : offset + size]
 
-    def close(self) -> None:
-        """Unmap, unlock, and (by default) remove the file. Idempotent."""
+    def close(self, *, remove: bool = False) -> None:
+        """Unmap, unlock, and remove the file (by default, or with ``remove``). Idempotent."""
         if self._view is None:
             return
         self._view = None
@@ -230,7 +230,7 @@ class Arena:
             # Someone still holds a view: the pages stay mapped until it goes, but the file
             # and the lock are released now.
             logger.warning("arena %s still has views open at close", self.path)
-        if self._unlink_on_close:
+        if self._unlink_on_close or remove:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         os.close(self._fd)

@@ -8,27 +8,11 @@ parts, one module each, get what they use in their constructors and never reach 
 other: ``sessions`` (Hello, liveness), ``requests`` (Lookup, Store, Load, Release, Clear),
 ``jobs`` (copies in flight, Wait, the drain), ``schedulers`` (Reserve, UpdateHolds, Ack),
 ``announce`` (journal, key mirrors, KV events), ``stats`` (GetStats, metrics), ``tiers``
-(below the arena, built by ``storage.tier_slots``; drained before the arena is unmapped).
-
-``Daemon`` owns the resources (endpoint claim, arena, journal, handle table, copy engine,
-sockets, event publishers, metrics) and their order of start and close. The request
-handling lives in the parts it wires in ``start``, one module each, none reaching for
-another but through what it was given:
-
-- ``offloadd.server.sessions``: Hello, the per-session state, liveness (pidfd, heartbeats), ends.
-- ``offloadd.server.requests``: Lookup, Store, Load, Release, Clear.
-- ``offloadd.server.jobs``: the copies in flight, their completion, Wait, the drain.
-- ``offloadd.server.schedulers``: Reserve, UpdateHolds, Ack.
-- ``offloadd.server.announce``: the journal, the key mirrors and the KV events of each cache change.
-- ``offloadd.server.commit``: a chunk's commit (sealed, visible, journaled, announced), the
-  one pipeline rank stores (jobs) and promotions (tiers) both end in.
-- ``offloadd.server.tiers``: the tiers below the arena (``[disk]``, ``[mooncake]``;
-  built by ``tier_slots``), fed by the announcer, probed by lookups; drained before the
-  arena is unmapped.
-
-Who a peer is comes from the kernel, through the registration socket beside an ipc control
-socket (``offloadd.peer``); what it may see and share from ``offloadd.server.tenancy``; how much it
-may use from ``offloadd.server.limits``. The daemon builds those and hands them to the parts.
+(below the arena, built by ``storage.tier_slots``; drained before the arena is unmapped),
+``commit`` (a chunk's commit: sealed, visible, journaled, announced; the one pipeline rank
+stores and promotions end in). ``Daemon`` owns the resources (endpoint claim, arena,
+journal, handle table, copy engine, sockets, event publishers, metrics) and their order of
+start and close.
 
 Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT stops new
 jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
@@ -42,13 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import msgspec
 import zmq.asyncio
 
 from offloadd.cache.arena import Arena
@@ -72,19 +54,19 @@ from offloadd.server.requests import CacheRequests
 from offloadd.server.schedulers import Schedulers
 from offloadd.server.sessions import Sessions, close_on
 from offloadd.server.shutdown import Shutdown, unless_forced
-from offloadd.server.stats import Stats, copy_path
+from offloadd.server.stats import Stats, copy_path, warn_if_degraded
 from offloadd.server.storage import (
     PIN_PIECE,
     open_arena,
     open_copy_engine,
     open_journal,
     tier_slots,
+    with_copy_engine_chosen,
 )
 from offloadd.server.systemd import Notifier
 from offloadd.server.tenancy import Tenancy
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import Settings
-from offloadd.transfer.choice import choose_copy_engine
 from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable
 from protocol.messages import DaemonStats, Reply
@@ -105,16 +87,6 @@ class _Parts:
     tiers: Tiers | None
     stats: Stats
     dispatch: Dispatcher
-
-
-def with_copy_engine_chosen(settings: Settings) -> Settings:
-    """``settings`` with ``server.copy_engine = "auto"`` replaced by the engine it picks."""
-    engine, why = choose_copy_engine(settings.server.copy_engine)
-    if not why:
-        return settings
-    logger.info("copy engine: %s (auto: %s)", engine, why)
-    server = msgspec.structs.replace(settings.server, copy_engine=engine)
-    return msgspec.structs.replace(settings, server=server)
 
 
 class Daemon:
@@ -159,7 +131,7 @@ class Daemon:
         self.metrics = Metrics(
             self.stats,
             pending_jobs=lambda: self._parts.jobs.in_flight if self._parts else 0,
-            ready=self._not_ready,
+            ready=lambda: self._parts.stats.not_ready() if self._parts else "starting",
             copy_engine=settings.server.copy_engine,
         )
         self._control = ControlSocket(
@@ -170,15 +142,6 @@ class Daemon:
             metrics=self.metrics,
             counters=self.counters,
         )
-
-    def _not_ready(self) -> str:
-        """What keeps the daemon from serving, for ``/readyz`` ("" when ready)."""
-        if self._parts is None or self._arena is None:
-            return "starting: the arena and the sockets are not up yet"
-        down = [tier.name for tier in self.stats().tiers if not tier.healthy]
-        return f"tier {', '.join(down)} unhealthy" if down else ""
-
-    # ----------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> Daemon:
         await self.start()
@@ -247,18 +210,9 @@ class Daemon:
         except BaseException:
             await self._drain_tiers()
             await self._close_events()
-            created = self._arena.path if self._arena is not None and self._arena.created else ""
-            self._release_resources()
-            if created:  # a first start that failed leaves no arena (nor its pre-faulted pages)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(created)
+            self._release_resources(failed=True)
             raise
-        path = copy_path(self._copy, self._arena)
-        if not all(path.values()):
-            logger.error(
-                "copy path DEGRADED: %s; see the warnings above (offloadd status shows it too)",
-                ", ".join(f"not {feature}" for feature, ok in path.items() if not ok),
-            )
+        warn_if_degraded(copy_path(self._copy, self._arena))
         self._notify.ready(f"serving on {self.endpoint}; no engines yet")
         logger.info(
             "offloadd serving on %s (arena %s, %d MiB, %s eviction, %s copies)",
@@ -413,7 +367,8 @@ class Daemon:
                 self._parts.announce.events_closed()
             await events.close()
 
-    def _release_resources(self) -> None:
+    def _release_resources(self, *, failed: bool = False) -> None:
+        """Close what ``start`` opened; after a failed start, also the arena it created."""
         self.metrics.close()
         forced = self.forced
         if self._copy is not None and not forced:
@@ -442,7 +397,8 @@ class Daemon:
             self._journal = None
         if self._arena is not None:
             if self._tiers_closed and not forced:
-                self._arena.close()
+                # A first start that failed leaves no arena (nor its pre-faulted pages).
+                self._arena.close(remove=failed and self._arena.created)
             else:
                 # A tier's thread may still read or write it: unmapping would crash it.
                 logger.warning("copies or tiers did not stop: the arena stays mapped until exit")

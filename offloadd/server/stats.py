@@ -10,6 +10,7 @@ Contract of ``Stats`` (the event loop's thread only, once the daemon is wired):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -29,7 +30,9 @@ from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable
 from protocol.messages import DaemonStats, EngineState, GetStats, Reply, StatsResult
 
-__all__ = ["Stats", "copy_path"]
+__all__ = ["Stats", "copy_path", "warn_if_degraded"]
+
+logger = logging.getLogger(__name__)
 
 
 def copy_path(copy: CopyEngine | None, arena: Arena | None) -> dict[str, bool]:
@@ -39,6 +42,15 @@ def copy_path(copy: CopyEngine | None, arena: Arena | None) -> dict[str, bool]:
         return {}
     pinned = arena is not None and arena.pinned is not None
     return {"batched": bool(batched), "pinned": pinned}
+
+
+def warn_if_degraded(path: dict[str, bool]) -> None:
+    """Log once, at start, that the cuda engine runs without part of its fast path."""
+    if not all(path.values()):
+        logger.error(
+            "copy path DEGRADED: %s; see the warnings above (offloadd status shows it too)",
+            ", ".join(f"not {feature}" for feature, ok in path.items() if not ok),
+        )
 
 
 class Stats:
@@ -94,6 +106,13 @@ class Stats:
 
         visible = self._tenancy.visible_stats(self.all(), viewer, tenant_of)
         return StatsResult(request.request_id, visible)
+
+    def not_ready(self) -> str:
+        """What keeps the daemon from serving, for ``/readyz`` ("" when ready)."""
+        down = (
+            [tier.name for tier in self._tiers.stats() if not tier.healthy] if self._tiers else []
+        )
+        return f"tier {', '.join(down)} unhealthy" if down else ""
 
     def all(self) -> DaemonStats:
         """Every counter and engine; GetStats filters it per sender."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import msgspec
+
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal, discard
@@ -28,11 +30,19 @@ from offloadd.server.systemd import Notifier
 from offloadd.server.tiers import TierSlot
 from offloadd.settings import Settings
 from offloadd.tiers.base import Tier
+from offloadd.transfer.choice import choose_copy_engine
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
 from protocol.events import MEDIUM_DISK
 
-__all__ = ["PIN_PIECE", "open_arena", "open_copy_engine", "open_journal", "tier_slots"]
+__all__ = [
+    "PIN_PIECE",
+    "open_arena",
+    "open_copy_engine",
+    "open_journal",
+    "tier_slots",
+    "with_copy_engine_chosen",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +148,13 @@ def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
         )
         return None
     return tier
+
+
+def with_copy_engine_chosen(settings: Settings) -> Settings:
+    """``settings`` with ``server.copy_engine = "auto"`` replaced by the engine it picks."""
+    engine, why = choose_copy_engine(settings.server.copy_engine)
+    if not why:
+        return settings
+    logger.info("copy engine: %s (auto: %s)", engine, why)
+    server = msgspec.structs.replace(settings.server, copy_engine=engine)
+    return msgspec.structs.replace(settings, server=server)

@@ -153,3 +153,9 @@ def test_the_pure_mirror_does_not_import_vllm() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_composition_root_stays_small() -> None:
+    # daemon.py builds, wires and closes; anything else belongs in the part it is about.
+    lines = (ROOT / "offloadd" / "server" / "daemon.py").read_text().count("\n")
+    assert lines <= 450, f"offloadd/server/daemon.py has {lines} lines"
