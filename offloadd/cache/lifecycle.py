@@ -205,7 +205,9 @@ def _compile() -> list[bytes]:
             if phase in taken_in:
                 tables[take][state] = state | mark
             if mark in marks:
-                tables[drop][state] = state & ~mark & 0xFF
+                tables[drop][state] = (
+                    state & ~int(mark) & 0xFF
+                )  # int: ~ on a Mark complements within Mark
     return [bytes(table) for table in tables]
 
 
