@@ -46,7 +46,8 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
 
 Layout (what keeps a million entries small and a lookup cheap): an entry is a *row*, an
-index into numpy columns (``offloadd.cache.columns``): its state bits, its namespace and
+index into numpy columns (``offloadd.cache.columns``): its state bits (changed only through
+``offloadd.cache.lifecycle.step``, whose table is the entry lifecycle), its namespace and
 shard sizes (as small ids of interned values), and where its shard offsets begin in a pool
 column. The only per-entry Python objects are its key (the bytes the request brought) and
 the row number a per-namespace ``dict`` maps the key to. What only a few entries have at a
