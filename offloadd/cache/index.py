@@ -46,7 +46,8 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
 
 Layout (what keeps a million entries small and a lookup cheap): an entry is a *row*, an
-index into numpy columns (``offloadd.cache.columns``): its state bits, its namespace and
+index into numpy columns (``offloadd.cache.columns``): its state bits (changed only through
+``offloadd.cache.lifecycle.step``, whose table is the entry lifecycle), its namespace and
 shard sizes (as small ids of interned values), and where its shard offsets begin in a pool
 column. The only per-entry Python objects are its key (the bytes the request brought) and
 the row number a per-namespace ``dict`` maps the key to. What only a few entries have at a
@@ -76,9 +77,11 @@ from typing import cast
 
 import numpy as np
 
+from offloadd.cache import lifecycle
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.columns import Column
 from offloadd.cache.ledger import Ledger
+from offloadd.cache.lifecycle import Event
 from offloadd.cache.policy import RowPolicy, make_row_policy
 from offloadd.cache.watchers import Watchers
 
@@ -94,17 +97,37 @@ __all__ = [
     "StoreReservation",
 ]
 
-# State bits of a row. A bit is set exactly when the row has an entry in the matching dict.
-_COMMITTED = 1
-_DEAD = 2  # out of the index; its extents wait for what still uses them
-_WRITING = 4  # _writing: shards being written
-_READING = 8  # _readers: loads in flight
-_HELD = 16  # _row_holds: scheduler holds
-_PINNED = 32  # _pins: lookup leases
-_RESERVED = 64  # _reserved_by: a scheduler's reservation
-_LEAVING = 128  # removed, waiting for watchers to acknowledge (offloadd.cache.watchers)
+# State bits of a row (offloadd.cache.lifecycle); each state change is a lifecycle.step. A
+# mark's bit is set exactly when the row has an entry in the matching dict: _writing (shards
+# being written), _readers (loads in flight), _row_holds, _pins, _reserved_by.
+_COMMITTED = lifecycle.COMMITTED
+_DEAD = lifecycle.DEAD
+_WRITING = lifecycle.WRITING
+_READING = lifecycle.READING
+_HELD = lifecycle.HELD
+_PINNED = lifecycle.PINNED
+_RESERVED = lifecycle.RESERVED
+_LEAVING = lifecycle.LEAVING
 _BUSY = _WRITING | _READING | _HELD | _RESERVED  # never evicted (pins are checked apart)
-_USES_EXTENTS = _WRITING | _READING | _HELD | _LEAVING  # keep a dead row's extents
+# Per state byte: whether the row may be freed (dead, and no copy, hold or watcher uses it).
+_RELEASABLE = lifecycle.allowed(Event.RELEASE)
+# Events as plain ints, for the hot paths.
+_ALLOCATE = int(Event.ALLOCATE)
+_COMMIT = int(Event.COMMIT)
+_UNLINK = int(Event.UNLINK)
+_UNLINK_WATCHED = int(Event.UNLINK_WATCHED)
+_ACK = int(Event.ACK)
+_RELEASE = int(Event.RELEASE)
+_RESERVE = int(Event.RESERVE)
+_UNRESERVE = int(Event.UNRESERVE)
+_START_WRITE = int(Event.START_WRITE)
+_STOP_WRITE = int(Event.STOP_WRITE)
+_START_READ = int(Event.START_READ)
+_STOP_READ = int(Event.STOP_READ)
+_HOLD = int(Event.HOLD)
+_UNHOLD = int(Event.UNHOLD)
+_PIN = int(Event.PIN)
+_UNPIN = int(Event.UNPIN)
 
 
 class Entry:
@@ -411,12 +434,14 @@ class ChunkCache:
             align,
             boundary=self._alloc.boundary,
         )
+        rows = []
         for chunk in kept:
             shape = self._shape_id(tuple(chunk.sizes))
-            row = self._new_row(chunk.namespace, chunk.key, shape, list(chunk.offsets))
-            self._state.v[row] = _COMMITTED
+            rows.append(self._new_row(chunk.namespace, chunk.key, shape, list(chunk.offsets)))
             self._committed += 1
             self._committed_bytes += sum(chunk.sizes)
+        state = self._state.a
+        state[rows] = lifecycle.step_all(state[rows], Event.COMMIT)
         return len(kept)
 
     def committed_chunks(self) -> list[RestoredChunk]:
@@ -619,7 +644,7 @@ class ChunkCache:
                 break
             table = self._tables[namespace]
             reserved_by[row] = owner
-            self._state.v[row] |= _RESERVED
+            self._state.v[row] = lifecycle.step(self._state.v[row], _RESERVE)
             self._ledger.charge(owner, self._nbytes[shape], account)
             if mine is None:
                 mine = self._reservations.setdefault(owner, set())
@@ -651,7 +676,7 @@ class ChunkCache:
         refund, nbytes, shape_of = self._ledger.refund, self._nbytes, self._shape.v
         for row in rows:
             del self._reserved_by[row]
-            self._state.v[row] &= ~_RESERVED & 0xFF
+            self._state.v[row] = lifecycle.step(self._state.v[row], _UNRESERVE)
             refund(owner, nbytes[shape_of[row]])
             self._unlink(row, evicted=False)
             self._free_if_idle(row)
@@ -703,10 +728,10 @@ class ChunkCache:
                 written = self._written.get(row, 0) | bit
                 if written == (1 << len(entry.sizes)) - 1:
                     self._written.pop(row, None)
-                    state[row] |= _COMMITTED
+                    self._end_reservation(row)  # a reservation never outlives the pending entry
+                    state[row] = lifecycle.step(state[row], _COMMIT)
                     self._committed += 1
                     self._committed_bytes += entry.nbytes
-                    self._end_reservation(row)
                     committed.append(entry)
                 else:
                     self._written[row] = written
@@ -715,7 +740,7 @@ class ChunkCache:
     def _end_reservation(self, row: int) -> None:
         owner = self._reserved_by.pop(row, None)
         if owner is not None:
-            self._state.v[row] &= ~_RESERVED & 0xFF
+            self._state.v[row] = lifecycle.step(self._state.v[row], _UNRESERVE)
             self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
             reserved = self._reservations[owner]
             reserved.discard(row)
@@ -774,7 +799,7 @@ class ChunkCache:
                 self._readers[row] = readers
             else:
                 del self._readers[row]
-                state[row] &= ~_READING & 0xFF
+                state[row] = lifecycle.step(state[row], _STOP_READ)
                 if state[row] & _DEAD:
                     self._free_if_idle(row)
 
@@ -791,7 +816,7 @@ class ChunkCache:
 
     def _add_reader(self, row: int) -> None:
         self._readers[row] = self._readers.get(row, 0) + 1
-        self._state.v[row] |= _READING
+        self._state.v[row] = lifecycle.step(self._state.v[row], _START_READ)
 
     # -- holds ------------------------------------------------------------------------------
 
@@ -846,7 +871,7 @@ class ChunkCache:
                 self._hold_tokens.setdefault(owner, set()).add(token)
             held[key] = (row, 1 if previous is None else previous[1] + 1)
             self._row_holds[row] = self._row_holds.get(row, 0) + 1
-            state[row] |= _HELD
+            state[row] = lifecycle.step(state[row], _HOLD)
         if touched:
             self._policy.touch(touched)
         return missing + over if over else missing
@@ -895,7 +920,7 @@ class ChunkCache:
             return
         del self._row_holds[row]
         state = self._state.v
-        state[row] &= ~_HELD & 0xFF
+        state[row] = lifecycle.step(state[row], _UNHOLD)
         if state[row] & _DEAD:
             self._free_if_idle(row)
 
@@ -921,7 +946,7 @@ class ChunkCache:
     def _release_leaving(self, rows: list[int]) -> None:
         state = self._state.v
         for row in rows:
-            state[row] &= ~_LEAVING & 0xFF
+            state[row] = lifecycle.step(state[row], _ACK)
             self._leaving_bytes -= self._footprints[self._shape.v[row]]
             self._free_if_idle(row)
 
@@ -1079,7 +1104,7 @@ class ChunkCache:
         pool, align = self._offsets.v, self._align
         for slot, offset in enumerate(offsets, base):
             pool[slot] = offset // align
-        state.v[row] = 0
+        state.v[row] = lifecycle.step(state.v[row], _ALLOCATE)
         self._ns.v[row] = namespace_id
         self._shape.v[row] = shape
         self._base.v[row] = base
@@ -1140,12 +1165,12 @@ class ChunkCache:
             entry._row = -1
         self._written.pop(row, None)
         self._keys[row] = None
-        self._state.v[row] = 0
+        self._state.v[row] = lifecycle.step(self._state.v[row], _RELEASE)
         self._free_rows.append(row)
 
     def _start_writing(self, row: int, bit: int) -> None:
         self._writing[row] = self._writing.get(row, 0) | bit
-        self._state.v[row] |= _WRITING
+        self._state.v[row] = lifecycle.step(self._state.v[row], _START_WRITE)
 
     def _stop_writing(self, row: int, bit: int) -> None:
         writing = self._writing[row] & ~bit
@@ -1153,7 +1178,7 @@ class ChunkCache:
             self._writing[row] = writing
         else:
             del self._writing[row]
-            self._state.v[row] &= ~_WRITING & 0xFF
+            self._state.v[row] = lifecycle.step(self._state.v[row], _STOP_WRITE)
 
     def _cancel(self, writes: list[ShardWrite]) -> None:
         """Undo the writing bits of a ``begin_store`` that is about to raise."""
@@ -1166,7 +1191,7 @@ class ChunkCache:
         pins = self._pins.get(row)
         if pins is None:
             pins = self._pins[row] = {}
-            self._state.v[row] |= _PINNED
+            self._state.v[row] = lifecycle.step(self._state.v[row], _PIN)
         old = pins.get(owner)
         if old is not None and expiry <= old:
             return
@@ -1215,7 +1240,7 @@ class ChunkCache:
 
     def _unpin(self, row: int) -> None:
         del self._pins[row]
-        self._state.v[row] &= ~_PINNED & 0xFF
+        self._state.v[row] = lifecycle.step(self._state.v[row], _UNPIN)
 
     def _pinned(self, row: int, now: float) -> bool:
         """Whether an unexpired pin holds ``row``; drops the pins if all have expired."""
@@ -1352,15 +1377,16 @@ class ChunkCache:
         if state[row] & _PINNED:
             self._drop_pins(row)
         self._entries -= 1
+        event = _UNLINK
         if state[row] & _COMMITTED:
             self._committed -= 1
             self._committed_bytes -= sum(self._shapes[self._shape.v[row]])
             if self._watchers.leave(namespace, key, row):
-                state[row] |= _LEAVING
+                event = _UNLINK_WATCHED
                 self._leaving_bytes += self._footprint(row)
         else:
             self._end_reservation(row)
-        state[row] |= _DEAD
+        state[row] = lifecycle.step(state[row], event)
 
     def _evict(self, row: int, evicted: list[Entry], acker: str | None) -> None:
         self._unlink(row, evicted=True)
@@ -1380,6 +1406,5 @@ class ChunkCache:
 
     def _free_if_idle(self, row: int) -> None:
         """Release a dead row (and its extents) once no copy, hold or watcher uses them."""
-        bits = self._state.v[row]
-        if bits & _DEAD and not bits & _USES_EXTENTS and self._keys[row] is not None:
+        if _RELEASABLE[self._state.v[row]] and self._keys[row] is not None:
             self._release_row(row)
