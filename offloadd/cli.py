@@ -48,7 +48,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
         "control endpoint, e.g. ipc:///run/offloadd/offloadd.sock ('' = the default socket "
         "in the runtime directory)",
     ),
-    "--arena": ("cache", "arena", "arena file ('' = /dev/shm/offloadd-<uid>.arena)"),
+    "--arena": ("cache", "arena", "arena file ('' = /dev/shm/offloadd-<uid>/arena)"),
     "--journal": (
         "cache",
         "journal",

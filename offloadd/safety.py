@@ -77,6 +77,16 @@ def secret_file_problem(path: str, info: os.stat_result | None = None) -> str:
     return ""
 
 
+def owner_name(uid: int) -> str:
+    """``uid N (name)`` for messages that name who owns a file."""
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def engine_id_problem(engine_id: str) -> str:
     """Why ``engine_id`` is refused ("" when it is fine)."""
     if _ENGINE_ID.match(engine_id):

@@ -21,6 +21,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -767,3 +768,148 @@ def test_a_raw_store_from_a_raw_registration_is_judged_like_any_other(
         os.close(fd)
         peer.close()
         kv.close()
+
+
+# ---------------------------------------------------------------- round two (issue 22)
+
+
+def _drop_to(user: User) -> str:
+    # The interpreter may live where only root can read: start as root, then become ``user``
+    # for good (as peer_process does) before anything the test examines happens.
+    return f"import os; os.setgroups([]); os.setgid({user.gid}); os.setuid({user.uid}); "
+
+
+def _python_as(user: User, code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` as ``user`` (its primary group only)."""
+    return subprocess.run(
+        [sys.executable, "-c", _drop_to(user) + code],
+        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _plant(user: User, path: str, *, directory: bool = False, link_to: str = "") -> None:
+    """``user`` makes ``path``: a 0666 file (or a 0777 directory, or a symlink)."""
+    if link_to:
+        code = f"import os; os.symlink({link_to!r}, {path!r})"
+    elif directory:
+        code = f"import os; os.mkdir({path!r}); os.chmod({path!r}, 0o777)"
+    else:
+        code = (
+            f"import os; fd = os.open({path!r}, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666); "
+            "os.fchmod(fd, 0o666); os.write(fd, b'planted')"
+        )
+    planted = _python_as(user, code)
+    assert planted.returncode == 0, planted.stderr
+
+
+def test_an_arena_another_user_placed_is_refused(users: dict[str, User], workdir: str) -> None:
+    from offloadd.cache.arena import ArenaError
+
+    attacker = users["odtrust-a"]
+    tag = uuid.uuid4().hex[:12]
+    victim_file = f"{workdir}/journal-like"
+    with open(victim_file, "wb") as handle:
+        handle.write(b"the daemon's bytes")
+    squats = {
+        "file": f"/dev/shm/od-test-squat-{tag}.arena",  # /dev/shm is sticky: the file check
+        "symlink": f"/dev/shm/od-test-squat-{tag}.link",
+        "directory": f"/dev/shm/od-test-squat-{tag}.dir",
+    }
+    try:
+        _plant(attacker, squats["file"])
+        _plant(attacker, squats["symlink"], link_to=victim_file)
+        _plant(attacker, squats["directory"], directory=True)
+        _plant(attacker, squats["directory"] + "/arena")
+        for kind, path in squats.items():
+            arena = path + "/arena" if kind == "directory" else path
+            daemon = DaemonThread()
+            daemon.settings = msgspec.structs.replace(
+                daemon.settings, cache=msgspec.structs.replace(daemon.settings.cache, arena=arena)
+            )
+            try:
+                with pytest.raises(ArenaError) as refused:
+                    daemon.start()
+            finally:
+                daemon.stop()
+            assert path in str(refused.value), kind
+            assert f"uid {attacker.uid}" in str(refused.value), kind
+        # Nothing of the daemon reached what the attacker placed or pointed at.
+        with open(squats["file"], "rb") as handle:
+            assert handle.read() == b"planted"
+        with open(squats["directory"] + "/arena", "rb") as handle:
+            assert handle.read() == b"planted"
+        with open(victim_file, "rb") as handle:
+            assert handle.read() == b"the daemon's bytes"
+    finally:
+        for path in squats.values():
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+
+def _serve_as(user: User, home: str, endpoint: str) -> subprocess.Popen[str]:
+    """``offloadd serve`` as ``user`` with the default arena (and its state in ``home``)."""
+    command = [
+        sys.executable, "-m", "offloadd", "serve", "--endpoint", endpoint,
+        "--capacity", "4MiB", "--no-persist", "--events-endpoint", "",
+        "--metrics-address", "", "--log-level", "WARNING",
+    ]  # fmt: skip
+    code = (
+        "import sys, offloadd.cli, offloadd.server.daemon, offloadd.server.metrics, "
+        "offloadd.server.publisher, offloadd.cache.journal, pwd, grp; "
+        + _drop_to(user)
+        + f"sys.exit(offloadd.cli.main({command[3:]!r}))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home},
+        cwd="/tmp",
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_the_default_arena_directory_is_the_daemons_own(users: dict[str, User]) -> None:
+    attacker, owner = users["odtrust-a"], users["odtrust-b"]
+    arena_dir = f"/dev/shm/offloadd-{owner.uid}"
+    home = tempfile.mkdtemp(prefix="od-trust-home-", dir="/tmp")
+    os.chown(home, owner.uid, owner.gid)
+    endpoint = f"ipc://{home}/run/d.sock"
+    shutil.rmtree(arena_dir, ignore_errors=True)
+    try:
+        # The attacker was first: a 0777 directory with a 0666 arena in it.
+        _plant(attacker, arena_dir, directory=True)
+        _plant(attacker, arena_dir + "/arena")
+        served = _serve_as(owner, home, endpoint)
+        _, err = served.communicate(timeout=60)
+        assert served.returncode != 0
+        refusal = [line for line in err.splitlines() if line.startswith("offloadd: ")]
+        assert len(refusal) == 1, err
+        assert arena_dir in refusal[0] and f"uid {attacker.uid}" in refusal[0], refusal
+        with open(arena_dir + "/arena", "rb") as handle:
+            assert handle.read() == b"planted"
+        shutil.rmtree(arena_dir)
+
+        # Not pre-created: the daemon makes it, 0700, and the attacker cannot read the arena.
+        served = _serve_as(owner, home, endpoint)
+        try:
+            _until(lambda: os.path.exists(endpoint[len("ipc://") :]), "the daemon binding")
+            info = os.lstat(arena_dir)
+            assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (owner.uid, 0o700)
+            arena = os.lstat(arena_dir + "/arena")
+            assert (arena.st_uid, stat.S_IMODE(arena.st_mode)) == (owner.uid, 0o600)
+            peek = _python_as(attacker, f"open({arena_dir + '/arena'!r}, 'rb').read(1)")
+            assert "Permission denied" in peek.stderr
+        finally:
+            served.terminate()
+            served.communicate(timeout=60)
+    finally:
+        shutil.rmtree(arena_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
