@@ -222,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
     from offloadd.cache.arena import ArenaError
     from offloadd.cache.journal import JournalError
     from offloadd.endpoint import EndpointInUse, EndpointRefused
+    from offloadd.safety import UnsafePath
     from offloadd.server.daemon import run
     from offloadd.server.metrics import MetricsError
     from offloadd.server.publisher import EventBindError
@@ -236,6 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         JournalError,
         MetricsError,
         EventBindError,
+        UnsafePath,
     ) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 1

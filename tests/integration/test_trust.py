@@ -37,6 +37,7 @@ from prometheus_client import generate_latest
 
 import offloadd.peer
 import offloadd.transfer.handles
+from offloadd.cache.arena import Arena
 from offloadd.client import OffloadClient
 from offloadd.errors import (
     InvalidRequest,
@@ -46,8 +47,11 @@ from offloadd.errors import (
     RequestFailed,
 )
 from offloadd.peer import register
-from offloadd.settings import LimitsSettings, TenancySettings
+from offloadd.settings import DiskSettings, LimitsSettings, TenancySettings
 from offloadd.shm import SharedKVTensor
+from offloadd.tiers import chunkfile
+from offloadd.tiers.base import ChunkAddress
+from offloadd.tiers.disk import DiskTier
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.handles import KVRegion, ShmHandle
@@ -913,3 +917,101 @@ def test_the_default_arena_directory_is_the_daemons_own(users: dict[str, User]) 
     finally:
         shutil.rmtree(arena_dir, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_disk_directory_others_own_or_can_write_is_refused(
+    users: dict[str, User], workdir: str
+) -> None:
+    from offloadd.safety import UnsafePath
+
+    attacker = users["odtrust-a"]
+    theirs = f"{workdir}/theirs"
+    os.mkdir(theirs, 0o700)
+    os.chown(theirs, attacker.uid, attacker.gid)
+    shared = f"{workdir}/shared"
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)  # like /tmp: anyone may add files
+    linked = f"{workdir}/linked"
+    os.symlink(shared, linked)
+    for path, says in ((theirs, f"uid {attacker.uid}"), (shared, "writable"), (linked, "link")):
+        daemon = DaemonThread(disk=DiskSettings(path=path))
+        try:
+            with pytest.raises(UnsafePath) as refused:
+                daemon.start()
+        finally:
+            daemon.stop()
+        assert path in str(refused.value) and says in str(refused.value), refused.value
+    assert os.listdir(theirs) == []  # nothing of the daemon went there
+
+
+def _disk_chunk(arena: Arena, key: bytes, data: bytes, offset: int = 0) -> ChunkAddress:
+    arena.view(offset, len(data))[:] = data
+    return ChunkAddress("victim-ns", key, ((offset, len(data)),))
+
+
+def test_a_planted_temp_link_is_not_followed(workdir: str) -> None:
+    arena = Arena(f"/dev/shm/od-test-trust-{uuid.uuid4().hex[:12]}.arena", 1 << 20)
+    tier = DiskTier(f"{workdir}/disk", 1 << 20, direct_io=False, threads=1)
+    try:
+        arena.view(4 * PAGE, 6)[:] = b"arena!"
+        data = os.urandom(2 * PAGE)
+        chunk = _disk_chunk(arena, b"k" * 16, data)
+        temp = f"{workdir}/disk/{chunkfile.file_name('victim-ns', chunk.key)}.tmp"
+        # What an attacker with a way into the directory plants: a link to the daemon's arena.
+        os.symlink(arena.path, temp)
+        assert tier.put([chunk], arena).stored == [False]
+        assert tier.stats().errors == 1
+        assert os.stat(arena.path).st_size == 1 << 20  # not truncated
+        assert bytes(arena.view(4 * PAGE, 6)) == b"arena!"
+        assert os.path.islink(temp)  # not ours: left for whoever investigates
+        os.unlink(temp)
+        assert tier.put([chunk], arena).stored == [True]
+        target = ChunkAddress("victim-ns", chunk.key, ((8 * PAGE, len(data)),))
+        assert tier.get([target], arena) == [True]
+        assert bytes(arena.view(8 * PAGE, len(data))) == data
+    finally:
+        tier.close()
+        arena.close()
+
+
+def test_a_chunk_file_of_another_user_is_not_served(users: dict[str, User], workdir: str) -> None:
+    attacker = users["odtrust-a"]
+    arena = Arena(f"/dev/shm/od-test-trust-{uuid.uuid4().hex[:12]}.arena", 1 << 20)
+    tier = DiskTier(f"{workdir}/disk", 1 << 20, direct_io=False, threads=1)
+    forged_dir = f"{workdir}/forged"
+    try:
+        data, forged = os.urandom(2 * PAGE), os.urandom(2 * PAGE)
+        chunk = _disk_chunk(arena, b"v" * 16, data)
+        assert tier.put([chunk], arena).stored == [True]
+        # The attacker's file: the same name, a valid header and checksum, other bytes.
+        with DiskTier(f"{workdir}/scratch", 1 << 20, direct_io=False, threads=1) as scratch:
+            assert scratch.put([_disk_chunk(arena, chunk.key, forged, 4 * PAGE)], arena).stored
+        relative = chunkfile.file_name("victim-ns", chunk.key)
+        source = f"{workdir}/scratch/{relative}"
+        os.chmod(workdir, 0o755)
+        os.chmod(f"{workdir}/scratch", 0o755)
+        os.chmod(os.path.dirname(source), 0o755)
+        os.chmod(source, 0o644)
+        os.mkdir(forged_dir, 0o700)
+        os.chown(forged_dir, attacker.uid, attacker.gid)
+        copy = f"open({forged_dir + '/f'!r}, 'wb').write(open({source!r}, 'rb').read())"
+        copied = _python_as(attacker, copy)
+        assert copied.returncode == 0, copied.stderr
+        # Moved over the victim's file (as it would be in a directory others could write).
+        os.rename(forged_dir + "/f", f"{workdir}/disk/{relative}")
+        target = ChunkAddress("victim-ns", chunk.key, ((8 * PAGE, len(data)),))
+        arena.view(8 * PAGE, len(data))[:] = bytes(len(data))
+        assert tier.get([target], arena) == [False]
+        assert tier.stats().errors == 1
+        assert bytes(arena.view(8 * PAGE, len(data))) != forged
+        assert tier.contains("victim-ns", [chunk.key]) == [False]
+        # Nor after a restart: the scan drops it.
+        assert not os.path.exists(f"{workdir}/disk/{relative}")  # deleted as a bad file
+        copied = _python_as(attacker, copy)
+        assert copied.returncode == 0, copied.stderr
+        os.rename(forged_dir + "/f", f"{workdir}/disk/{relative}")
+        with DiskTier(f"{workdir}/disk", 1 << 20, direct_io=False, threads=1) as reopened:
+            assert reopened.contains("victim-ns", [chunk.key]) == [False]
+    finally:
+        tier.close()
+        arena.close()
