@@ -1015,3 +1015,31 @@ def test_a_chunk_file_of_another_user_is_not_served(users: dict[str, User], work
     finally:
         tier.close()
         arena.close()
+
+
+def test_descriptors_above_1023_do_not_stop_registrations(
+    daemon: DaemonThread, ranks: list[Rank]
+) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 4096:
+        pytest.skip("needs a descriptor limit of at least 4096")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+    kv = SharedKVTensor.create(16, PAGE, ["layer.0"], prefix="od-test")
+    fds = [os.open(kv.path, os.O_RDWR) for _ in range(1024)]
+    try:
+        # One registration as large as limits.regions_per_session allows: the daemon holds
+        # its 1,024 descriptors, so the next registration's pidfd lies above 1023.
+        register(daemon.endpoint, uuid.uuid4().bytes, fds)
+        rank = make_rank(daemon.endpoint, tp=1, engine_id="after-many")
+        ranks.append(rank)
+        rank.fill(5)
+        _store(rank, chain_keys(2, b"after-many"), range(2))
+        assert rank.client is not None
+        assert rank.client.lookup(chain_keys(2, b"after-many")).hits == 2
+    finally:
+        for fd in fds:
+            os.close(fd)
+        kv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
