@@ -50,7 +50,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
         "control endpoint, e.g. ipc:///run/offloadd/offloadd.sock ('' = the default socket "
         "in the runtime directory)",
     ),
-    "--arena": ("cache", "arena", "arena file ('' = /dev/shm/offloadd-<uid>.arena)"),
+    "--arena": ("cache", "arena", "arena file ('' = /dev/shm/offloadd-<uid>/arena)"),
     "--journal": (
         "cache",
         "journal",
@@ -226,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
     from offloadd.cache.arena import ArenaError
     from offloadd.cache.journal import JournalError
     from offloadd.endpoint import EndpointInUse, EndpointRefused
+    from offloadd.safety import UnsafePath
     from offloadd.server.daemon import run
     from offloadd.server.metrics import MetricsError
     from offloadd.server.preflight import PreflightError
@@ -242,6 +243,7 @@ def _serve(args: argparse.Namespace) -> int:
         MetricsError,
         EventBindError,
         PreflightError,
+        UnsafePath,
     ) as exc:
         print(f"offloadd: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,8 @@ own error with the setting to fix:
   and writable by nobody else, or another local user could replace what is in it.
 - ``secret_file_problem(path)``: a key file must be a regular file of the daemon's user (or
   root) that neither group nor others can read or write.
+- ``owner_name(uid)``: who owns a file, for those messages; ``UnsafePath``: the error a
+  caller raises with one of them (the daemon refuses to start on it).
 - ``engine_id_problem(engine_id)``: engine ids are names in logs, metrics labels and event
   topics, so they are held to a short safe alphabet (vLLM's uuid4 ids and their ``_dpN``
   suffixes fit).
@@ -23,6 +25,10 @@ import stat
 
 _ENGINE_ID = re.compile(r"[A-Za-z0-9_.:@/+\-]{1,128}\Z")
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class UnsafePath(Exception):
+    """A configured file or directory others could change; the message names it and the fix."""
 
 
 def _trusted_owner(uid: int) -> bool:
@@ -75,6 +81,16 @@ def secret_file_problem(path: str, info: os.stat_result | None = None) -> str:
             f"run chmod 600 {path}"
         )
     return ""
+
+
+def owner_name(uid: int) -> str:
+    """``uid N (name)`` for messages that name who owns a file."""
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def engine_id_problem(engine_id: str) -> str:

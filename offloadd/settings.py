@@ -4,10 +4,11 @@ An empty string has one documented meaning per setting, the same from every sour
 
 * "derive a default": ``server.endpoint`` (the control socket goes in the runtime directory:
   ``$RUNTIME_DIRECTORY`` under systemd, else ``/run/offloadd`` where it exists, else
-  ``$XDG_RUNTIME_DIR/offloadd``, else ``/tmp/offloadd-<uid>``), ``cache.arena`` (in
-  ``/dev/shm``), ``cache.journal`` (the arena's commit journal, and its key, in the state
-  directory: ``$STATE_DIRECTORY`` under systemd, else ``$XDG_STATE_HOME/offloadd``, else
-  ``~/.local/state/offloadd``, where no rank can reach it), ``events.pod`` (the host name);
+  ``$XDG_RUNTIME_DIR/offloadd``, else ``/tmp/offloadd-<uid>``), ``cache.arena``
+  (``/dev/shm/offloadd-<uid>/arena``, in a directory of the daemon's own), ``cache.journal``
+  (the arena's commit journal, and its key, in the state directory: ``$STATE_DIRECTORY``
+  under systemd, else ``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``, where
+  no rank can reach it), ``events.pod`` (the host name);
 * "off": ``events.endpoint`` (no KV events, as ``enabled = false``),
   ``events.replay_endpoint`` (no replay socket), ``metrics.address`` (no HTTP server),
   ``server.socket_group`` (the group is left as created), ``server.curve_secret_key_file``
@@ -228,13 +229,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def arena_path(self) -> str:
         """The arena file, defaulted."""
-        return self.cache.arena or f"/dev/shm/offloadd-{os.getuid()}.arena"
+        return self.cache.arena or os.path.join(default_arena_dir(), "arena")
 
     def journal_path(self) -> str:
         """The commit journal, defaulted beside nothing a rank can name."""
         if self.cache.journal:
             return self.cache.journal
-        return os.path.join(state_dir(), os.path.basename(self.arena_path()) + ".journal")
+        # The default keeps the name it had when the arena lay in /dev/shm itself.
+        name = os.path.basename(self.cache.arena) or f"offloadd-{os.getuid()}.arena"
+        return os.path.join(state_dir(), name + ".journal")
+
+
+def default_arena_dir() -> str:
+    """``/dev/shm/offloadd-<uid>``: the daemon's own 0700 directory for the default arena."""
+    return f"/dev/shm/offloadd-{os.getuid()}"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -570,7 +578,7 @@ def _absolute_path_problem(path: str) -> str:
 def _arena_problem(path: str) -> str:
     problem = _absolute_path_problem(path)
     if problem or not path:
-        return f'{problem}; or "" for /dev/shm/offloadd-<uid>.arena' if problem else ""
+        return f'{problem}; or "" for /dev/shm/offloadd-<uid>/arena' if problem else ""
     if not os.path.isdir(os.path.dirname(path)):
         return f"directory {os.path.dirname(path)!r} of {path!r} does not exist"
     return ""

@@ -1,11 +1,16 @@
 """The arena: one shared-memory file, sized at start, that holds every cached shard.
 
 The file is locked (``flock``) for as long as a daemon uses it, so two daemons can never
-share one arena by accident. It is pre-faulted at start (``MADV_POPULATE_WRITE``, else one
-write per page), because first-touch faults would otherwise run at a fraction of memcpy
-speed inside the first copies. A large arena is pre-faulted by a few threads on disjoint
-ranges (``madvise`` through ctypes, which releases the GIL; Python's ``mmap.madvise`` does
-not), with progress reported from the constructing thread.
+share one arena by accident. Nobody else may have placed it or be able to swap it: it is
+created with ``O_EXCL|O_NOFOLLOW`` in a directory only the daemon's user can change (or a
+sticky one such as ``/dev/shm``, where nobody can rename or remove another user's file), and
+an existing file is reused only when ``fstat`` says it is the daemon's own regular file, with
+one link and no group or other access bits (``ArenaError`` names the path and its owner).
+It is pre-faulted at start (``MADV_POPULATE_WRITE``, else one write per page), because
+first-touch faults would otherwise run at a fraction of memcpy speed inside the first copies.
+A large arena is pre-faulted by a few threads on disjoint ranges (``madvise`` through ctypes,
+which releases the GIL; Python's ``mmap.madvise`` does not), with progress reported from the
+constructing thread.
 
 ``memory_backed`` says whether the file lives in memory (tmpfs, hugetlbfs, ramfs: gone at a
 reboot) or on a disk; on a disk, ``sync(offset, size)`` (``msync``) makes a range durable
@@ -25,9 +30,12 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from offloadd.safety import owner_name, private_dir_problem
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +99,8 @@ class Arena:
         directory = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(directory):
             raise ArenaError(f"arena directory {directory} does not exist")
-        created = not os.path.exists(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _check_directory(directory, path)
+        fd, created = _open_own_file(path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -234,6 +242,61 @@ class Arena:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         os.close(self._fd)
+
+
+def _check_directory(directory: str, path: str) -> None:
+    """Refuse a directory where another user could rename, remove or replace the arena."""
+    problem = private_dir_problem(directory)
+    if not problem:
+        return
+    info = os.stat(directory)
+    if info.st_mode & stat.S_ISVTX and not os.path.islink(directory):
+        return  # sticky (/dev/shm, /tmp): only the file's owner can rename or remove it
+    raise ArenaError(f"arena {path}: {problem}")
+
+
+def _open_own_file(path: str) -> tuple[int, bool]:
+    """A descriptor of the daemon's own arena file at ``path``, and whether it was created.
+
+    New files are made with O_EXCL|O_NOFOLLOW; an existing one must pass ``fstat``: a regular
+    file of the daemon's user, one link, no access for group or others.
+    """
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK)  # a fifo planted there must not block us
+    except OSError as exc:
+        raise ArenaError(_foreign_arena(path, f"cannot be opened ({exc.strerror})")) from exc
+    info = os.fstat(fd)
+    problem = ""
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_uid != os.geteuid():
+        problem = "is not the daemon's file"
+    elif info.st_nlink != 1:
+        problem = f"has {info.st_nlink} names (hard links)"
+    elif stat.S_IMODE(info.st_mode) & 0o077:
+        problem = f"is open to group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if problem:
+        os.close(fd)
+        raise ArenaError(_foreign_arena(path, problem))
+    return fd, False
+
+
+def _foreign_arena(path: str, problem: str) -> str:
+    try:
+        uid = os.lstat(path).st_uid
+        owner = f"owned by {owner_name(uid)}"
+    except OSError:
+        owner = "gone"
+    return (
+        f"arena {path} ({owner}) {problem}: another user may have placed it to read or change "
+        f"the cache; the daemon (uid {os.geteuid()}) refuses it. Remove it or set cache.arena "
+        "to a path in a directory only the daemon's user can write"
+    )
 
 
 def _free_bytes(directory: str) -> int:

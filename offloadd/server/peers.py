@@ -99,8 +99,10 @@ class Registration:
             return False
         import select
 
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return bool(readable)
+        # poll, not select: a pidfd above 1023 (a daemon holding many descriptors) is fine.
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         """Close every descriptor still held. Idempotent."""

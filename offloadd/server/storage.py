@@ -4,7 +4,8 @@ Both report their progress to systemd (``STATUS=`` lines, and more start-up time
 work), since pre-faulting a large arena or verifying the chunks of a previous run takes
 seconds to minutes.
 
-- ``open_arena(settings, notify, cuda=)``: create (or reopen) the arena file, pre-fault it
+- ``open_arena(settings, notify, cuda=)``: create (or reopen) the arena file (the default
+  one in its own 0700 directory, created here), pre-fault it
   and, on a cuda daemon, register it as pinned memory in pieces of ``PIN_PIECE``.
 - ``open_journal(settings, arena, cache, notify)``: with ``cache.persist``, replay the
   previous run's journal into ``cache`` (warm restart), compact it so that it names exactly
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import msgspec
 
@@ -28,7 +30,7 @@ from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal, discard
 from offloadd.server.systemd import Notifier
 from offloadd.server.tiers import TierSlot
-from offloadd.settings import Settings
+from offloadd.settings import Settings, default_arena_dir
 from offloadd.tiers.base import Tier
 from offloadd.transfer.choice import choose_copy_engine
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
@@ -64,6 +66,10 @@ def open_arena(settings: Settings, notify: Notifier, *, cuda: bool) -> Arena:
         return register_host_memory(address, size, piece=PIN_PIECE, progress=progress)
 
     notify.status("preparing the arena")
+    if not settings.cache.arena:
+        # Checked by Arena like any directory: another user's (pre-created) one is refused.
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(default_arena_dir(), 0o700)
     return Arena(
         settings.arena_path(),
         settings.cache.capacity,

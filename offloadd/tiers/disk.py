@@ -22,6 +22,12 @@ A ``Tier`` (see ``offloadd.tiers.base`` for the contract); what this one adds:
   Within one ``put`` or ``get`` the chunks' files are moved by ``threads`` I/O threads (a
   disk serves several requests at once far faster than one; checksums run on them too).
   Room is made before the writes start, in chunk order, so evictions are deterministic.
+- Trust: the directory and its fan-out directories must be the daemon's and writable by
+  nobody else, not symlinks (``UnsafePath`` at open otherwise), and are then reached only
+  through descriptors opened at start. Temporary files are made with
+  ``O_CREAT|O_EXCL|O_NOFOLLOW`` (a planted ``.tmp`` link is never followed), chunk files are
+  opened with ``O_NOFOLLOW`` and served only when ``fstat`` says they are the daemon's regular
+  files (one of another user's is a bad file: counted, deleted, a miss).
 - Faults: an OSError (ENOSPC, EIO, ...) or a bad file is counted in ``stats().errors``,
   logged once per kind, and answered False; it never raises.
 """
@@ -33,6 +39,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +50,7 @@ from typing import TypeVar
 
 from offloadd.cache.arena import Arena
 from offloadd.checksum import checksum_of, checksum_views
+from offloadd.safety import UnsafePath, private_dir_problem
 from offloadd.settings import DiskSettings
 from offloadd.tiers import chunkfile
 from offloadd.tiers.base import ChunkAddress, Tier, TierCounters, TierStats, TierWrite
@@ -79,8 +87,18 @@ class DiskTier(Tier):
     ) -> None:
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o700, exist_ok=True)
-        for index in range(256):
-            os.makedirs(os.path.join(self.path, f"{index:02x}"), mode=0o700, exist_ok=True)
+        self._dirs: dict[str, int] = {}  # fan-out directory -> its descriptor
+        try:
+            self._check_dir(self.path)
+            for index in range(256):
+                name = f"{index:02x}"
+                directory = os.path.join(self.path, name)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(directory, 0o700)
+                self._dirs[name] = self._check_dir(directory)
+        except BaseException:
+            self._close_dirs()
+            raise
         if capacity <= 0:
             info = os.statvfs(self.path)
             capacity = info.f_bavail * info.f_frsize // 2
@@ -98,6 +116,29 @@ class DiskTier(Tier):
         )
         self._closed = False
         self._scan()
+
+    @staticmethod
+    def _check_dir(directory: str) -> int:
+        """A descriptor of ``directory`` once it is the daemon's own; UnsafePath if not."""
+        problem = private_dir_problem(directory)
+        if problem:
+            raise UnsafePath(f"disk.path: {problem}")
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        info = os.fstat(fd)  # the one opened, not one swapped in after the check
+        if info.st_uid not in (os.geteuid(), 0) or info.st_mode & 0o022:
+            os.close(fd)
+            raise UnsafePath(f"disk.path: {directory} changed while it was checked")
+        return fd
+
+    def _close_dirs(self) -> None:
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+
+    def _split(self, relative: str) -> tuple[int, str]:
+        """The fan-out directory's descriptor and the file's name in it."""
+        directory, name = relative.split("/", 1)
+        return self._dirs[directory], name
 
     @classmethod
     def from_settings(cls, settings: DiskSettings) -> DiskTier:
@@ -185,6 +226,7 @@ class DiskTier(Tier):
             bounces, self._bounces = self._bounces, []
         for bounce in bounces:
             bounce.close()
+        self._close_dirs()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -257,16 +299,19 @@ class DiskTier(Tier):
 
     def _write(self, chunk: ChunkAddress, arena: Arena, relative: str) -> None:
         """Write the chunk to ``relative`` + TEMP_SUFFIX, then rename it into place."""
-        final = os.path.join(self.path, relative)
+        directory, final = self._split(relative)
         temp = final + chunkfile.TEMP_SUFFIX
         sizes = [size for _, size in chunk.extents]
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        # Never an existing name: a .tmp planted there (a link to the arena, say) is not
+        # followed, opened or truncated; the write fails and counts as a fault instead.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             with _views(arena, chunk.extents) as views:
                 header = chunkfile.pack_header(
                     chunk.namespace, chunk.key, sizes, checksum_views(views)
                 )
-                fd = os.open(temp, flags | (os.O_DIRECT if self.direct_io else 0), 0o600)
+                direct = os.O_DIRECT if self.direct_io else 0
+                fd = os.open(temp, flags | direct, 0o600, dir_fd=directory)
                 try:
                     if self.direct_io and _page_aligned(arena, chunk.extents):
                         # The arena's pages go to the device as they are; only the header
@@ -292,18 +337,30 @@ class DiskTier(Tier):
                         _write_fully(fd, [header, *views, padding])
                 finally:
                     os.close(fd)
-            os.rename(temp, final)
+            # By path: the directories are the daemon's and nobody else can write them.
+            placed = os.path.join(self.path, relative)
+            os.rename(placed + chunkfile.TEMP_SUFFIX, placed)
+        except FileExistsError:
+            raise  # someone else's name: not ours to remove
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=directory)
             raise
 
     def _read(self, chunk: ChunkAddress, arena: Arena, known: _File) -> None:
         """Fill the chunk's extents from ``known``; _Corrupt or OSError when it cannot."""
-        path = os.path.join(self.path, known.name)
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
-        fd = os.open(path, flags)
+        directory, name = self._split(known.name)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
         try:
+            fd = os.open(name, flags, dir_fd=directory)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _Corrupt("a symbolic link, not a chunk file") from None
+            raise
+        try:
+            problem = _foreign(os.fstat(fd))
+            if problem:
+                raise _Corrupt(problem)
             with _views(arena, chunk.extents) as views:
                 if self.direct_io and _page_aligned(arena, chunk.extents):
                     # Straight into the arena; only the header lands in the bounce buffer.
@@ -381,7 +438,8 @@ class DiskTier(Tier):
     def _touch(self, relative: str) -> None:
         # The mtime is the recency the next open starts from; losing one is harmless.
         with contextlib.suppress(OSError):
-            os.utime(os.path.join(self.path, relative))
+            directory, name = self._split(relative)
+            os.utime(name, dir_fd=directory, follow_symlinks=False)
 
     def _evict(self, limit: int) -> list[Name]:
         """Delete least recently used files until at most ``limit`` bytes are used."""
@@ -409,7 +467,8 @@ class DiskTier(Tier):
 
     def _unlink(self, relative: str) -> None:
         try:
-            os.unlink(os.path.join(self.path, relative))
+            directory, name = self._split(relative)
+            os.unlink(name, dir_fd=directory)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -477,7 +536,7 @@ class DiskTier(Tier):
         with os.scandir(os.path.join(self.path, directory)) as entries:
             for entry in entries:
                 relative = f"{directory}/{entry.name}"
-                read = _read_entry(entry, relative)
+                read = _read_entry(entry, relative, self._dirs[directory])
                 if read is None:
                     self._unlink(relative)
                     dropped += 1
@@ -486,13 +545,27 @@ class DiskTier(Tier):
         return kept, dropped
 
 
-def _read_entry(entry: os.DirEntry[str], relative: str) -> tuple[float, Name, _File] | None:
+def _foreign(info: os.stat_result) -> str:
+    """Why a chunk file must not be served for not being the daemon's ("" when it is)."""
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"a file of uid {info.st_uid}, not the daemon's"
+    return ""
+
+
+def _read_entry(
+    entry: os.DirEntry[str], relative: str, directory: int
+) -> tuple[float, Name, _File] | None:
     """(mtime, name, file) of a chunk file whose header is intact; None: delete it."""
     if entry.name.endswith(chunkfile.TEMP_SUFFIX) or not entry.is_file(follow_symlinks=False):
         return None
     try:
         info = entry.stat(follow_symlinks=False)
-        with open(entry.path, "rb") as handle:
+        if _foreign(info):
+            return None
+        fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+        with open(fd, "rb") as handle:
             first = handle.read(chunkfile.ALIGN)
             length = chunkfile.header_length(first)
             data = first if length == len(first) else first + handle.read(length - len(first))

@@ -21,6 +21,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from prometheus_client import generate_latest
 import offloadd.peer
 import offloadd.transfer.guarded
 import offloadd.transfer.handles
+from offloadd.cache.arena import Arena
 from offloadd.client import OffloadClient
 from offloadd.errors import (
     InvalidRequest,
@@ -47,8 +49,11 @@ from offloadd.errors import (
     RequestFailed,
 )
 from offloadd.peer import register
-from offloadd.settings import LimitsSettings, TenancySettings
+from offloadd.settings import DiskSettings, LimitsSettings, TenancySettings
 from offloadd.shm import SharedKVTensor
+from offloadd.tiers import chunkfile
+from offloadd.tiers.base import ChunkAddress
+from offloadd.tiers.disk import DiskTier
 from protocol import PROTOCOL_VERSION
 from protocol.errors import ErrorCode
 from protocol.handles import KVRegion, ShmHandle
@@ -769,3 +774,274 @@ def test_a_raw_store_from_a_raw_registration_is_judged_like_any_other(
         os.close(fd)
         peer.close()
         kv.close()
+
+
+# ---------------------------------------------------------------- round two (issue 22)
+
+
+def _drop_to(user: User) -> str:
+    # The interpreter may live where only root can read: start as root, then become ``user``
+    # for good (as peer_process does) before anything the test examines happens.
+    return f"import os; os.setgroups([]); os.setgid({user.gid}); os.setuid({user.uid}); "
+
+
+def _python_as(user: User, code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` as ``user`` (its primary group only)."""
+    return subprocess.run(
+        [sys.executable, "-c", _drop_to(user) + code],
+        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _plant(user: User, path: str, *, directory: bool = False, link_to: str = "") -> None:
+    """``user`` makes ``path``: a 0666 file (or a 0777 directory, or a symlink)."""
+    if link_to:
+        code = f"import os; os.symlink({link_to!r}, {path!r})"
+    elif directory:
+        code = f"import os; os.mkdir({path!r}); os.chmod({path!r}, 0o777)"
+    else:
+        code = (
+            f"import os; fd = os.open({path!r}, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666); "
+            "os.fchmod(fd, 0o666); os.write(fd, b'planted')"
+        )
+    planted = _python_as(user, code)
+    assert planted.returncode == 0, planted.stderr
+
+
+def test_an_arena_another_user_placed_is_refused(users: dict[str, User], workdir: str) -> None:
+    from offloadd.cache.arena import ArenaError
+
+    attacker = users["odtrust-a"]
+    tag = uuid.uuid4().hex[:12]
+    victim_file = f"{workdir}/journal-like"
+    with open(victim_file, "wb") as handle:
+        handle.write(b"the daemon's bytes")
+    squats = {
+        "file": f"/dev/shm/od-test-squat-{tag}.arena",  # /dev/shm is sticky: the file check
+        "symlink": f"/dev/shm/od-test-squat-{tag}.link",
+        "directory": f"/dev/shm/od-test-squat-{tag}.dir",
+    }
+    try:
+        _plant(attacker, squats["file"])
+        _plant(attacker, squats["symlink"], link_to=victim_file)
+        _plant(attacker, squats["directory"], directory=True)
+        _plant(attacker, squats["directory"] + "/arena")
+        for kind, path in squats.items():
+            arena = path + "/arena" if kind == "directory" else path
+            daemon = DaemonThread()
+            daemon.settings = msgspec.structs.replace(
+                daemon.settings, cache=msgspec.structs.replace(daemon.settings.cache, arena=arena)
+            )
+            try:
+                with pytest.raises(ArenaError) as refused:
+                    daemon.start()
+            finally:
+                daemon.stop()
+            assert path in str(refused.value), kind
+            assert f"uid {attacker.uid}" in str(refused.value), kind
+        # Nothing of the daemon reached what the attacker placed or pointed at.
+        with open(squats["file"], "rb") as handle:
+            assert handle.read() == b"planted"
+        with open(squats["directory"] + "/arena", "rb") as handle:
+            assert handle.read() == b"planted"
+        with open(victim_file, "rb") as handle:
+            assert handle.read() == b"the daemon's bytes"
+    finally:
+        for path in squats.values():
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+
+def _serve_as(user: User, home: str, endpoint: str) -> subprocess.Popen[str]:
+    """``offloadd serve`` as ``user`` with the default arena (and its state in ``home``)."""
+    command = [
+        sys.executable, "-m", "offloadd", "serve", "--endpoint", endpoint,
+        "--capacity", "4MiB", "--no-persist", "--events-endpoint", "",
+        "--metrics-address", "", "--log-level", "WARNING",
+    ]  # fmt: skip
+    code = (
+        "import sys, offloadd.cli, offloadd.server.daemon, offloadd.server.metrics, "
+        "offloadd.server.publisher, offloadd.cache.journal, pwd, grp; "
+        + _drop_to(user)
+        + f"sys.exit(offloadd.cli.main({command[3:]!r}))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home},
+        cwd="/tmp",
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_the_default_arena_directory_is_the_daemons_own(users: dict[str, User]) -> None:
+    attacker, owner = users["odtrust-a"], users["odtrust-b"]
+    arena_dir = f"/dev/shm/offloadd-{owner.uid}"
+    home = tempfile.mkdtemp(prefix="od-trust-home-", dir="/tmp")
+    os.chown(home, owner.uid, owner.gid)
+    endpoint = f"ipc://{home}/run/d.sock"
+    shutil.rmtree(arena_dir, ignore_errors=True)
+    try:
+        # The attacker was first: a 0777 directory with a 0666 arena in it.
+        _plant(attacker, arena_dir, directory=True)
+        _plant(attacker, arena_dir + "/arena")
+        served = _serve_as(owner, home, endpoint)
+        _, err = served.communicate(timeout=60)
+        assert served.returncode != 0
+        refusal = [line for line in err.splitlines() if line.startswith("offloadd: ")]
+        assert len(refusal) == 1, err
+        assert arena_dir in refusal[0] and f"uid {attacker.uid}" in refusal[0], refusal
+        with open(arena_dir + "/arena", "rb") as handle:
+            assert handle.read() == b"planted"
+        shutil.rmtree(arena_dir)
+
+        # Not pre-created: the daemon makes it, 0700, and the attacker cannot read the arena.
+        served = _serve_as(owner, home, endpoint)
+        try:
+            _until(lambda: os.path.exists(endpoint[len("ipc://") :]), "the daemon binding")
+            info = os.lstat(arena_dir)
+            assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (owner.uid, 0o700)
+            arena = os.lstat(arena_dir + "/arena")
+            assert (arena.st_uid, stat.S_IMODE(arena.st_mode)) == (owner.uid, 0o600)
+            peek = _python_as(attacker, f"open({arena_dir + '/arena'!r}, 'rb').read(1)")
+            assert "Permission denied" in peek.stderr
+        finally:
+            served.terminate()
+            served.communicate(timeout=60)
+    finally:
+        shutil.rmtree(arena_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_disk_directory_others_own_or_can_write_is_refused(
+    users: dict[str, User], workdir: str
+) -> None:
+    from offloadd.safety import UnsafePath
+
+    attacker = users["odtrust-a"]
+    theirs = f"{workdir}/theirs"
+    os.mkdir(theirs, 0o700)
+    os.chown(theirs, attacker.uid, attacker.gid)
+    shared = f"{workdir}/shared"
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)  # like /tmp: anyone may add files
+    linked = f"{workdir}/linked"
+    os.symlink(shared, linked)
+    for path, says in ((theirs, f"uid {attacker.uid}"), (shared, "writable"), (linked, "link")):
+        daemon = DaemonThread(disk=DiskSettings(path=path))
+        try:
+            with pytest.raises(UnsafePath) as refused:
+                daemon.start()
+        finally:
+            daemon.stop()
+        assert path in str(refused.value) and says in str(refused.value), refused.value
+    assert os.listdir(theirs) == []  # nothing of the daemon went there
+
+
+def _disk_chunk(arena: Arena, key: bytes, data: bytes, offset: int = 0) -> ChunkAddress:
+    arena.view(offset, len(data))[:] = data
+    return ChunkAddress("victim-ns", key, ((offset, len(data)),))
+
+
+def test_a_planted_temp_link_is_not_followed(workdir: str) -> None:
+    arena = Arena(f"/dev/shm/od-test-trust-{uuid.uuid4().hex[:12]}.arena", 1 << 20)
+    tier = DiskTier(f"{workdir}/disk", 1 << 20, direct_io=False, threads=1)
+    try:
+        arena.view(4 * PAGE, 6)[:] = b"arena!"
+        data = os.urandom(2 * PAGE)
+        chunk = _disk_chunk(arena, b"k" * 16, data)
+        temp = f"{workdir}/disk/{chunkfile.file_name('victim-ns', chunk.key)}.tmp"
+        # What an attacker with a way into the directory plants: a link to the daemon's arena.
+        os.symlink(arena.path, temp)
+        assert tier.put([chunk], arena).stored == [False]
+        assert tier.stats().errors == 1
+        assert os.stat(arena.path).st_size == 1 << 20  # not truncated
+        assert bytes(arena.view(4 * PAGE, 6)) == b"arena!"
+        assert os.path.islink(temp)  # not ours: left for whoever investigates
+        os.unlink(temp)
+        assert tier.put([chunk], arena).stored == [True]
+        target = ChunkAddress("victim-ns", chunk.key, ((8 * PAGE, len(data)),))
+        assert tier.get([target], arena) == [True]
+        assert bytes(arena.view(8 * PAGE, len(data))) == data
+    finally:
+        tier.close()
+        arena.close()
+
+
+def test_a_chunk_file_of_another_user_is_not_served(users: dict[str, User], workdir: str) -> None:
+    attacker = users["odtrust-a"]
+    arena = Arena(f"/dev/shm/od-test-trust-{uuid.uuid4().hex[:12]}.arena", 1 << 20)
+    tier = DiskTier(f"{workdir}/disk", 1 << 20, direct_io=False, threads=1)
+    forged_dir = f"{workdir}/forged"
+    try:
+        data, forged = os.urandom(2 * PAGE), os.urandom(2 * PAGE)
+        chunk = _disk_chunk(arena, b"v" * 16, data)
+        assert tier.put([chunk], arena).stored == [True]
+        # The attacker's file: the same name, a valid header and checksum, other bytes.
+        with DiskTier(f"{workdir}/scratch", 1 << 20, direct_io=False, threads=1) as scratch:
+            assert scratch.put([_disk_chunk(arena, chunk.key, forged, 4 * PAGE)], arena).stored
+        relative = chunkfile.file_name("victim-ns", chunk.key)
+        source = f"{workdir}/scratch/{relative}"
+        os.chmod(workdir, 0o755)
+        os.chmod(f"{workdir}/scratch", 0o755)
+        os.chmod(os.path.dirname(source), 0o755)
+        os.chmod(source, 0o644)
+        os.mkdir(forged_dir, 0o700)
+        os.chown(forged_dir, attacker.uid, attacker.gid)
+        copy = f"open({forged_dir + '/f'!r}, 'wb').write(open({source!r}, 'rb').read())"
+        copied = _python_as(attacker, copy)
+        assert copied.returncode == 0, copied.stderr
+        # Moved over the victim's file (as it would be in a directory others could write).
+        os.rename(forged_dir + "/f", f"{workdir}/disk/{relative}")
+        target = ChunkAddress("victim-ns", chunk.key, ((8 * PAGE, len(data)),))
+        arena.view(8 * PAGE, len(data))[:] = bytes(len(data))
+        assert tier.get([target], arena) == [False]
+        assert tier.stats().errors == 1
+        assert bytes(arena.view(8 * PAGE, len(data))) != forged
+        assert tier.contains("victim-ns", [chunk.key]) == [False]
+        # Nor after a restart: the scan drops it.
+        assert not os.path.exists(f"{workdir}/disk/{relative}")  # deleted as a bad file
+        copied = _python_as(attacker, copy)
+        assert copied.returncode == 0, copied.stderr
+        os.rename(forged_dir + "/f", f"{workdir}/disk/{relative}")
+        with DiskTier(f"{workdir}/disk", 1 << 20, direct_io=False, threads=1) as reopened:
+            assert reopened.contains("victim-ns", [chunk.key]) == [False]
+    finally:
+        tier.close()
+        arena.close()
+
+
+def test_descriptors_above_1023_do_not_stop_registrations(
+    daemon: DaemonThread, ranks: list[Rank]
+) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 4096:
+        pytest.skip("needs a descriptor limit of at least 4096")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+    kv = SharedKVTensor.create(16, PAGE, ["layer.0"], prefix="od-test")
+    fds = [os.open(kv.path, os.O_RDWR) for _ in range(1024)]
+    try:
+        # One registration as large as limits.regions_per_session allows: the daemon holds
+        # its 1,024 descriptors, so the next registration's pidfd lies above 1023.
+        register(daemon.endpoint, uuid.uuid4().bytes, fds)
+        rank = make_rank(daemon.endpoint, tp=1, engine_id="after-many")
+        ranks.append(rank)
+        rank.fill(5)
+        _store(rank, chain_keys(2, b"after-many"), range(2))
+        assert rank.client is not None
+        assert rank.client.lookup(chain_keys(2, b"after-many")).hits == 2
+    finally:
+        for fd in fds:
+            os.close(fd)
+        kv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

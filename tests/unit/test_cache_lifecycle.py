@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -68,7 +70,7 @@ ALL_MARKS = [Mark.WRITING, Mark.READING, Mark.HELD, Mark.PINNED, Mark.RESERVED]
 
 def states() -> list[tuple[int, Phase, set[Mark]]]:
     """Every legal state byte, its phase and marks (by the oracle)."""
-    out = []
+    out: list[tuple[int, Phase, set[Mark]]] = []
     for phase, keeps in KEEPS.items():
         if phase is P.FREE:
             continue
@@ -435,7 +437,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def each_mark_has_its_dict_entry(self) -> None:
         c = self.cache
-        dicts = {
+        dicts: dict[Mark, Container[int]] = {
             Mark.WRITING: c._writing,
             Mark.READING: c._readers,
             Mark.HELD: c._row_holds,

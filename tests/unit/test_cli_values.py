@@ -214,7 +214,7 @@ EMPTY_MEANS_SOMETHING = {
     ("server", "socket_group"),  # the group the socket is created with
     ("server", "curve_secret_key_file"),  # no CURVE
     ("server", "curve_clients_dir"),  # with CURVE: any client key
-    ("cache", "arena"),  # /dev/shm/offloadd-<uid>.arena
+    ("cache", "arena"),  # /dev/shm/offloadd-<uid>/arena
     ("cache", "journal"),  # <state dir>/<arena name>.journal
     ("events", "endpoint"),  # events off
     ("events", "replay_endpoint"),  # no replay
