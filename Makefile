@@ -1,4 +1,4 @@
-.PHONY: demo test serve mutate
+.PHONY: demo test serve mutate dist
 
 # Set-up happens inside each target (scripts/bootstrap.sh), so both work on a fresh machine.
 demo:
@@ -11,6 +11,16 @@ serve:
 
 test:
 	scripts/test.sh
+
+# The wheel to install on a node (`pip install dist/offloadd-*.whl`, into the venv that
+# systemd/offloadd.service runs), built without its dependencies, which pip resolves there.
+# Needs only a Python with pip (the .venv when there is one); no set-up.
+PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+dist:
+	rm -rf dist
+	$(PYTHON) -m pip wheel --disable-pip-version-check --quiet --no-deps -w dist .
+	rm -rf build
+	@ls dist/*.whl
 
 # Mutation testing of the pure core (cache index, policies, allocator, registry, config) with
 # their unit tests; mutmut's settings are in setup.cfg. One module at a time keeps a run short:
