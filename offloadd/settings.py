@@ -485,7 +485,7 @@ def _coerce(
     return converted
 
 
-MIN_CAPACITY = 1 << 20  # below this no engine's chunk fits (a chunk is pages of all layers)
+MIN_CAPACITY = 64 << 10  # below this no engine's chunk fits (a chunk is pages of all layers)
 
 
 def physical_memory() -> int:
@@ -502,7 +502,7 @@ def _size_in_bounds(section: str, key: str, size: int, given: Any, head: str, ta
     if (section, key) == ("cache", "capacity") and size < MIN_CAPACITY:
         raise SettingsError(
             f"{head}{given!r} is {size} bytes, too small to hold a chunk: give at least "
-            f"1MiB, with a unit (8GiB){tail}"
+            f"64KiB, with a unit (8GiB){tail}"
         )
     return size
 

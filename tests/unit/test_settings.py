@@ -436,8 +436,8 @@ def test_a_capacity_below_one_chunk_is_refused(toml: Path) -> None:
     message = error_of(path)
     assert message.startswith("cache.capacity: 8 is 8 bytes, too small to hold a chunk")
     assert "with a unit (8GiB)" in message and path in message
-    assert "too small" in error_of(cache={"capacity": "64KiB"})
-    assert load_settings(overrides={"cache": {"capacity": "1MiB"}}).cache.capacity == 1 << 20
+    assert "too small" in error_of(cache={"capacity": "32KiB"})
+    assert load_settings(overrides={"cache": {"capacity": "64KiB"}}).cache.capacity == 64 << 10
 
 
 def test_a_capacity_above_the_machines_memory_is_refused_by_the_preflight() -> None:
