@@ -588,6 +588,7 @@ class Daemon:
             pid=os.getpid(),
             arena=self.settings.arena_path(),
             copy_engine=self.settings.server.copy_engine,
+            stores_refused_by_reason=cache.refused,
         )
 
     def _copy_path(self) -> dict[str, bool]:
