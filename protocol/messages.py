@@ -388,6 +388,10 @@ class DaemonStats(msgspec.Struct, frozen=True):
     pid: int = 0
     arena: str = ""  # the arena file's path
     copy_engine: str = ""  # "cpu" or "cuda", as chosen at start
+    # Keys refused by reason: "full" (nothing evictable), "ack" (reserved, but the room a
+    # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
+    # engine's protected share; not in ``stores_refused``). Empty from a daemon before it.
+    stores_refused_by_reason: dict[str, int] = {}
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):
