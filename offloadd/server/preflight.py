@@ -21,9 +21,10 @@ import fcntl
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from offloadd.cache.journal import shm_dirs_problem
 from offloadd.endpoint import check_tcp_security, ipc_path
 from offloadd.safety import private_dir_problem, secret_file_problem
 from offloadd.settings import (
@@ -74,7 +75,7 @@ def preflight(
         checks.append(_metrics_check(settings.metrics.address))
     checks.append(_arena_check(settings))
     if settings.cache.persist:
-        checks.append(_journal_check(settings.journal_path()))
+        checks.append(_journal_check(settings.journal_path(), settings.server.shm_dirs))
     if settings.disk.path:
         checks.append(_named("disk.path", settings.disk.path, _creatable_dir(settings.disk.path)))
     if copy_engine:
@@ -230,8 +231,11 @@ def _file_problem(path: str, usable: Callable[[os.stat_result], bool]) -> str:
     return ""
 
 
-def _journal_check(journal: str) -> Check:
+def _journal_check(journal: str, shm_dirs: Sequence[str]) -> Check:
     directory = os.path.dirname(journal)
+    problem = shm_dirs_problem(journal, shm_dirs)
+    if problem:
+        return Check(f"cache.journal {journal}", problem)
     if os.path.lexists(directory):
         problem = private_dir_problem(directory)
     else:
