@@ -96,6 +96,7 @@ from protocol.messages import (
     Request,
     Reserve,
     StatsResult,
+    StepJobs,
     Store,
     UpdateHolds,
     Wait,
@@ -518,6 +519,8 @@ class Daemon:
                 return requests.store(state, request)
             case Load():
                 return requests.load(state, request)
+            case StepJobs():
+                return requests.step_jobs(state, request)
             case Release():
                 return requests.release(state, request)
             case Wait():

@@ -15,6 +15,9 @@ engine's threads through ``call_soon_threadsafe``):
   ``server.recent_jobs`` per session) and answers the waiters it satisfies.
 - ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted`` and ``JobDone`` at
   once, for a job with nothing to copy.
+- ``accepted=False`` (``submit``, ``accept_without_copy``): a job of a ``StepJobs``, answered
+  by its ``JobDone`` only. ``refuse(state, job_id, keys, code, message)``: the ``JobDone`` of
+  such a job refused before it started (its ``code`` set), counted as a protocol error.
 - ``wait(state, request)``: ``WaitResult`` at once when none of the jobs is in flight or the
   timeout is not positive, else when the last one finishes or the timeout passes.
 - ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
@@ -103,12 +106,32 @@ class Jobs:
             self._handles.release(imported)
 
     def accept_without_copy(
-        self, state: SessionState, request_id: int, job: Job, error: str = ""
+        self,
+        state: SessionState,
+        request_id: int,
+        job: Job,
+        error: str = "",
+        *,
+        accepted: bool = True,
     ) -> Reply | None:
         """Answer JobAccepted and JobDone at once: ``job`` has nothing to copy."""
-        self._send(state.identity, JobAccepted(request_id, job.job_id))
+        if accepted:
+            self._send(state.identity, JobAccepted(request_id, job.job_id))
         self.complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
         return None
+
+    def refuse(
+        self, state: SessionState, job_id: int, keys: list[bytes], code: ErrorCode, message: str
+    ) -> None:
+        """The JobDone of a StepJobs job refused before it started (nothing booked)."""
+        self.counters.protocol_errors += 1
+        self.metrics.protocol_error(code.name)
+        self.counters.jobs_failed += 1
+        logger.debug(
+            "%s: job %d refused: %s %s", state.session.describe(), job_id, code.name, message
+        )
+        if state.alive:
+            self._send(state.identity, JobDone(job_id, False, keys, 0, 0.0, message, int(code)))
 
     def submit(
         self,
@@ -117,11 +140,13 @@ class Jobs:
         job: Job,
         moves: Sequence[Triple],
         wait_event: bytes = b"",
+        *,
+        accepted: bool = True,
     ) -> Reply | None:
         """Book ``job`` and start its copy; see the module docstring."""
         if not moves:
             error = self._commit_store(job, ok=True) if job.direction is Direction.STORE else ""
-            return self.accept_without_copy(state, request_id, job, error)
+            return self.accept_without_copy(state, request_id, job, error, accepted=accepted)
         assert self._handles is not None
         for imported in state.imports:
             self._handles.retain(imported)
@@ -155,7 +180,7 @@ class Jobs:
             finished()
 
         future.add_done_callback(on_done)
-        return JobAccepted(request_id, job.job_id)
+        return JobAccepted(request_id, job.job_id) if accepted else None
 
     def _unbook(self, job: Job, imports: list[Import]) -> None:
         """Undo ``submit``'s booking of a job the copy engine refused to start."""

@@ -20,6 +20,9 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   never met by a copy); block ids checked against the rank's regions. A Store's refused keys
   come back in ``JobDone.failed_keys``; a Load of a missing key fails whole. The copies reach
   the rank's unmapped files through their descriptors (``Copies(state.windows)``).
+- ``step_jobs``: each Store and Load of a rank's step handled as above, in order, none
+  answered ``JobAccepted``; a job refused (or failing inside the daemon) gets its ``JobDone``
+  with the code and the next job still runs; the message is answered ``Ok(jobs started)``.
 - ``release``: drop the session's pins of the keys. ``clear``: drop the engine's namespace.
 """
 
@@ -56,6 +59,7 @@ from protocol.messages import (
     Release,
     Reply,
     Segment,
+    StepJobs,
     Store,
 )
 
@@ -177,7 +181,28 @@ class CacheRequests:
         state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
 
-    def store(self, state: SessionState, request: Store) -> Reply | None:
+    def step_jobs(self, state: SessionState, request: StepJobs) -> Reply:
+        """Run each job of the step as its lone request would run; see the module docstring."""
+        started = 0
+        for job in request.jobs:
+            try:
+                if isinstance(job, Store):
+                    self.store(state, job, accepted=False)
+                else:
+                    self.load(state, job, accepted=False)
+            except Refused as refused:
+                self._jobs.refuse(state, job.job_id, job.keys, refused.code, str(refused))
+                continue
+            except Exception:
+                # A bug in one job must not lose the others' answers.
+                logger.exception("internal error in job %d of a StepJobs", job.job_id)
+                message = "internal error; see daemon log"
+                self._jobs.refuse(state, job.job_id, job.keys, ErrorCode.INTERNAL, message)
+                continue
+            started += 1
+        return Ok(request.request_id, started)
+
+    def store(self, state: SessionState, request: Store, *, accepted: bool = True) -> Reply | None:
         """Reserve the rank's shard of each key and copy its blocks into the arena."""
         _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
@@ -194,7 +219,7 @@ class CacheRequests:
         job = Job(request.job_id, state, Direction.STORE, request.keys, [], 0)
         if namespace.replicated and session.rank != 0:
             # Replicated layout: rank 0's shard is every rank's; the others ack at once.
-            return self._jobs.accept_without_copy(state, request.request_id, job)
+            return self._jobs.accept_without_copy(state, request.request_id, job, accepted=accepted)
         shard = 0 if namespace.replicated else session.rank
         cache = self._cache
         reservation = cache.begin_store(
@@ -226,9 +251,11 @@ class CacheRequests:
             address = arena_address + write.offset
             runs.add(spans, block_ids[start : start + count], address, sub_block)
         job.nbytes += runs.flush()
-        return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
+        return self._jobs.submit(
+            state, request.request_id, job, moves, request.wait_event, accepted=accepted
+        )
 
-    def load(self, state: SessionState, request: Load) -> Reply | None:
+    def load(self, state: SessionState, request: Load, *, accepted: bool = True) -> Reply | None:
         """Copy committed chunks into the rank's blocks: every key, or none."""
         engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
@@ -256,7 +283,7 @@ class CacheRequests:
         if reservation.missing:
             job.failed_keys = list(reservation.missing)
             return self._jobs.accept_without_copy(
-                state, request.request_id, job, "keys not in cache"
+                state, request.request_id, job, "keys not in cache", accepted=accepted
             )
         job.entries = reservation.entries
         shard = 0 if namespace.replicated else session.rank
@@ -274,7 +301,9 @@ class CacheRequests:
             runs.add(spans, block_ids[position : position + count], address, sub_block)
             position += count
         job.nbytes += runs.flush()
-        return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
+        return self._jobs.submit(
+            state, request.request_id, job, moves, request.wait_event, accepted=accepted
+        )
 
     def _begin_held_load(self, engine: Engine, token: str, keys: list[bytes]) -> LoadReservation:
         """Read the entries a scheduler of ``engine`` holds under ``token``."""
