@@ -487,6 +487,7 @@ class VllmHarness:
             ``data_parallel_index`` > 0, so pass a ``tcp://`` one there).
         engine_id: ``kv_transfer_config.engine_id`` before any DP suffix.
         max_num_batched_tokens: scheduler token budget per step.
+        max_num_seqs: requests running at once.
         max_model_len: default: what `num_blocks` can hold.
         kv_cache_layout: force a layout name (e.g. "BLHNC"); default: vLLM's
             resolution, which takes the connector's preference (LBHNC).
@@ -516,6 +517,7 @@ class VllmHarness:
         kv_cache_layout: str | None = None,
         shm_dir: Path = Path("/dev/shm"),
         model: str = "llama",
+        max_num_seqs: int = 64,
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -542,6 +544,7 @@ class VllmHarness:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 kv_cache_layout=kv_cache_layout,
+                max_num_seqs=max_num_seqs,
             )
         except BaseException:
             self.close()
@@ -565,6 +568,7 @@ class VllmHarness:
         max_num_batched_tokens: int,
         max_model_len: int | None,
         kv_cache_layout: str | None,
+        max_num_seqs: int = 64,
     ) -> None:
         if not current_platform.is_cpu():
             raise RuntimeError(
@@ -593,7 +597,7 @@ class VllmHarness:
             enable_prefix_caching=True,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=64,
+            max_num_seqs=max_num_seqs,
             tensor_parallel_size=tp,
             data_parallel_size=dp_size,
             async_scheduling=async_scheduling,
