@@ -17,6 +17,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,13 +59,20 @@ def compute(h: VllmHarness, prompt: list[int], max_tokens: int = 2) -> str:
     return req
 
 
-def settle(h: VllmHarness, chunks: int) -> None:
+def settle(h: VllmHarness, chunks: int, daemon: DaemonThread) -> None:
     """Wait until the scheduler's mirror shows ``chunks`` chunks (commits reach it async)."""
     manager = h.offloading_manager
     assert isinstance(manager, OffloaddManager)
+    assert daemon.daemon is not None
     deadline = time.monotonic() + 10
     while len(manager._mirror.keys) < chunks:
-        assert time.monotonic() < deadline, f"mirror has {len(manager._mirror.keys)} chunks"
+        if time.monotonic() > deadline:
+            stats = daemon.daemon.stats()
+            raise AssertionError(
+                f"mirror has {len(manager._mirror.keys)} of {chunks} chunks; the daemon "
+                f"{stats.committed_entries} committed of {stats.entries}, "
+                f"{stats.stores_refused} refused, {stats.jobs_in_flight} jobs in flight"
+            )
         time.sleep(0.01)
 
 
@@ -94,7 +102,7 @@ def daemon() -> Iterator[DaemonThread]:
     d.stop()
 
 
-def hybrid(tmp_path: Path, daemon: DaemonThread, retention: int | None) -> VllmHarness:
+def hybrid(tmp_path: Path, daemon: DaemonThread, retention: int | None, **more: Any) -> VllmHarness:
     extra = {
         "spec_name": "OffloaddSpec",
         "spec_module_path": "offloadd.vllm",
@@ -110,6 +118,7 @@ def hybrid(tmp_path: Path, daemon: DaemonThread, retention: int | None) -> VllmH
         num_blocks=128,
         max_num_batched_tokens=100,
         prefix_cache_retention_interval=retention,
+        **more,
     )
 
 
@@ -129,26 +138,36 @@ def test_hybrid_model_has_a_sliding_window_and_a_full_attention_group(
         assert all(len(g.layer_names) == LAYERS_PER_GROUP for g in groups)
 
 
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (1, True)])
 def test_sliding_window_chunks_skip_dropped_blocks_and_every_group_loads_mid_chunk(
-    tmp_path: Path, daemon: DaemonThread
+    tmp_path: Path, daemon: DaemonThread, tp: int, async_scheduling: bool
 ) -> None:
     """With a retention interval of one chunk, vLLM keeps a window at every chunk's end."""
     prompt = prompt_of(PROMPT)
-    with hybrid(tmp_path, daemon, retention=CHUNK) as h:
+    with hybrid(
+        tmp_path,
+        daemon,
+        retention=CHUNK,
+        tensor_parallel_size=tp,
+        async_scheduling=async_scheduling,
+    ) as h:
         a = compute(h, prompt)
         # Step 2 computes [100, 200): the window behind 100 starts in block 5, so chunk 1's
-        # block 4 is dropped (null) and that chunk is stored from its sub-block 1.
+        # block 4 is dropped (null) and that chunk is stored from its sub-block 1. With async
+        # scheduling step 2 is scheduled before step 1's output is in, block 4 is still held
+        # and the chunk is stored whole.
         assert h.forward_ranges[a][:2] == [(1, 0, 100), (2, 100, 100)]
         jobs = h.store_jobs[a]
+        chunk_1 = [(4, 4)] if async_scheduling else [(5, 3)]
         assert [(j.src.block_indices[SWA], j.src.group_sizes[SWA]) for j in jobs] == [
             (0, 4),
-            (5, 3 + 4),
+            (chunk_1[0][0], chunk_1[0][1] + 4),
         ]
         assert [(j.src.block_indices[FULL], j.src.group_sizes[FULL]) for j in jobs] == [
             (0, 4),
             (4, 8),
         ]
-        settle(h, 3 + 3)
+        settle(h, 3 + 3, daemon)
         h.reset_prefix_cache()  # zero all KV
         warm_block_0(h, prompt)
         b = compute(h, prompt[:150] + prompt_of(9, seed=5))
@@ -160,7 +179,7 @@ def test_sliding_window_chunks_skip_dropped_blocks_and_every_group_loads_mid_chu
         assert spans == {FULL: (1, 7), SWA: window_blocks(h, 2 * CHUNK)}
         assert spans[SWA] == (6, 2)
         assert all(first % BPC for first, _ in spans.values())
-        assert h.assert_loaded_pages(b) == (7 + 2) * LAYERS_PER_GROUP
+        assert h.assert_loaded_pages(b) == (7 + 2) * LAYERS_PER_GROUP * tp
         # The connector's hit and the loads are what B computes from.
         assert h.forward_ranges[b][0][1] == 2 * CHUNK
 
@@ -175,7 +194,7 @@ def test_default_retention_offloads_windows_only_where_a_hit_can_end(
         a = compute(h, prompt)
         swa_stored = [(j.src.block_indices[SWA], j.src.group_sizes[SWA]) for j in h.store_jobs[a]]
         assert [s for s in swa_stored if s[1]] == [(8, 4)]  # chunk 2 only: the prompt's end
-        settle(h, 3 + 1)
+        settle(h, 3 + 1, daemon)
         h.reset_prefix_cache()
         warm_block_0(h, prompt)
         # A hit at 128 needs chunk 1's window, which nobody stored: no hit at all.
@@ -188,7 +207,7 @@ def test_default_retention_offloads_windows_only_where_a_hit_can_end(
         ]
         assert (first, size) == window_blocks(h, 2 * CHUNK) == (6, 2)
         assert all(j.src.group_sizes[FULL] == 0 for j in h.store_jobs[b])
-        settle(h, 3 + 2)
+        settle(h, 3 + 2, daemon)
 
         # The whole prompt again: hit at 192, the window of chunk 2 and full attention.
         h.reset_prefix_cache()
