@@ -105,6 +105,17 @@ class Sessions:
         self._limits = limits
         self._announce_topic = announce.derived_topic
         self._states: dict[str, SessionState] = {}
+        if peers is not None:  # limits.descriptors_per_uid counts what live sessions keep
+            peers.live_descriptors = self._descriptors_of
+
+    def _descriptors_of(self, uid: int) -> int:
+        """Descriptors ``uid``'s live sessions make the daemon hold: its pidfds and the
+        duplicates the handle table keeps of unsealed region files."""
+        return sum(
+            len(st.windows) + (st.pidfd is not None)
+            for st in self._states.values()
+            if st.peer.uid == uid
+        )
 
     def __len__(self) -> int:
         """Live sessions."""

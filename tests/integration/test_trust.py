@@ -1045,3 +1045,69 @@ def test_descriptors_above_1023_do_not_stop_registrations(
             os.close(fd)
         kv.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ---------------------------------------------------------------- round two: bounds per tenant
+
+_IDLE_ATTACK = """
+import json, os, socket, sys, uuid
+from offloadd.errors import OffloaddError
+from offloadd.peer import register
+from protocol.peer import decode_peer_reply, peer_socket_path
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+fd = os.memfd_create("od-attack")
+os.ftruncate(fd, 4096)
+out = {"registered": 0}
+try:
+    for _ in range(64):
+        register(endpoint, uuid.uuid4().bytes, [fd] * 16)
+        out["registered"] += 1
+except OffloaddError as exc:
+    out["refused"] = str(exc)
+connections = []
+for _ in range(200):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(peer_socket_path(endpoint))
+    connections.append(sock)
+connections[-1].settimeout(30)
+out["last"] = decode_peer_reply(connections[-1].recv(65536)).message
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_users_idle_registrations_never_block_another_user(
+    users: dict[str, User],
+    shared_daemon: Callable[..., DaemonThread],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Idle connections stay until the test ends (not CONNECTION_SECONDS): no race with time.
+    monkeypatch.setattr("offloadd.server.peers.CONNECTION_SECONDS", 600.0)
+    daemon = shared_daemon(limits=LimitsSettings(descriptors_per_uid=64))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", _IDLE_ATTACK, daemon.endpoint, str(b.uid), str(b.gid), str(shared)],
+        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        cwd="/tmp",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert attacker.stdout is not None and attacker.stderr is not None
+        line = attacker.stdout.readline()
+        assert line, attacker.stderr.read()
+        report = json.loads(line)
+        # Its waiting registrations hold descriptors up to limits.descriptors_per_uid only.
+        assert report["registered"] == 3 and "descriptors_per_uid" in report["refused"], report
+        # 200 idle connections of B are open or refused; at most 8 are kept.
+        assert "connections_per_uid" in report["last"], report
+        # A still registers, says Hello, stores and finds what it stored.
+        victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
+        assert victim.get("connected") and victim["stored"] == 4, victim
+        assert victim["uid"] == a.uid
+    finally:
+        attacker.communicate(timeout=60)
