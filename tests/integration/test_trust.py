@@ -1111,3 +1111,63 @@ def test_one_users_idle_registrations_never_block_another_user(
         assert victim["uid"] == a.uid
     finally:
         attacker.communicate(timeout=60)
+
+
+_BIG_HELLO = """
+import json, os, sys, uuid
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.messages import Hello, decode_reply, encode
+from tests.integration.harness import make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+identity = uuid.uuid4().bytes
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, identity)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+token = register(endpoint, identity, []).token
+config = make_config(engine_id="big", tp=1, extra={"pad": ["x" * 64] * (1 << 15)})
+frame = encode(Hello(7, PROTOCOL_VERSION, "scheduler", config, token=token))
+sock.send(frame)
+assert sock.poll(30_000), "no answer"
+reply = decode_reply(sock.recv())
+print(json.dumps({"bytes": len(frame), "id": reply.request_id, "code": reply.code}))
+"""
+
+
+def test_an_oversize_hello_is_refused_before_it_is_decoded(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        attack = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _BIG_HELLO,
+                daemon.endpoint,
+                str(b.uid),
+                str(b.gid),
+                str(shared),
+            ],
+            env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            cwd="/tmp",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert attack.returncode == 0, attack.stderr
+        report = json.loads(attack.stdout.strip().splitlines()[-1])
+        limit = LimitsSettings().hello_bytes
+        assert report["bytes"] > limit, report
+        assert report["code"] == ErrorCode.TOO_LARGE and report["id"] == 7, report
+        # The victim's cache answers: what A stored is found by another engine of A.
+        seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
+        assert seen["hits"] == 4, seen
+    assert _admin_stats(daemon.endpoint).count("big") == 0
