@@ -39,7 +39,7 @@ from offloadd.server.checks import Refused
 from offloadd.server.control import ControlSocket
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits
+from offloadd.server.limits import Limits, file_problem
 from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import REMOTE, PeerListener, Registration
@@ -339,6 +339,10 @@ class Sessions:
                     imports.append(handles.open(handle, fd))
                 except HandleError as exc:
                     raise Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
+            # After the opens (their refusals say more); a refusal here unmaps at once.
+            problem = _region_files_problem(hello, registration)
+            if problem:
+                raise Refused(ErrorCode.TOO_LARGE, problem)
             # One rank, one GPU: a job's copies run on that device's streams.
             if len({imported.device for imported in imports}) > 1:
                 raise Refused(ErrorCode.BAD_GEOMETRY, "a rank's regions must all be on one device")
@@ -476,3 +480,26 @@ def _wrong_memory(index: int, *, cuda: bool) -> str:
         f"region {index} is CUDA memory, but this daemon runs the cpu copy engine: use a "
         'daemon with server.copy_engine = "cuda" on a GPU node, or shared-memory regions'
     )
+
+
+def _region_files_problem(hello: Hello, registration: Registration) -> str:
+    """Why a file the Hello's regions use is refused: larger than its furthest region's end
+    (rounded up to a page), over all the regions that use it (``limits.file_problem``)."""
+    furthest: dict[tuple[int, int], tuple[int, int, str]] = {}
+    for region in hello.regions:
+        handle = region.handle
+        if not isinstance(handle, ShmHandle) or not 0 <= handle.fd < len(registration.fds):
+            continue  # refused when it is opened
+        try:
+            info = os.fstat(registration.fds[handle.fd])
+        except OSError:
+            continue  # refused when it is opened
+        key = (info.st_dev, info.st_ino)
+        end = max(handle.offset, 0) + max(handle.size, 0)
+        _, known, _ = furthest.get(key, (0, 0, ""))
+        furthest[key] = (info.st_size, max(known, end), handle.path[:200])
+    for size, end, name in furthest.values():
+        problem = file_problem(size, end)
+        if problem:
+            return f"{name!r}: {problem}"
+    return ""

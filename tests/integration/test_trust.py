@@ -1171,3 +1171,57 @@ def test_an_oversize_hello_is_refused_before_it_is_decoded(
         seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
         assert seen["hits"] == 4, seen
     assert _admin_stats(daemon.endpoint).count("big") == 0
+
+
+_SPARSE_HELLO = """
+import fcntl, json, os, sys, uuid
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.handles import KVRegion, ShmHandle
+from protocol.messages import Hello, decode_reply, encode
+from tests.integration.harness import LAYERS, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+fd = os.memfd_create("od-sparse", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 1 << 40)  # sparse: 1 TiB of address space for 2 pages of regions
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+identity = uuid.uuid4().bytes
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, identity)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+token = register(endpoint, identity, [fd]).token
+regions = tuple(
+    KVRegion(ShmHandle("sparse", i * 4096, 4096, fd=0), 1, 4096, 4096, (name,))
+    for i, name in enumerate(LAYERS)
+)
+config = make_config(engine_id="sparse", tp=1, bytes_per_block=4096 * len(LAYERS))
+sock.send(encode(Hello(9, PROTOCOL_VERSION, "worker", config, regions, token=token)))
+assert sock.poll(30_000), "no answer"
+reply = decode_reply(sock.recv())
+print(json.dumps({"code": getattr(reply, "code", None), "message": getattr(reply, "message", "")}))
+"""
+
+
+def test_a_sparse_region_file_far_larger_than_its_regions_is_refused(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    attack = subprocess.run(
+        [sys.executable, "-c", _SPARSE_HELLO, daemon.endpoint, str(b.uid), str(b.gid), str(shared)],
+        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert attack.returncode == 0, attack.stderr
+    report = json.loads(attack.stdout.strip().splitlines()[-1])
+    assert report["code"] == ErrorCode.TOO_LARGE, report
+    assert "furthest region's end" in report["message"], report
+    victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
+    assert victim.get("connected") and victim["stored"] == 4, victim
