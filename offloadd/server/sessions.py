@@ -43,7 +43,7 @@ from offloadd.server.limits import Limits, file_problem
 from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import REMOTE, PeerListener, Registration
-from offloadd.server.registry import Engine, RegistrationError, Registry
+from offloadd.server.registry import Engine, EngineOwners, RegistrationError, Registry
 from offloadd.server.state import SessionState, silent_sessions
 from offloadd.server.systemd import Notifier
 from offloadd.server.tenancy import Tenancy
@@ -105,6 +105,10 @@ class Sessions:
         self._limits = limits
         self._announce_topic = announce.derived_topic
         self._states: dict[str, SessionState] = {}
+        # Which tenant each engine id belongs to, across restarts (with the journal only).
+        self._owners = (
+            EngineOwners(settings.journal_path() + ".engines") if settings.cache.persist else None
+        )
         if peers is not None:  # limits.descriptors_per_uid counts what live sessions keep
             peers.live_descriptors = self._descriptors_of
 
@@ -226,6 +230,13 @@ class Sessions:
         if problem:
             raise Refused(ErrorCode.TOO_LARGE, problem)
         config = hello.config
+        owner = self._owners.owner(config.engine_id) if self._owners is not None else None
+        if owner is not None and owner != self._tenancy.tenant_of(registration.peer):
+            raise Refused(
+                ErrorCode.NOT_PERMITTED,
+                f"engine {config.engine_id} belongs to another user (engine ids are per node "
+                "and kept across restarts: pick another)",
+            )
         derived = self._announce_topic(
             config.model.name, config.engine_id, config.parallel.data_parallel_index
         )
@@ -275,6 +286,8 @@ class Sessions:
         except BaseException:
             self._jobs.release_imports(imports)  # a bug below must not leak the mappings
             raise
+        if self._owners is not None:
+            self._owners.bind(hello.config.engine_id, outcome.session.tenant)
         for old in outcome.replaced:
             old_state = self._states.get(old.session_id)
             if old_state is not None:

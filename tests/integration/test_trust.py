@@ -1225,3 +1225,29 @@ def test_a_sparse_region_file_far_larger_than_its_regions_is_refused(
     assert "furthest region's end" in report["message"], report
     victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
     assert victim.get("connected") and victim["stored"] == 4, victim
+
+
+def test_an_engine_id_stays_its_users_across_a_restart(
+    users: dict[str, User], shared_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OFFLOADD_SERVER__SOCKET_GROUP", SHARED_GROUP)
+    arena = f"/dev/shm/od-trust-owners-{uuid.uuid4().hex[:12]}.arena"
+    serve = ServeProcess(shared_dir, arena)
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    try:
+        serve.start()
+        first = run_as(a, serve.endpoint, "--engine", "victim", "--store", "mine")
+        assert first["stored"] == 4, first
+        serve.stop()
+        owners = serve.journal + ".engines"
+        assert stat.S_IMODE(os.stat(owners).st_mode) == 0o600
+        serve.start()
+        # B read "victim" from the metrics and says Hello first after the restart.
+        taken = run_as(b, serve.endpoint, "--engine", "victim")
+        assert "belongs to another user" in str(taken["error"]), taken
+        again = run_as(a, serve.endpoint, "--engine", "victim", "--store", "mine")
+        assert again.get("connected") and again["stored"] == 4, again
+    finally:
+        if serve.process is not None:
+            serve.stop()
+        serve.cleanup()
