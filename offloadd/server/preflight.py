@@ -59,8 +59,10 @@ class PreflightError(Exception):
 def preflight(
     settings: Settings, *, claimed: bool = False, copy_engine: bool = True
 ) -> list[Check]:
-    """Every check, in the order ``serve`` meets them (``claimed``: the caller holds the
-    control endpoint's claim already; ``copy_engine=False``: the caller brings its own)."""
+    """Every check, in the order ``serve`` meets them. ``claimed``: the caller is the daemon
+    about to open the arena, holding the control endpoint's claim already (the arena's own
+    open, which comes next and before any pre-faulting, checks its file and room itself, and
+    says more: who owns a file it refuses); ``copy_engine=False``: the caller brings its own."""
     checks = []
     endpoint = settings.endpoint()
     if not (claimed and ipc_path(endpoint) is not None):
@@ -73,7 +75,8 @@ def preflight(
             )
     if settings.metrics.address:
         checks.append(_metrics_check(settings.metrics.address))
-    checks.append(_arena_check(settings))
+    if not claimed:
+        checks.append(_arena_check(settings))
     if settings.cache.persist:
         checks.append(_journal_check(settings.journal_path(), settings.server.shm_dirs))
     if settings.disk.path:
