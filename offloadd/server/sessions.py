@@ -206,7 +206,7 @@ class Sessions:
             raise Refused(ErrorCode.BAD_REQUEST, problem)
         if self._peers is None:
             # tcp:// (CURVE) and inproc://: no kernel identity. Such peers form one tenant of
-            # their own and bring no memory (the README's Security model).
+            # their own and bring no memory (docs/security.md).
             if hello.regions:
                 raise Refused(
                     ErrorCode.NOT_PERMITTED,

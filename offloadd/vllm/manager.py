@@ -1,6 +1,6 @@
 """The scheduler side: vLLM's ``OffloadingManager`` over the daemon, one per engine.
 
-Design (see README "Use with vLLM"): vLLM calls ``lookup`` once per key inside ``schedule()``,
+Design (see docs/vllm.md): vLLM calls ``lookup`` once per key inside ``schedule()``,
 so lookups are answered from a local mirror of the namespace's committed keys (``KeyMirror``,
 fed by the daemon's ``KeysChanged``), a set probe. Each step costs at most:
 - one ``Reserve`` round trip per ``prepare_store`` call (vLLM makes one per request), which
