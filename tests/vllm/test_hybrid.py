@@ -13,7 +13,6 @@ reads.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +31,8 @@ from tests.vllm.harness import (
     HYBRID_WINDOW,
     KVMismatchError,
     VllmHarness,
-    sampled_token,
 )
+from tests.vllm.prompts import compute, prompt_of
 
 BLOCK = 16
 BPC = 4  # blocks per chunk
@@ -41,22 +40,6 @@ CHUNK = BLOCK * BPC
 SWA, FULL = 0, 1  # vLLM's group ids for the hybrid model (checked below)
 LAYERS_PER_GROUP = len(HYBRID_LAYER_TYPES) // 2
 PROMPT = 200
-
-
-def prompt_of(n: int, seed: int = 0) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, 1000) for _ in range(n)]
-
-
-def compute(h: VllmHarness, prompt: list[int], max_tokens: int = 2) -> str:
-    """Run one request to completion and check the simulated sampler's output."""
-    req = h.add_request(prompt, max_tokens=max_tokens)
-    h.run_until_finished()
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(sampled_token(tokens))
-    assert h.outputs[req] == tokens[len(prompt) :]
-    return req
 
 
 def settle(h: VllmHarness, chunks: int, daemon: DaemonThread) -> None:
