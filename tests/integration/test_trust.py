@@ -1077,6 +1077,25 @@ sys.stdin.read()
 """
 
 
+_ATTACK_ENV = {"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+def _attack_command(script: str, daemon: DaemonThread, user: User, group: int) -> list[str]:
+    """``script`` run as ``user`` (it drops to that uid and ``group`` itself)."""
+    return [sys.executable, "-c", script, daemon.endpoint, str(user.uid), str(user.gid), str(group)]
+
+
+def _attack(script: str, daemon: DaemonThread, user: User, group: int) -> dict[str, Any]:
+    """Run an attack script to its end; the JSON report on its last line."""
+    attack = subprocess.run(
+        _attack_command(script, daemon, user, group),
+        env=_ATTACK_ENV, cwd="/tmp", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert attack.returncode == 0, attack.stderr
+    report: dict[str, Any] = json.loads(attack.stdout.strip().splitlines()[-1])
+    return report
+
+
 def test_one_users_idle_registrations_never_block_another_user(
     users: dict[str, User],
     shared_daemon: Callable[..., DaemonThread],
@@ -1088,8 +1107,8 @@ def test_one_users_idle_registrations_never_block_another_user(
     a, b = users["odtrust-a"], users["odtrust-b"]
     shared = grp.getgrnam(SHARED_GROUP).gr_gid
     attacker = subprocess.Popen(
-        [sys.executable, "-c", _IDLE_ATTACK, daemon.endpoint, str(b.uid), str(b.gid), str(shared)],
-        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        _attack_command(_IDLE_ATTACK, daemon, b, shared),
+        env=_ATTACK_ENV,
         cwd="/tmp",
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -1145,25 +1164,7 @@ def test_an_oversize_hello_is_refused_before_it_is_decoded(
     shared = grp.getgrnam(SHARED_GROUP).gr_gid
     with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
         assert held["stored"] == 4, held
-        attack = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _BIG_HELLO,
-                daemon.endpoint,
-                str(b.uid),
-                str(b.gid),
-                str(shared),
-            ],
-            env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-            cwd="/tmp",
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert attack.returncode == 0, attack.stderr
-        report = json.loads(attack.stdout.strip().splitlines()[-1])
+        report = _attack(_BIG_HELLO, daemon, b, shared)
         limit = LimitsSettings().hello_bytes
         assert report["bytes"] > limit, report
         assert report["code"] == ErrorCode.TOO_LARGE and report["id"] == 7, report
@@ -1210,17 +1211,7 @@ def test_a_sparse_region_file_far_larger_than_its_regions_is_refused(
     daemon = shared_daemon()
     a, b = users["odtrust-a"], users["odtrust-b"]
     shared = grp.getgrnam(SHARED_GROUP).gr_gid
-    attack = subprocess.run(
-        [sys.executable, "-c", _SPARSE_HELLO, daemon.endpoint, str(b.uid), str(b.gid), str(shared)],
-        env={"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-        cwd="/tmp",
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert attack.returncode == 0, attack.stderr
-    report = json.loads(attack.stdout.strip().splitlines()[-1])
+    report = _attack(_SPARSE_HELLO, daemon, b, shared)
     assert report["code"] == ErrorCode.TOO_LARGE, report
     assert "furthest region's end" in report["message"], report
     victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
