@@ -41,6 +41,13 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   present: a removed committed entry of a watched namespace keeps its extents until every
   watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
   call names the watcher that applies that call's removals before anything else (it asked).
+- A key ``reserve`` found room for only once other watchers acknowledge is reserved *unplaced*
+  (no extents yet); it is placed, in reservation order, when an acknowledgement or a freed
+  hold or read makes the room, and ``on_placed``'s callback is then called (with nothing,
+  after the cache's state is whole; it must not call back into the cache synchronously).
+  ``unplaced(namespace, keys)`` places what fits now and counts the keys still waiting, so a
+  rank's store can wait for them instead of meeting them in ``begin_store``, which drops a
+  key still unplaced (refused, reason ``ack``).
 - ``used_bytes <= capacity`` always; extents of live and dead-but-busy entries never overlap.
 - Misuse that can only be a caller bug (a write finished twice, a load finished without its
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
@@ -405,6 +412,7 @@ class ChunkCache:
         # acknowledge), in reservation order; their extents are placed when it comes.
         self._unplaced: dict[int, None] = {}
         self._unplaced_bytes = 0
+        self._on_placed: Callable[[], None] | None = None
         self._watchers = Watchers()
         self._leaving_bytes = 0
         # (owner, token) -> key -> (row, count): holds of a scheduler's requests.
@@ -767,9 +775,29 @@ class ChunkCache:
 
     def _place_waiting(self) -> None:
         """Place the unplaced rows, in reservation order, as far as the free room goes."""
+        placed = False
         for row in list(self._unplaced):
             if not self._place_unplaced(row):
-                return
+                break
+            placed = True
+        if placed and self._on_placed is not None:
+            self._on_placed()
+
+    def on_placed(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` whenever waiting unplaced keys got their extents."""
+        self._on_placed = callback
+
+    def unplaced(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` are reserved unplaced still, placing those that fit now."""
+        if not self._unplaced:
+            return 0
+        table = self._tables.get(namespace, _NO_ROWS)
+        waiting = 0
+        for key in keys:
+            row = table.get(key)
+            if row is not None and row in self._unplaced and not self._place_unplaced(row):
+                waiting += 1
+        return waiting
 
     @staticmethod
     def _within_room(
@@ -799,6 +827,8 @@ class ChunkCache:
             refund(owner, nbytes[shape_of[row]])
             self._unlink(row, evicted=False)
             self._free_if_idle(row)
+        if rows and self._unplaced:
+            self._place_waiting()
         return len(rows)
 
     def _new_entry(
@@ -835,6 +865,7 @@ class ChunkCache:
             seen.add(token)
         committed: list[Entry] = []
         state = self._state.v
+        freed = False
         for w in writes:
             entry = w.entry
             row = entry._row
@@ -842,6 +873,7 @@ class ChunkCache:
             self._stop_writing(row, bit)
             if state[row] & _DEAD:
                 self._free_if_idle(row)
+                freed = True
                 continue
             if ok:
                 written = self._written.get(row, 0) | bit
@@ -854,6 +886,8 @@ class ChunkCache:
                     committed.append(entry)
                 else:
                     self._written[row] = written
+        if freed and self._unplaced:
+            self._place_waiting()
         return committed
 
     def _end_reservation(self, row: int) -> None:
@@ -921,6 +955,8 @@ class ChunkCache:
                 state[row] = lifecycle.step(state[row], _STOP_READ)
                 if state[row] & _DEAD:
                     self._free_if_idle(row)
+        if self._unplaced:
+            self._place_waiting()
 
     def begin_load_held(self, owner: str, token: str, keys: Sequence[bytes]) -> LoadReservation:
         """Like ``begin_load``, for keys held under ``(owner, token)`` (removed ones too)."""
@@ -1042,6 +1078,8 @@ class ChunkCache:
         state[row] = lifecycle.step(state[row], _UNHOLD)
         if state[row] & _DEAD:
             self._free_if_idle(row)
+            if self._unplaced:
+                self._place_waiting()
 
     # -- mirrors ----------------------------------------------------------------------------
 

@@ -22,9 +22,12 @@ engine's threads through ``call_soon_threadsafe``):
 - A ``StepJobs``' jobs are answered by their ``JobDone`` only (``requests.step_jobs`` sends no
   ``JobAccepted``); ``refuse(state, job_id, keys, code, message)``: the ``JobDone`` of such a
   job refused before it started (its ``code`` set), counted as a protocol error.
+- ``park(job, timer)`` / ``unpark(job)``: book a store that waits for its room
+  (``offloadd.server.waiting``) before it is started, and take the booking back (cancelling
+  ``timer``, the end of its wait) just before it is.
 - ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
   becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
-  listed as pending).
+  listed as pending), its waiting stores are unbooked and never start.
 - ``in_flight``: jobs booked and not finished; ``drain()`` waits, up to
   ``server.drain_seconds``, until there are none. ``draining``: no new jobs are taken.
 """
@@ -264,6 +267,25 @@ class Jobs:
             # still gets its Wait's reply, the abandoned jobs listed as pending.
             waiter.reply(wait_result(state, waiter))
         state.waiters.clear()
+        for job in [job for job in state.jobs.values() if job.waiting is not None]:
+            self.unpark(job)
+
+    def park(self, job: Job, timer: asyncio.TimerHandle) -> None:
+        """Book the store ``job``, which waits for its room until ``timer`` at most."""
+        job.state.jobs[job.job_id] = job
+        job.waiting = timer
+        self.in_flight += 1
+
+    def unpark(self, job: Job) -> None:
+        """Take back ``park``'s booking of ``job`` (it starts now, or never)."""
+        if job.waiting is None:
+            return
+        job.waiting.cancel()
+        job.waiting = None
+        job.state.jobs.pop(job.job_id, None)
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
     # ----------------------------------------------------------------- wait
 
