@@ -40,6 +40,11 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   documents, each request a document plus its own chunks, several times the arena) on a
   daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
   interleaved (``tiers_hit_rate_disk4x``, ``tiers_request_time_disk4x``).
+- ``shared_cache``: two DP engines through vLLM's real scheduler and worker connectors on one
+  arena smaller than their working set, a prefix-sharing workload: the total chunk hit rate
+  vs an exact shared LRU of the same capacity over the same requests
+  (``shared_cache_hit_rate``; goal: ratio >= 0.9) and the keys refused vs those offered
+  (``shared_cache_refused``; goal: ratio <= 0.01). From a checkout, as ``vllm_step``.
 - ``sharing``: arena bytes per cached token of an MLA engine (latent replicated on every TP
   rank, stored once) at TP=1/2/4/8 vs one copy of the latent (``mla_bytes_per_token_tp<N>``;
   goal: 1.0, flat).
@@ -155,6 +160,12 @@ def _sharing(ctx: Context) -> list[Result]:
     return sharing.run(ctx)
 
 
+def _shared_cache(ctx: Context) -> list[Result]:
+    from offloadd.bench import shared_cache
+
+    return shared_cache.run(ctx)
+
+
 def _tiers(ctx: Context) -> list[Result]:
     from offloadd.bench import tiers
 
@@ -186,6 +197,7 @@ GROUPS = (
     Group("mooncake", ("mooncake_*",), _mooncake),
     Group("tiers", ("tiers_*",), _tiers),
     Group("sharing", ("mla_bytes_per_token_*",), _sharing),
+    Group("shared_cache", ("shared_cache_*",), _shared_cache),
 )
 
 
