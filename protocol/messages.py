@@ -411,6 +411,10 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
     # engine's protected share; not in ``stores_refused``). Empty from a daemon before it.
     stores_refused_by_reason: dict[str, int] = {}
+    # False: the node-wide counters (cache fill, lookups, bytes, sessions, tiers' counts) are
+    # withheld from this asker and read 0: they add up every tenant's work, so only root and
+    # the daemon's user see them. True from a daemon before this field.
+    counters: bool = True
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):
