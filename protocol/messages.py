@@ -153,7 +153,8 @@ class GetStats(msgspec.Struct, frozen=True, tag="stats"):
     """Ask for the daemon's counters.
 
     A sender without a session may pass a registration ``token`` (``protocol.peer``): the
-    engines listed are those its user may see. Without either, only aggregate counters.
+    engines listed are those its user may see. Without either, no engine. Node-wide
+    counters only for root and the daemon's user (``DaemonStats.counters``).
     """
 
     request_id: int
