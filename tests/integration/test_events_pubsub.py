@@ -689,6 +689,7 @@ def test_connectable_makes_wildcards_loopback(endpoint: str, expected: str) -> N
         ("tcp://127.0.0.1:65535", ""),
         ("tcp://host:*", ""),
         ("ipc:///tmp/ev.sock", ""),
+        ("ipc:///run/offloadd/offloadd.sock.events", "ipc:///run/offloadd/offloadd.sock.replay"),
     ],
 )
 def test_replay_beside(endpoint: str, expected: str) -> None:
