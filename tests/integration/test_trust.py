@@ -1331,8 +1331,9 @@ def test_who_reads_the_events_the_metrics_and_the_stats(
             assert view["version"] and view["capacity"] == daemon.settings.cache.capacity
             assert view["events"] == f"ipc://{control}.events"
         # Outside the group (nobody): not even the directory opens.
-        nobody = User("nobody", 65534, 65534)
-        outside = _attack(_PEEK, daemon, nobody, 65534)
+        entry = pwd.getpwnam("nobody")
+        nobody = User("nobody", entry.pw_uid, entry.pw_gid)
+        outside = _attack(_PEEK, daemon, nobody, entry.pw_gid)
         assert {outside[name] for name in ("events", "replay", "metrics")} == {
             "Permission denied"
         }, outside
