@@ -153,7 +153,8 @@ class GetStats(msgspec.Struct, frozen=True, tag="stats"):
     """Ask for the daemon's counters.
 
     A sender without a session may pass a registration ``token`` (``protocol.peer``): the
-    engines listed are those its user may see. Without either, only aggregate counters.
+    engines listed are those its user may see. Without either, no engine. Node-wide
+    counters only for root and the daemon's user (``DaemonStats.counters``).
     """
 
     request_id: int
@@ -411,6 +412,10 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
     # engine's protected share; not in ``stores_refused``). Empty from a daemon before it.
     stores_refused_by_reason: dict[str, int] = {}
+    # False: the node-wide counters (cache fill, lookups, bytes, sessions, tiers' counts) are
+    # withheld from this asker and read 0: they add up every tenant's work, so only root and
+    # the daemon's user see them. True from a daemon before this field.
+    counters: bool = True
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

@@ -100,7 +100,7 @@ class Daemon:
         notifier: Notifier | None = None,
         tiers: Sequence[TierSlot] | None = None,
     ) -> None:
-        settings = with_copy_engine_chosen(settings)
+        settings = with_copy_engine_chosen(settings.exposed())  # "auto" sockets placed
         self.settings = settings
         # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
         self._tier_slots = list(tiers) if tiers is not None else None
@@ -204,8 +204,8 @@ class Daemon:
             if settings.metrics.address:
                 self.metrics.start(
                     settings.metrics.address,
-                    socket_mode=settings.server.socket_mode,
-                    socket_group=settings.server.socket_group,
+                    socket_mode=settings.metrics.socket_mode,
+                    socket_group=settings.metrics.socket_group,
                 )
         except BaseException:
             await self._drain_tiers()

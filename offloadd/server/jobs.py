@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from offloadd.cache.index import ChunkCache
+from offloadd.logs import LogLimiter
 from offloadd.server.checks import Refused
 from offloadd.server.commit import Committer
 from offloadd.server.metrics import Counters, Metrics
@@ -86,6 +87,10 @@ class Jobs:
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
+        # One line per failure would let one client's broken copies flood the log (the
+        # failures are each counted: offloadd_jobs_total{outcome="failed"}).
+        self._warn_unstarted = LogLimiter(logger)
+        self._warn_failed = LogLimiter(logger)
 
     def handles_closed(self) -> None:
         """Release nothing more (the daemon closed the handle table: all is unmapped)."""
@@ -163,7 +168,13 @@ class Jobs:
             # Nothing was queued: undo the booking, or the job would stay in flight forever
             # (Wait never answered, drain never finished).
             self._unbook(job, imports)
-            logger.error("%s: job %d not started: %s", state.session.describe(), job.job_id, exc)
+            self._warn_unstarted(
+                logging.ERROR,
+                "%s: job %d not started: %s",
+                state.session.describe(),
+                job.job_id,
+                exc,
+            )
             raise Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
 
         store = job.direction is Direction.STORE
@@ -199,8 +210,12 @@ class Jobs:
             seconds = future.result()
             error = ""
         except Exception as exc:
-            logger.error(
-                "%s: job %d copy failed: %s", job.state.session.describe(), job.job_id, exc
+            self._warn_failed(
+                logging.ERROR,
+                "%s: job %d copy failed: %s",
+                job.state.session.describe(),
+                job.job_id,
+                exc,
             )
             seconds, error = 0.0, f"copy failed: {exc}"
         copied = not error

@@ -231,14 +231,15 @@ class Sessions:
             raise Refused(ErrorCode.TOO_LARGE, problem)
         config = hello.config
         owner = self._owners.owner(config.engine_id) if self._owners is not None else None
-        if owner is not None and owner != self._tenancy.tenant_of(registration.peer):
+        tenant = self._tenancy.tenant_of(registration.peer)
+        if owner is not None and owner != tenant:
             raise Refused(
                 ErrorCode.NOT_PERMITTED,
                 f"engine {config.engine_id} belongs to another user (engine ids are per node "
                 "and kept across restarts: pick another)",
             )
         derived = self._announce_topic(
-            config.model.name, config.engine_id, config.parallel.data_parallel_index
+            config.model.name, config.engine_id, config.parallel.data_parallel_index, tenant
         )
         problem = self._tenancy.topic_problem(hello.kv_events_topic, derived)
         if problem:

@@ -49,7 +49,13 @@ from offloadd.errors import (
     RequestFailed,
 )
 from offloadd.peer import register
-from offloadd.settings import DiskSettings, LimitsSettings, TenancySettings
+from offloadd.settings import (
+    DiskSettings,
+    EventSettings,
+    LimitsSettings,
+    MetricsSettings,
+    TenancySettings,
+)
 from offloadd.shm import SharedKVTensor
 from offloadd.tiers import chunkfile
 from offloadd.tiers.base import ChunkAddress
@@ -534,14 +540,15 @@ def test_getstats_shows_each_peer_what_it_may_see(
         assert run_as(b, daemon.endpoint, "--stats")["engines"] == ["b-engine"]
         assert run_as(a, daemon.endpoint, "--stats")["engines"] == ["a-engine"]
         assert _admin_stats(daemon.endpoint) == ["a-engine", "b-engine"]  # root
-        # Without a session or a registration: aggregate counters, no engine.
+        # Without a session or a registration: no engine, and no tenant's counters.
         peer = RawPeer(daemon.endpoint)
         try:
             reply = peer.ask(GetStats(7))
         finally:
             peer.close()
         assert isinstance(reply, StatsResult)
-        assert reply.stats.engines == [] and reply.stats.sessions == 2
+        assert reply.stats.engines == [] and reply.stats.sessions == 0
+        assert reply.stats.counters is False
 
 
 def test_private_cache_is_private_per_user_too(
@@ -585,10 +592,10 @@ def test_events_go_out_under_the_daemons_topics(daemon_factory: DaemonFactory) -
         OffloadClient.connect(
             daemon.endpoint, config, role="scheduler", events_topic=elsewhere, heartbeat=0
         )
-    # The topic the template gives is fine to name; with tenancy.client_topics, any.
-    with OffloadClient.connect(
-        daemon.endpoint, config, role="scheduler", events_topic="kv@test-pod@test/model"
-    ):
+    # The topic the template gives (the tenant in it) is fine to name; with
+    # tenancy.client_topics, any.
+    own = f"kv@test-pod/u{os.geteuid()}@test/model"
+    with OffloadClient.connect(daemon.endpoint, config, role="scheduler", events_topic=own):
         pass
     free = daemon_factory(tenancy=TenancySettings(client_topics=True))
     with OffloadClient.connect(
@@ -1242,3 +1249,172 @@ def test_an_engine_id_stays_its_users_across_a_restart(
         if serve.process is not None:
             serve.stop()
         serve.cleanup()
+
+
+# ---------------------------------------------------------------- round two: who sees what
+
+
+@pytest.fixture
+def exposed_daemon(shared_dir: str) -> Iterator[DaemonThread]:
+    """A daemon (as root) whose sockets SHARED_GROUP may use, with its KV events and metrics
+    at their defaults: beside the control socket, in the 0750 directory only that group
+    enters."""
+    daemon = DaemonThread(endpoint=f"ipc://{shared_dir}/d.sock", socket_group=SHARED_GROUP)
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        events=msgspec.structs.replace(EventSettings(), pod="test-pod"),
+        metrics=MetricsSettings(),
+    )
+    daemon.start()
+    yield daemon
+    daemon.stop()
+
+
+_PEEK = """
+import json, os, socket, sys, uuid
+import zmq
+from offloadd.peer import register
+from protocol.messages import GetStats, decode_reply, encode
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+path = endpoint[len("ipc://"):]
+out = {}
+for name in ("events", "replay", "metrics"):
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(f"{path}.{name}")
+        out[name] = "connected"
+    except OSError as exc:
+        out[name] = exc.strerror
+    probe.close()
+if out["events"] == "connected":
+    identity = uuid.uuid4().bytes
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    registered = register(endpoint, identity, []).token
+    for label, token in (("sessionless", b""), ("registered", registered)):
+        sock.send(encode(GetStats(len(out), token)))
+        assert sock.poll(30_000), "no answer"
+        stats = decode_reply(sock.recv()).stats
+        out[label] = {
+            "engines": [e.engine_id for e in stats.engines], "counters": stats.counters,
+            "sessions": stats.sessions, "lookups": stats.lookups, "used": stats.used_bytes,
+            "stored": stats.bytes_stored, "version": stats.version,
+            "capacity": stats.capacity_bytes, "events": stats.events_endpoint,
+        }
+print(json.dumps(out))
+"""
+
+
+def test_who_reads_the_events_the_metrics_and_the_stats(
+    users: dict[str, User], exposed_daemon: DaemonThread
+) -> None:
+    daemon = exposed_daemon
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    control = daemon.endpoint[len("ipc://") :]
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        seen = _attack(_PEEK, daemon, b, shared)
+        # A group member may subscribe to the events (routers do) but not read the metrics,
+        # which name every tenant's engines and count their bytes.
+        assert seen["events"] == seen["replay"] == "connected", seen
+        assert seen["metrics"] == "Permission denied", seen
+        # GetStats, with or without a registration: B's own engines (none) and nothing a
+        # tenant did; what is no tenant's stays (a rank needs the capacity and the events).
+        for label in ("sessionless", "registered"):
+            view = seen[label]
+            assert view["engines"] == [] and view["counters"] is False, view
+            assert view["sessions"] == view["lookups"] == view["used"] == view["stored"] == 0
+            assert view["version"] and view["capacity"] == daemon.settings.cache.capacity
+            assert view["events"] == f"ipc://{control}.events"
+        # Outside the group (nobody): not even the directory opens.
+        entry = pwd.getpwnam("nobody")
+        nobody = User("nobody", entry.pw_uid, entry.pw_gid)
+        outside = _attack(_PEEK, daemon, nobody, entry.pw_gid)
+        assert {outside[name] for name in ("events", "replay", "metrics")} == {
+            "Permission denied"
+        }, outside
+        # Root (an admin) sees A's engine and every counter; the daemon's user reads metrics.
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            stats = admin.stats()
+        assert [e.engine_id for e in stats.engines] == ["victim"] and stats.counters
+        assert stats.bytes_stored > 0 and stats.sessions == 1
+        assert stat.S_IMODE(os.stat(control + ".metrics").st_mode) == 0o600
+
+
+_TOPICS = """
+import json, os, sys
+from offloadd.client import OffloadClient
+from offloadd.errors import NotPermitted
+from tests.integration.harness import make_config, make_rank
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+other = os.environ["OD_OTHER_TOPIC"]
+out = {}
+config = make_config(engine_id=f"e{uid}", tp=1, events=True)
+try:
+    OffloadClient.connect(endpoint, config, role="scheduler", events_topic=other, heartbeat=0)
+    out["other_topic"] = "accepted"
+except NotPermitted as exc:
+    out["other_topic"] = str(exc)
+rank = make_rank(endpoint, tp=1, engine_id=f"e{uid}", events=True)
+try:
+    out["cleared"] = rank.client.clear()
+finally:
+    rank.close()
+print(json.dumps(out))
+"""
+
+
+def _replayed_topics(replay: str) -> list[tuple[str, list[str]]]:
+    """Every batch the replay socket holds: its topic and its events' types."""
+    from protocol.events import END_SEQ, decode_batch
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(replay)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches: list[tuple[str, list[str]]] = []
+        while True:
+            assert sock.poll(10_000), "no end of the replay"
+            _, topic, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                return batches
+            kinds = [type(event).__name__ for event in decode_batch(payload).events]
+            batches.append((topic.decode(), kinds))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_each_tenants_events_carry_its_own_topic(
+    users: dict[str, User], exposed_daemon: DaemonThread
+) -> None:
+    daemon = exposed_daemon
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    topic = {user.uid: f"kv@test-pod/u{user.uid}@test/model" for user in (a, b)}
+    for user, other in ((a, b), (b, a)):
+        env = {**_ATTACK_ENV, "OD_OTHER_TOPIC": topic[other.uid]}
+        attack = subprocess.run(
+            _attack_command(_TOPICS, daemon, user, shared),
+            env=env, cwd="/tmp", capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert attack.returncode == 0, attack.stderr
+        report = json.loads(attack.stdout.strip().splitlines()[-1])
+        # Naming the other tenant's topic is refused; its own engine clears as usual.
+        assert "its own topics" in report["other_topic"], report
+        assert report["cleared"] == 0, report
+    assert daemon.daemon is not None
+    replay = daemon.daemon.settings.events.replay_endpoint  # "auto", placed beside d.sock
+    assert replay == daemon.endpoint + ".replay"
+    batches = _replayed_topics(replay)
+    assert batches == [
+        (topic[a.uid], ["AllBlocksCleared"]),
+        (topic[b.uid], ["AllBlocksCleared"]),
+    ], batches

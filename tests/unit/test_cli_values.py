@@ -221,6 +221,7 @@ EMPTY_MEANS_SOMETHING = {
     ("events", "topic_template"),  # the topic ""
     ("events", "pod"),  # the host name
     ("metrics", "address"),  # no metrics server
+    ("metrics", "socket_group"),  # the group the metrics socket is created with
     ("disk", "path"),  # no disk tier
     ("mooncake", "master"),  # no cluster tier
     ("mooncake", "metadata"),  # the master's host, port 8080

@@ -19,6 +19,7 @@ from offloadd.server.preflight import PreflightError, preflight, raise_on_failur
 from offloadd.settings import (
     CacheSettings,
     LogSettings,
+    ServerSettings,
     Settings,
     SettingsError,
     configure_logging,
@@ -140,7 +141,43 @@ def test_lists_in_toml(toml: Path) -> None:
 def test_metrics_can_be_turned_off() -> None:
     settings = load_settings(environ={"OFFLOADD_METRICS__ADDRESS": ""})
     assert settings.metrics.address == ""
-    assert Settings().metrics.address == "127.0.0.1:9464"
+    assert Settings().metrics.address == "auto"
+
+
+def test_events_and_metrics_default_to_sockets_beside_the_control_socket() -> None:
+    settings = Settings(server=ServerSettings(endpoint="ipc:///run/x/d.sock")).exposed()
+    assert settings.events.endpoint == "ipc:///run/x/d.sock.events"
+    assert settings.events.replay_endpoint == "ipc:///run/x/d.sock.replay"
+    assert settings.metrics.address == "unix:/run/x/d.sock.metrics"
+    # Only the daemon's user (and root) read the metrics: they name every tenant's engines.
+    assert (settings.metrics.socket_mode, settings.metrics.socket_group) == ("0600", "")
+    assert "{tenant}" in settings.events.topic_template
+    # tcp is an explicit setting; "auto" replay beside it is its next port, as vLLM's.
+    tcp = load_settings(
+        environ={
+            "OFFLOADD_SERVER__ENDPOINT": "ipc:///run/x/d.sock",
+            "OFFLOADD_EVENTS__ENDPOINT": "tcp://0.0.0.0:6000",
+            "OFFLOADD_METRICS__ADDRESS": "0.0.0.0:9464",
+        }
+    ).exposed()
+    assert tcp.events.replay_endpoint == "tcp://0.0.0.0:6001"
+    assert tcp.metrics.address == "0.0.0.0:9464"
+    # Off stays off; a tcp control endpoint puts them beside the default ipc one.
+    off = load_settings(
+        environ={"OFFLOADD_EVENTS__REPLAY_ENDPOINT": "", "OFFLOADD_METRICS__ADDRESS": ""}
+    )
+    assert off.exposed().events.replay_endpoint == "" and off.exposed().metrics.address == ""
+    remote = Settings(server=ServerSettings(endpoint="tcp://127.0.0.1:7000")).exposed()
+    assert remote.events.endpoint.startswith("ipc://") and remote.events.endpoint.endswith(
+        "offloadd.sock.events"
+    )
+
+
+def test_a_control_path_leaves_room_for_the_sockets_beside_it() -> None:
+    path = "/tmp/" + "p" * (107 - len("/tmp/") - len(".metrics"))
+    assert load_settings(environ={"OFFLOADD_SERVER__ENDPOINT": f"ipc://{path}"})
+    with pytest.raises(SettingsError, match=r"PATH\.metrics"):
+        load_settings(environ={"OFFLOADD_SERVER__ENDPOINT": f"ipc://{path}x"})
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -332,7 +369,8 @@ def test_check_config_prints_the_effective_settings(toml: Path) -> None:
     printed = tomllib.loads(result.stdout)
     assert printed["cache"]["capacity"] == 2 << 30
     assert printed["cache"]["policy"] == "arc"
-    assert printed["metrics"]["address"] == "127.0.0.1:9464"
+    assert printed["metrics"]["address"] == "auto"
+    assert "unix:" in result.stdout.split("[metrics]")[1].splitlines()[1]  # where "auto" is
 
     as_json = check_config("--config", path, "--json")
     assert as_json.returncode == 0, as_json.stderr
