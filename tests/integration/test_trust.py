@@ -1385,3 +1385,25 @@ def test_one_users_engines_cannot_pin_and_reserve_another_user_out(
         victim.communicate(timeout=60)
         if attacker is not None:
             attacker.communicate(timeout=60)
+
+
+def test_the_bytes_one_users_sessions_map_are_bounded(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    rank_files = 3 * 16 * PAGE  # what one peer_process rank maps: three files of 16 pages
+    daemon = shared_daemon(limits=LimitsSettings(mapped_bytes_per_uid=2 * rank_files + PAGE))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    endpoint = daemon.endpoint
+    with (
+        held_as(b, endpoint, "--engine", "map-1") as first,
+        held_as(b, endpoint, "--engine", "map-2") as second,
+    ):
+        assert first.get("connected") and second.get("connected"), (first, second)
+        third = run_as(b, endpoint, "--engine", "map-3")
+        assert "limits.mapped_bytes_per_uid" in str(third["error"]), third
+        # Another user's sessions are not counted against it.
+        victim = run_as(a, endpoint, "--engine", "victim", "--store", "mine")
+        assert victim.get("connected") and victim["stored"] == 4, victim
+    # Sessions that ended map nothing any more.
+    again = run_as(b, endpoint, "--engine", "map-3", "--store", "again")
+    assert again.get("connected") and again["stored"] == 4, again
