@@ -77,6 +77,7 @@ import heapq
 import time
 import weakref
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, pairwise
@@ -403,11 +404,12 @@ class ChunkCache:
         # The bytes each owner protects by those three, per engine against ``budget`` and per
         # tenant against ``tenant_budget``.
         self._ledger = Ledger(budget, tenant_budget)
-        # Reservations end by this time (``reservation_lease``): row -> deadline, and a heap
-        # of (deadline, row) whose items may be stale (the row's deadline differs or is gone).
+        # Reservations end by this time (``reservation_lease``): row -> deadline, and the
+        # rows of each reserve call with their deadline, oldest first (the lease is one for
+        # all, the clock never goes back); rows whose deadline differs or is gone are stale.
         self._lease = reservation_lease
         self._reserved_until: dict[int, float] = {}
-        self._deadlines: list[tuple[float, int]] = []
+        self._deadlines: deque[tuple[float, list[int]]] = deque()
         # Handles given out, so that a row's handle is always the same object while it lives.
         # References of handles that died are swept out now and then (_handle).
         self._handles: dict[int, weakref.ref[Entry]] = {}
@@ -688,6 +690,7 @@ class ChunkCache:
         checked: tuple[int, ...] | None = None
         shape = -1
         new: list[tuple[int, bytes, int]] = []
+        leased: list[int] = []  # the rows reserved, for their lease
         seen: set[bytes] = set()  # a key named twice is reserved once
         for i, key in enumerate(keys):
             if key in table or key in seen:
@@ -728,24 +731,27 @@ class ChunkCache:
             if mine is None:
                 mine = self._reservations.setdefault(owner, set())
             mine.add(row)
-            if self._lease is not None:
-                self._reserved_until[row] = deadline = now + self._lease
-                heapq.heappush(self._deadlines, (deadline, row))
             res.reserved.append(i)
+            leased.append(row)
+        if self._lease is not None and leased:
+            deadline = now + self._lease
+            self._reserved_until.update(dict.fromkeys(leased, deadline))
+            self._deadlines.append((deadline, leased))
         return res
 
     def _expire(self, now: float) -> None:
         """Drop the reservations whose lease ended by ``now`` (see the module docstring)."""
         deadlines = self._deadlines
         while deadlines and deadlines[0][0] <= now:
-            deadline, row = heapq.heappop(deadlines)
-            if self._reserved_until.get(row) != deadline:
-                continue  # committed, released or re-reserved since
-            self._end_reservation(row)
-            if row not in self._writing:  # else its store has begun: a plain pending entry
-                self._refuse(REFUSED_EXPIRED, 1)
-                self._unlink(row, evicted=False)
-                self._free_if_idle(row)
+            deadline, rows = deadlines.popleft()
+            for row in rows:
+                if self._reserved_until.get(row) != deadline:
+                    continue  # committed, released or re-reserved since
+                self._end_reservation(row)
+                if row not in self._writing:  # else its store has begun: plain pending
+                    self._refuse(REFUSED_EXPIRED, 1)
+                    self._unlink(row, evicted=False)
+                    self._free_if_idle(row)
 
     def _refuse(self, reason: str, count: int) -> None:
         if count:
