@@ -185,10 +185,17 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     ``protected_fraction``: bytes an engine's sessions may keep from eviction (lookup pins,
     scheduler holds and reservations) as a fraction of ``cache.capacity``; beyond it pins and
-    holds are not taken and reservations are refused. ``max_lease_seconds`` caps a Lookup's
-    pin lease. ``snapshot_keys``: chunks announced (KV events) to an engine that becomes
-    ready in a warm namespace, at most. ``event_buffer_bytes``: the replay buffer of each
-    event publisher, at most (besides ``events.buffer_steps``). ``registrations_per_uid``:
+    holds are not taken and reservations are refused. ``tenant_protected_fraction``: the same
+    bound for all the engines of one tenant (a uid, or a shared group) together, so a user
+    who starts more engines gets no more of the arena (0: ``protected_fraction``).
+    ``reservation_seconds``: how long a scheduler's reservation waits for its ranks' store;
+    one not committed by then is dropped and its room freed (counted as ``expired``).
+    ``mapped_bytes_per_uid``: bytes of shared-memory region files a uid's live sessions may
+    make the daemon map or reserve address space for (0: the host's memory, ``MemTotal``).
+    ``max_lease_seconds`` caps a Lookup's pin lease. ``snapshot_keys``: chunks announced (KV
+    events) to an engine that becomes ready in a warm namespace, at most.
+    ``event_buffer_bytes``: the replay buffer of each event publisher, at most (besides
+    ``events.buffer_steps``). ``registrations_per_uid``:
     registration tokens (and the descriptors they hold) a uid may have waiting for their
     Hello; unused ones expire after ``token_seconds``. ``connections_per_uid``: registration
     connections a uid may hold open at once. ``descriptors_per_uid``: descriptors a uid's
@@ -201,6 +208,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     key_bytes: int = 128
     keys_per_request: int = 1 << 16
     protected_fraction: float = 0.5
+    tenant_protected_fraction: float = 0.0
+    reservation_seconds: float = 5.0
+    mapped_bytes_per_uid: int = 0
     max_lease_seconds: float = 300.0
     jobs_per_session: int = 1024
     sessions_per_uid: int = 256
@@ -633,6 +643,10 @@ def _fraction_problem(value: float) -> str:
     return f"expected a fraction above 0 and at most 1, got {value!r}"
 
 
+def _fraction_or_zero_problem(value: float) -> str:
+    return "" if value == 0 else _fraction_problem(value)
+
+
 def _absolute_path_problem(path: str) -> str:
     if path and not os.path.isabs(path):
         return f"expected an absolute path, got {path!r}"
@@ -794,6 +808,9 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "key_bytes"): _at_least(5),
     ("limits", "keys_per_request"): _at_least(1),
     ("limits", "protected_fraction"): _fraction_problem,
+    ("limits", "tenant_protected_fraction"): _fraction_or_zero_problem,
+    ("limits", "reservation_seconds"): _at_least(0, above=True),
+    ("limits", "mapped_bytes_per_uid"): _at_least(0),
     ("limits", "max_lease_seconds"): _at_least(0, above=True),
     ("limits", "jobs_per_session"): _at_least(1),
     ("limits", "sessions_per_uid"): _at_least(1),

@@ -14,6 +14,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k (random
   keys over the whole index, and keys from a 10k hot set), lookup cost vs a plain dict probe
   of the same keys (``dict_probe_*``), and index bytes per entry vs the key bytes.
+- ``bounds``: what the bounds per tenant cost the index: a pinned lookup counted per engine
+  and per tenant vs per engine only (``pinned_lookup_tenant_ns``), reservations with a lease
+  vs without (``reserve_store_lease_ns``).
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
@@ -109,6 +112,12 @@ def _index(ctx: Context) -> list[Result]:
     return growth.run(ctx)
 
 
+def _bounds(ctx: Context) -> list[Result]:
+    from offloadd.bench import bounds
+
+    return bounds.run(ctx)
+
+
 def _vllm(ctx: Context) -> list[Result]:
     from offloadd.bench import vllm_manager, vllm_step
 
@@ -188,6 +197,7 @@ GROUPS = (
         ),
         _index,
     ),
+    Group("bounds", ("pinned_lookup_tenant_ns", "reserve_store_lease_ns"), _bounds),
     Group("events", ("events_per_s",), _events),
     Group("vllm", ("vllm_*",), _vllm),
     Group("checksum", ("checksum_*",), _checksum),

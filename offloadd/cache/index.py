@@ -33,10 +33,18 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   or ``release_reservations``; ``hold`` protects committed keys for one request until
   ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile).
 - Protected bytes have one ledger (``offloadd.cache.ledger``), kept here as pins, holds and
-  reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` and an
-  ``account`` on ``lookup``, ``hold`` or ``reserve``, a new protection is taken only within
-  ``room(account)``; what does not fit is never taken (not pinned, returned as not held,
-  neither reserved nor refused).
+  reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` (per
+  engine) or ``tenant_budget`` (per tenant, all its engines together) and an ``account`` and
+  ``tenant`` on ``lookup``, ``hold`` or ``reserve``, a new protection is taken only within
+  ``room(account, tenant)``, the smaller of the two; what does not fit is never taken (not
+  pinned, returned as not held, neither reserved nor refused; counted as ``budget`` or
+  ``tenant`` in ``CacheStats.refused`` for reservations).
+- With ``reservation_lease``, a reservation lasts that many seconds: one whose entry has not
+  committed by then ends: with no copy writing it right then it is dropped and freed at once,
+  counted as ``expired``; one being written is left a plain pending entry (its store has
+  begun; eviction may take it once the copy ends).
+  Lapsed reservations are dropped whenever the cache counts a room, reserves, allocates a
+  store or reports ``stats``.
 - A scheduler that mirrors a namespace's keys (``watch``) may still show a removed key as
   present: a removed committed entry of a watched namespace keeps its extents until every
   watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
@@ -76,6 +84,7 @@ import heapq
 import time
 import weakref
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, pairwise
@@ -87,7 +96,7 @@ import numpy as np
 from offloadd.cache import lifecycle
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.columns import Column
-from offloadd.cache.ledger import Ledger
+from offloadd.cache.ledger import TENANT, Ledger
 from offloadd.cache.lifecycle import Event
 from offloadd.cache.policy import RowPolicy, make_row_policy
 from offloadd.cache.watchers import Watchers
@@ -95,7 +104,9 @@ from offloadd.cache.watchers import Watchers
 __all__ = [
     "REFUSED_ACK",
     "REFUSED_BUDGET",
+    "REFUSED_EXPIRED",
     "REFUSED_FULL",
+    "REFUSED_TENANT",
     "CacheStats",
     "ChunkCache",
     "Entry",
@@ -124,6 +135,10 @@ _LEAVING = lifecycle.LEAVING
 REFUSED_FULL = "full"
 REFUSED_BUDGET = "budget"
 REFUSED_ACK = "ack"
+# Beyond its tenant's room (``tenant_budget``: all the tenant's engines together); reserved,
+# but not stored within ``reservation_lease`` (the reservation was dropped).
+REFUSED_TENANT = "tenant"
+REFUSED_EXPIRED = "expired"
 _BUSY = _WRITING | _READING | _HELD | _RESERVED  # never evicted (pins are checked apart)
 # Per state byte: whether the row may be freed (dead, and no copy, hold or watcher uses it).
 _RELEASABLE = lifecycle.allowed(Event.RELEASE)
@@ -357,6 +372,8 @@ class ChunkCache:
         boundary: int = 0,
         clock: Callable[[], float] = time.monotonic,
         budget: int | None = None,
+        tenant_budget: int | None = None,
+        reservation_lease: float | None = None,
     ) -> None:
         # ``boundary``: no shard extent straddles a multiple of it (see ExtentAllocator).
         self._alloc = ExtentAllocator(capacity, align, boundary=boundary)
@@ -391,8 +408,15 @@ class ChunkCache:
         self._row_holds: dict[int, int] = {}
         self._pins: dict[int, dict[str, float]] = {}
         self._reserved_by: dict[int, str] = {}
-        # The bytes each owner protects by those three, per account against ``budget``.
-        self._ledger = Ledger(budget)
+        # The bytes each owner protects by those three, per engine against ``budget`` and per
+        # tenant against ``tenant_budget``.
+        self._ledger = Ledger(budget, tenant_budget)
+        # Reservations end by this time (``reservation_lease``): row -> deadline, and the
+        # rows of each reserve call with their deadline, oldest first (the lease is one for
+        # all, the clock never goes back); rows whose deadline differs or is gone are stale.
+        self._lease = reservation_lease
+        self._reserved_until: dict[int, float] = {}
+        self._deadlines: deque[tuple[float, list[int]]] = deque()
         # Handles given out, so that a row's handle is always the same object while it lives.
         # References of handles that died are swept out now and then (_handle).
         self._handles: dict[int, weakref.ref[Entry]] = {}
@@ -498,12 +522,13 @@ class ChunkCache:
         pin_owner: str | None = None,
         lease: float = 0.0,
         account: Hashable | None = None,
+        tenant: Hashable | None = None,
     ) -> LookupOutcome:
         """Prefix hit and pending keys; touches the hits and pins them if asked.
 
-        With an ``account``, ``pin_owner``'s new pins count towards it, and a hit whose pin
-        would exceed the account's room is not pinned (pins the owner holds already cost
-        nothing and are extended).
+        With an ``account`` (and ``tenant``), ``pin_owner``'s new pins count towards them, and
+        a hit whose pin would exceed their room is not pinned (pins the owner holds already
+        cost nothing and are extended).
         """
         # Every key probed at C speed (map), then the state bytes of the rows up to the first
         # missing key read at C speed too (itemgetter, translate): a hit costs no bytecode.
@@ -542,10 +567,10 @@ class ChunkCache:
             if pin_owner is not None and lease > 0:
                 now = self._clock()
                 expiry = now + lease
-                room = self._room(account, now)
+                room = self._room(account, tenant, now)
                 if room == float("inf"):
                     for row in hit_rows:
-                        self._pin(row, pin_owner, expiry, account)
+                        self._pin(row, pin_owner, expiry, account, tenant)
                     pinned = hits
                 else:
                     pins, nbytes, shape_of = self._pins, self._nbytes, self._shape.v
@@ -555,7 +580,7 @@ class ChunkCache:
                             if cost > room:
                                 continue
                             room -= cost
-                        self._pin(row, pin_owner, expiry, account)
+                        self._pin(row, pin_owner, expiry, account, tenant)
                         pinned += 1
         return LookupOutcome(hits, pending, pinned)
 
@@ -579,6 +604,7 @@ class ChunkCache:
         if shard < 0:
             raise ValueError(f"shard must not be negative, got {shard}")
         bit = 1 << shard
+        self._expire(self._clock())
         res = StoreReservation([], [], [], [])
         table = self._tables.get(namespace, _NO_ROWS)
         protected: frozenset[bytes] | None = None
@@ -643,22 +669,26 @@ class ChunkCache:
         *,
         acker: str | None = None,
         account: Hashable | None = None,
+        tenant: Hashable | None = None,
     ) -> Reservation:
         """Allocate every shard of each new key for a later ``begin_store(allocate=False)``.
 
         Committed and pending keys are left out. A key that finds no room is refused, and so is
         every later key (as in ``begin_store``). Reserved entries are not evictable until they
-        commit or ``release_reservations(owner)``. With an ``account``, only the leading keys
-        whose bytes (all of them, reserved or not) fit its room are looked at; the others are
-        neither reserved nor refused.
+        commit, ``release_reservations(owner)`` or their lease ends. With an ``account`` (and
+        ``tenant``), only the leading keys whose bytes (all of them, reserved or not) fit their
+        room are looked at; the others are neither reserved nor refused.
         """
         res = Reservation([], [], [])
-        if account is not None:
-            within = self._within_room(keys, shard_sizes, self._room(account, self._clock()))
+        now = self._clock()
+        self._expire(now)
+        if account is not None or tenant is not None:
+            within = self._within_room(keys, shard_sizes, self._room(account, tenant, now))
             if len(within) < len(keys):
                 known = self._tables.get(namespace, _NO_ROWS)
                 beyond = sum(key not in known for key in keys[len(within) :])
-                self._refuse(REFUSED_BUDGET, beyond)
+                tenants = self._ledger.binding(account, tenant) == TENANT
+                self._refuse(REFUSED_TENANT if tenants else REFUSED_BUDGET, beyond)
                 keys = within
         table = self._tables.get(namespace, _NO_ROWS)
         protected = frozenset(keys)
@@ -668,6 +698,7 @@ class ChunkCache:
         checked: tuple[int, ...] | None = None
         shape = -1
         new: list[tuple[int, bytes, int]] = []
+        leased: list[int] = []  # the rows reserved, for their lease
         seen: set[bytes] = set()  # a key named twice is reserved once
         for i, key in enumerate(keys):
             if key in table or key in seen:
@@ -704,12 +735,31 @@ class ChunkCache:
             table = self._tables[namespace]
             reserved_by[row] = owner
             self._state.v[row] = lifecycle.step(self._state.v[row], _RESERVE)
-            self._ledger.charge(owner, self._nbytes[shape], account)
+            self._ledger.charge(owner, self._nbytes[shape], account, tenant)
             if mine is None:
                 mine = self._reservations.setdefault(owner, set())
             mine.add(row)
             res.reserved.append(i)
+            leased.append(row)
+        if self._lease is not None and leased:
+            deadline = now + self._lease
+            self._reserved_until.update(dict.fromkeys(leased, deadline))
+            self._deadlines.append((deadline, leased))
         return res
+
+    def _expire(self, now: float) -> None:
+        """Drop the reservations whose lease ended by ``now`` (see the module docstring)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            deadline, rows = deadlines.popleft()
+            for row in rows:
+                if self._reserved_until.get(row) != deadline:
+                    continue  # committed, released or re-reserved since
+                self._end_reservation(row)
+                if row not in self._writing:  # else its store has begun: plain pending
+                    self._refuse(REFUSED_EXPIRED, 1)
+                    self._unlink(row, evicted=False)
+                    self._free_if_idle(row)
 
     def _refuse(self, reason: str, count: int) -> None:
         if count:
@@ -821,8 +871,10 @@ class ChunkCache:
         """
         rows = self._reservations.pop(owner, set())
         refund, nbytes, shape_of = self._ledger.refund, self._nbytes, self._shape.v
+        until = self._reserved_until
         for row in rows:
             del self._reserved_by[row]
+            until.pop(row, None)
             self._state.v[row] = lifecycle.step(self._state.v[row], _UNRESERVE)
             refund(owner, nbytes[shape_of[row]])
             self._unlink(row, evicted=False)
@@ -893,6 +945,7 @@ class ChunkCache:
     def _end_reservation(self, row: int) -> None:
         owner = self._reserved_by.pop(row, None)
         if owner is not None:
+            self._reserved_until.pop(row, None)
             self._state.v[row] = lifecycle.step(self._state.v[row], _UNRESERVE)
             self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
             reserved = self._reservations[owner]
@@ -983,13 +1036,14 @@ class ChunkCache:
         keys: Sequence[bytes],
         *,
         account: Hashable | None = None,
+        tenant: Hashable | None = None,
     ) -> list[bytes]:
         """Hold each committed key for ``(owner, token)``; returns the keys that are not.
 
         A key removed while a watcher may still show it (see ``watch``) can be held too: its
         bytes are intact. Holding a key twice for one token needs two releases. With an
-        ``account``, a key the token does not hold yet is held only within the account's
-        room; the keys (occurrences) beyond it come last in the list returned.
+        ``account`` (and ``tenant``), a key the token does not hold yet is held only within
+        their room; the keys (occurrences) beyond it come last in the list returned.
         """
         table = self._tables.get(namespace, _NO_ROWS)
         state = self._state.v
@@ -997,7 +1051,7 @@ class ChunkCache:
         missing: list[bytes] = []
         over: list[bytes] = []
         touched: list[int] = []
-        room = self._room(account, self._clock()) if account is not None else float("inf")
+        room = self._room(account, tenant, self._clock())
         ledger, nbytes, shape_of = self._ledger, self._nbytes, self._shape.v
         for key in keys:
             row = table.get(key)
@@ -1015,9 +1069,9 @@ class ChunkCache:
                     over.append(key)
                     continue
                 room -= cost
-                ledger.charge(owner, cost, account)
+                ledger.charge(owner, cost, account, tenant)
             elif previous[0] != row:
-                ledger.charge(owner, cost, account)
+                ledger.charge(owner, cost, account, tenant)
                 ledger.refund(owner, nbytes[shape_of[previous[0]]])
                 self._unhold(previous[0], previous[1])  # re-held after a re-store: keep newest
                 previous = (row, 0)
@@ -1181,10 +1235,10 @@ class ChunkCache:
         """Bytes ``owner``'s pins (possibly expired), holds and reservations keep."""
         return self._ledger.owned(owner)
 
-    def room(self, account: Hashable) -> float:
-        """Bytes ``account`` may still protect (``math.inf`` with no ``budget``); its expired
-        pins are dropped first."""
-        return self._room(account, self._clock())
+    def room(self, account: Hashable | None, tenant: Hashable | None = None) -> float:
+        """Bytes ``account`` (within ``tenant``) may still protect (``math.inf`` with no
+        budget); expired pins and lapsed reservations are dropped first."""
+        return self._room(account, tenant, self._clock())
 
     def keys_in(self, namespace: str) -> list[bytes]:
         """Committed keys of ``namespace``, e.g. to announce a warm cache to a new engine."""
@@ -1198,7 +1252,8 @@ class ChunkCache:
         return None if row is None else self._handle(row)
 
     def stats(self) -> CacheStats:
-        """A snapshot of the counters."""
+        """A snapshot of the counters (lapsed reservations dropped first)."""
+        self._expire(self._clock())
         return CacheStats(
             capacity=self._alloc.capacity,
             used_bytes=self._alloc.used_bytes,
@@ -1352,7 +1407,14 @@ class ChunkCache:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _pin(self, row: int, owner: str, expiry: float, account: Hashable | None) -> None:
+    def _pin(
+        self,
+        row: int,
+        owner: str,
+        expiry: float,
+        account: Hashable | None,
+        tenant: Hashable | None = None,
+    ) -> None:
         pins = self._pins.get(row)
         if pins is None:
             pins = self._pins[row] = {}
@@ -1363,7 +1425,7 @@ class ChunkCache:
         pins[owner] = expiry
         ledger = self._ledger
         if old is None:
-            ledger.charge(owner, self._nbytes[self._shape.v[row]], account)
+            ledger.charge(owner, self._nbytes[self._shape.v[row]], account, tenant)
             self._owners.setdefault(owner, set()).add(row)
         if ledger.bounded(owner):
             heap = ledger.expiries(owner)
@@ -1374,13 +1436,15 @@ class ChunkCache:
                 heapq.heapify(heap)
                 ledger.set_expiries(owner, heap)
 
-    def _room(self, account: Hashable | None, now: float) -> float:
-        """The bytes ``account`` may still protect (no bound without one); its expired pins
-        are dropped first, as they protect nothing."""
+    def _room(self, account: Hashable | None, tenant: Hashable | None, now: float) -> float:
+        """The bytes ``account`` within ``tenant`` may still protect (no bound without
+        either); their expired pins and lapsed reservations are dropped first, as they
+        protect nothing."""
+        self._expire(now)
         ledger = self._ledger
-        if account is None or ledger.budget is None:
+        if ledger.room(account, tenant) == float("inf"):
             return float("inf")
-        for member in ledger.members(account):
+        for member in ledger.members(account, tenant):
             heap = ledger.expiries(member)
             while heap and heap[0][0] <= now:
                 expiry, row = heapq.heappop(heap)
@@ -1389,7 +1453,7 @@ class ChunkCache:
                     self._drop_pin(row, member)
                     if not ledger.bounded(member):
                         break  # its last bytes went: forgotten, heap and all
-        return ledger.room(account)
+        return ledger.room(account, tenant)
 
     def _drop_pin(self, row: int, owner: str) -> None:
         """Drop ``owner``'s pin on ``row`` (it has one)."""

@@ -43,7 +43,7 @@ from offloadd.server.control import ControlSocket
 from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits
+from offloadd.server.limits import Limits, cache_bounds
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import PeerListener, listen_beside
@@ -169,8 +169,8 @@ class Daemon:
                 policy=settings.cache.policy,
                 # One DMA may not span two of the arena's cudaHostRegister pieces.
                 boundary=PIN_PIECE if cuda else 0,
-                # What each engine may keep from eviction (pins, holds, reservations).
-                budget=int(settings.cache.capacity * settings.limits.protected_fraction),
+                # What engines and tenants may keep from eviction, how long reservations last.
+                **cache_bounds(settings.cache.capacity, settings.limits),
             )
             self._mirrors = Mirrors(self._cache, self.registry, self._send_to_session)
             self._journal = open_journal(settings, self._arena, self._cache, self._notify)

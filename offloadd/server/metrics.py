@@ -488,7 +488,8 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         "offloadd_stores_refused_keys",
         "Keys a store or reservation could not place, by reason: full (nothing evictable), "
         "ack (its room waited on a mirror's acknowledgement), budget (beyond the engine's "
-        "protected share)",
+        "protected share), tenant (beyond its user's protected share), expired (reserved but "
+        "not stored within limits.reservation_seconds)",
         labels=["reason"],
     )
     evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")

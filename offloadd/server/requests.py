@@ -9,7 +9,8 @@ Contract of ``CacheRequests`` (the event loop's thread only; each call handles o
 completion, raising ``Refused`` for one the daemon answers with an Error):
 - ``lookup``: the leading committed keys and the pending ones, pinned for a lease on request
   (the lease cut to ``limits.max_lease_seconds``; a hit is pinned only within the engine's
-  share of the capacity, which the cache counts with the engine as the pins' account). With
+  share of the capacity and its tenant's, which the cache counts with the engine and its
+  tenant as the pins' accounts). With
   tiers below the arena (``offloadd.server.tiers``), keys after the hits that a tier
   holds are promoted and reported pending; a tier that answers off the loop (the cluster)
   defers the reply (``reply`` is kept, ``offloadd.server.dispatch``'s DEFERRED mode), sent
@@ -117,6 +118,7 @@ class CacheRequests:
             pin_owner=owner if request.pin else None,
             lease=lease if request.pin else 0.0,
             account=engine.key,  # pins within the engine's budget (limits.protected_fraction)
+            tenant=engine.tenant,  # and its tenant's (limits.tenant_protected_fraction)
         )
         pinned = outcome.pinned
         pending = outcome.pending

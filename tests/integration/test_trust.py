@@ -1418,3 +1418,168 @@ def test_each_tenants_events_carry_its_own_topic(
         (topic[a.uid], ["AllBlocksCleared"]),
         (topic[b.uid], ["AllBlocksCleared"]),
     ], batches
+
+
+# Finding 4, pins and reservations: chunks of 2 blocks of 3 layers of a page (24 KiB), files
+# of 16 blocks (8 chunks) per rank, as peer_process makes them.
+_RANK_FILES = """
+import json, os, sys, uuid
+from offloadd.client import OffloadClient
+from protocol.handles import KVRegion, ShmHandle
+from tests.integration.configs import LAYERS, chain_keys, chunk_block_ids, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+PAGE, BLOCKS = 4096, 16
+CHUNKS = range(BLOCKS // 2)
+
+def files():
+    fds, regions = [], []
+    for layer in LAYERS:
+        path = f"/dev/shm/od-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        os.ftruncate(fd, BLOCKS * PAGE)
+        fds.append(fd)
+        regions.append(KVRegion(ShmHandle(f"/proc/self/fd/{fd}", 0, BLOCKS * PAGE, fd=len(fds) - 1),
+                                BLOCKS, PAGE, PAGE, (layer,)))
+    return fds, regions
+
+def connect(engine, role="worker"):
+    config = make_config(engine_id=engine, tp=1, bytes_per_block=PAGE * len(LAYERS))
+    fds, regions = files() if role == "worker" else ([], [])
+    client = OffloadClient.connect(endpoint, config, regions if role == "worker" else (),
+                                   role=role, heartbeat=0)
+    client.wait_ready(10)
+    return client, fds
+
+def store(client, keys, job):
+    for at in range(0, len(keys), len(CHUNKS)):
+        batch = keys[at:at + len(CHUNKS)]
+        client.store(job + at, batch, chunk_block_ids(range(len(batch)), 2))
+        client.wait([job + at], 10)
+"""
+
+_GREEDY_TENANT = (
+    _RANK_FILES
+    + """
+w1, _ = connect("greedy-1")
+s1, _ = connect("greedy-1", "scheduler")
+w2, _ = connect("greedy-2")
+s2, _ = connect("greedy-2", "scheduler")
+mine = chain_keys(48, b"greedy")
+store(w1, mine, 100)
+out = {"stored": w1.lookup(mine).hits}
+# Reservations that are never stored, pins with the longest lease, from two engines.
+out["reserved_1"] = len(s1.reserve(chain_keys(8, b"never-1")))
+out["pinned_1"] = w1.lookup(mine, pin=True, lease=1e9).pinned
+out["reserved_2"] = len(s2.reserve(chain_keys(96, b"never-2")))
+out["pinned_2"] = w2.lookup(mine, pin=True, lease=1e9).pinned
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+)
+
+_PATIENT_TENANT = (
+    _RANK_FILES
+    + """
+rank, fds = connect("patient")
+keys = chain_keys(24, b"patient")
+written = {}
+for at in range(0, 24, 8):  # each round's chunks get bytes of their own
+    for fd in fds:
+        os.pwrite(fd, os.urandom(BLOCKS * PAGE), 0)
+    for i in CHUNKS:
+        written[keys[at + i]] = [os.pread(fd, 2 * PAGE, 2 * PAGE * i) for fd in fds]
+    store(rank, keys[at:at + 8], 10 + at)
+print(json.dumps({"stored": rank.lookup(keys).hits}), flush=True)
+sys.stdin.readline()  # the other user attacks meanwhile
+out = {"hits": rank.lookup(keys).hits, "wrong": 0}
+for at in range(0, out["hits"] - out["hits"] % 8, 8):
+    for fd in fds:
+        os.pwrite(fd, bytes(BLOCKS * PAGE), 0)
+    rank.load(50 + at, keys[at:at + 8], chunk_block_ids(CHUNKS, 2))
+    rank.wait([50 + at], 10)
+    for i in CHUNKS:
+        got = [os.pread(fd, 2 * PAGE, 2 * PAGE * i) for fd in fds]
+        out["wrong"] += got != written[keys[at + i]]
+fresh = chain_keys(24, b"patient-later")
+store(rank, fresh, 200)
+out["stored"] = rank.lookup(fresh).hits
+print(json.dumps(out), flush=True)
+"""
+)
+
+
+def test_one_users_engines_cannot_pin_and_reserve_another_user_out(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    chunk = 2 * PAGE * 3
+    # protected_fraction and tenant_protected_fraction by default: 48 of the 96 chunks per
+    # engine, and per user; a reservation lasts limits.reservation_seconds.
+    daemon = shared_daemon(capacity=96 * chunk, limits=LimitsSettings(reservation_seconds=3.0))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+
+    def start(script: str, user: User) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            _attack_command(script, daemon, user, shared),
+            env=_ATTACK_ENV, cwd="/tmp", text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    def report(process: subprocess.Popen[str]) -> dict[str, Any]:
+        assert process.stdout is not None and process.stderr is not None
+        line = process.stdout.readline()
+        assert line, process.stderr.read()
+        found: dict[str, Any] = json.loads(line)
+        return found
+
+    victim, attacker = start(_PATIENT_TENANT, a), None
+    try:
+        assert report(victim) == {"stored": 24}
+        attacker = start(_GREEDY_TENANT, b)
+        greedy = report(attacker)
+        # Its first engine reserved 8 and pinned 40: the user's share; its second engine got
+        # nothing (it had 48 chunks of its own engine budget: the victim's 24 were evicted
+        # for its reservations and every later store was refused, before).
+        assert greedy == {
+            "stored": 48, "reserved_1": 8, "pinned_1": 40, "reserved_2": 0, "pinned_2": 0
+        }, greedy  # fmt: skip
+        assert victim.stdin is not None
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        after = report(victim)
+        # The victim's hits, loads (every byte its own) and stores all still work.
+        assert after == {"hits": 24, "wrong": 0, "stored": 24}, after
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            assert admin.stats().stores_refused_by_reason.get("tenant") == 96
+            # The 8 reservations never stored are dropped when their lease ends.
+            _until(lambda: admin.stats().stores_refused_by_reason.get("expired") == 8, "expiry")
+            assert admin.stats().stores_refused_by_reason.get("full", 0) == 0
+    finally:
+        victim.kill()
+        victim.communicate(timeout=60)
+        if attacker is not None:
+            attacker.communicate(timeout=60)
+
+
+def test_the_bytes_one_users_sessions_map_are_bounded(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    rank_files = 3 * 16 * PAGE  # what one peer_process rank maps: three files of 16 pages
+    daemon = shared_daemon(limits=LimitsSettings(mapped_bytes_per_uid=2 * rank_files + PAGE))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    endpoint = daemon.endpoint
+    with (
+        held_as(b, endpoint, "--engine", "map-1") as first,
+        held_as(b, endpoint, "--engine", "map-2") as second,
+    ):
+        assert first.get("connected") and second.get("connected"), (first, second)
+        third = run_as(b, endpoint, "--engine", "map-3")
+        assert "limits.mapped_bytes_per_uid" in str(third["error"]), third
+        # Another user's sessions are not counted against it.
+        victim = run_as(a, endpoint, "--engine", "victim", "--store", "mine")
+        assert victim.get("connected") and victim["stored"] == 4, victim
+    # Sessions that ended map nothing any more.
+    again = run_as(b, endpoint, "--engine", "map-3", "--store", "again")
+    assert again.get("connected") and again["stored"] == 4, again

@@ -189,6 +189,18 @@ def error_of(path: str | None = None, env: dict[str, str] | None = None, **flags
     return str(caught.value)
 
 
+def test_the_per_tenant_limits_are_checked() -> None:
+    message = error_of(env={"OFFLOADD_LIMITS__TENANT_PROTECTED_FRACTION": "1.5"})
+    assert message.startswith("limits.tenant_protected_fraction: expected a fraction")
+    message = error_of(env={"OFFLOADD_LIMITS__RESERVATION_SECONDS": "0"})
+    assert message.startswith("limits.reservation_seconds: expected a number above 0")
+    message = error_of(env={"OFFLOADD_LIMITS__MAPPED_BYTES_PER_UID": "-1"})
+    assert message.startswith("limits.mapped_bytes_per_uid: expected a number at least 0")
+    # 0: the engine's fraction again, per tenant; the host's memory per uid.
+    limits = load_settings(None, environ={"OFFLOADD_LIMITS__TENANT_PROTECTED_FRACTION": "0"}).limits
+    assert limits.tenant_protected_fraction == 0 and limits.mapped_bytes_per_uid == 0
+
+
 def test_unknown_key_in_env_names_key_and_variable() -> None:
     message = error_of(env={"OFFLOADD_CACHE__CAPASITY": "8GiB"})
     assert message.startswith("unknown setting cache.capasity (from OFFLOADD_CACHE__CAPASITY)")

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from offloadd.cache.index import ChunkCache
-from offloadd.server.limits import Limits
+from offloadd.server.limits import Limits, cache_bounds
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import RegistrationError, Registry
 from offloadd.server.tenancy import Tenancy, Viewer
@@ -154,6 +154,22 @@ def test_regions_and_sessions_per_user() -> None:
     assert limits.session_problem(2, 1) == ""
     assert "regions_per_session" in limits.session_problem(3, 0)
     assert "sessions_per_uid" in limits.session_problem(1, 2)
+
+
+def test_mapped_bytes_per_user() -> None:
+    assert Limits(LimitsSettings(), memory=1 << 30).mapped_bytes == 1 << 30  # 0: the host's
+    limits = Limits(LimitsSettings(mapped_bytes_per_uid=1 << 20), memory=1 << 30)
+    assert limits.mapped_problem(1 << 20) == ""
+    assert "limits.mapped_bytes_per_uid (1048576)" in limits.mapped_problem((1 << 20) + 1)
+
+
+def test_the_cache_bounds_per_engine_and_per_tenant() -> None:
+    default = cache_bounds(1000, LimitsSettings())
+    assert default == {"budget": 500, "tenant_budget": 500, "reservation_lease": 5.0}
+    tenant = cache_bounds(
+        1000, LimitsSettings(protected_fraction=0.5, tenant_protected_fraction=0.75)
+    )
+    assert (tenant["budget"], tenant["tenant_budget"]) == (500, 750)
 
 
 # ---------------------------------------------------------------- protected bytes
