@@ -21,6 +21,7 @@ from offloadd.cache import journal as journal_module
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
+from offloadd.checksum import checksum
 from offloadd.transfer.plan import GroupLayout, group_layouts, group_spans
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import CanonicalPage, KVRegion, ShmHandle, region_problem
@@ -108,7 +109,7 @@ def test_the_journal_keeps_the_checksum_taken_after_every_writer(
     w1 = cache.begin_store(NS, [key(0)], 1, one_shard, writers=2)
     (write,) = w0.writes
     arena.view(write.offset, A)[:] = b"\x01" * A  # writer 0's half
-    real = journal_module.checksum
+    real = checksum
     nested: list[int] = []
 
     def slow_checksum(address: int, size: int) -> int:
