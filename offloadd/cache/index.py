@@ -8,7 +8,9 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 
 - Entries are keyed by ``(namespace, key)``; a key is only looked up inside its namespace. An
   entry holds one shard per rank (a replicated layout has one shard), each in its own arena
-  extent. An entry is *pending* until every shard is written, then *committed* (visible).
+  extent; in vLLM's canonical layout one shard that every rank fills with its fragments
+  (``begin_store(writers=...)``). An entry is *pending* until every shard (every writer) is
+  written, then *committed* (visible).
 - ``lookup``: how many leading keys are committed (the prefix hit), which keys are pending;
   touches the hits and, with ``pin_owner`` and a lease, pins them until ``clock() + lease``.
 - ``begin_store`` (vLLM's prepare_store) reserves this rank's shard of each key: committed keys
