@@ -168,3 +168,33 @@ def test_canonical_and_direct_layouts_never_share(tmp_path: Path, daemon: Daemon
             assert namespace_of(daemon, "canon") != namespace_of(daemon, "direct")
             b = compute(h2, prompt[:70] + prompt_of(9, seed=5))
             assert h2.external_tokens(b) == 0
+
+
+def test_mla_canonical_is_stored_once_and_shared_across_tp(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """Pure MLA in the canonical layout: vLLM marks it replicated (every rank holds the whole
+    latent page), so rank 0 alone writes the one canonical copy, at TP=2 as at TP=1."""
+    prompt = prompt_of(100)
+    with VllmHarness(
+        tmp_path, canonical(daemon), tensor_parallel_size=2, model="mla", engine_id="a"
+    ) as ha:
+        spec = ha.ranks[0].offloading_spec
+        assert spec.config.canonical_layout and spec.config.replicated_layout
+        compute(ha, prompt)
+        settle(ha, 3)
+        one_copy = spec.config.worker_kv_bytes_per_block * (CHUNK // BLOCK)
+        (engine,) = (e for e in running(daemon).registry.engines() if e.ready)
+        assert engine.namespace is not None
+        assert engine.namespace.shard_sizes == [(one_copy,)]  # one latent copy, not two
+        aligned = -(-one_copy // 4096) * 4096  # the arena's extents are 4 KiB aligned
+        stats = running(daemon).stats()
+        assert (stats.committed_entries, stats.used_bytes) == (3, 3 * aligned)
+        with VllmHarness(
+            tmp_path, canonical(daemon), tensor_parallel_size=1, model="mla", engine_id="b"
+        ) as hb:
+            assert namespace_of(daemon, "a") == namespace_of(daemon, "b")
+            settle(hb, 3)
+            b = compute(hb, prompt[:70] + prompt_of(9, seed=5))
+            assert hb.external_tokens(b) == 64
+            assert hb.assert_loaded_pages(b) == 64 // BLOCK * NUM_LAYERS
