@@ -8,7 +8,9 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 
 - Entries are keyed by ``(namespace, key)``; a key is only looked up inside its namespace. An
   entry holds one shard per rank (a replicated layout has one shard), each in its own arena
-  extent. An entry is *pending* until every shard is written, then *committed* (visible).
+  extent; in vLLM's canonical layout one shard that every rank fills with its fragments
+  (``begin_store(writers=...)``). An entry is *pending* until every shard (every writer) is
+  written, then *committed* (visible).
 - ``lookup``: how many leading keys are committed (the prefix hit), which keys are pending;
   touches the hits and, with ``pin_owner`` and a lease, pins them until ``clock() + lease``.
 - ``begin_store`` (vLLM's prepare_store) reserves this rank's shard of each key: committed keys
@@ -272,13 +274,23 @@ def _overlaps(taken: list[tuple[int, int]], start: int, end: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ShardWrite:
-    """One shard copy to perform: ``keys[index]``'s ``shard`` goes to ``[offset, offset+size)``."""
+    """One shard copy to perform: ``keys[index]``'s ``shard`` goes to ``[offset, offset+size)``.
+
+    ``part`` is the writer's bit among the entry's writes: the shard itself, or for a shard
+    several writers fill together (``begin_store(writers=...)``), this writer's index.
+    """
 
     index: int
     entry: Entry
     shard: int
     offset: int
     size: int
+    part: int = -1
+
+    @property
+    def bit(self) -> int:
+        """This write's bit in the entry's written and writing masks."""
+        return 1 << (self.shard if self.part < 0 else self.part)
 
 
 @dataclass(slots=True)
@@ -402,7 +414,9 @@ class ChunkCache:
         self._fits: list[bool] = []  # whether each shape could ever fit the arena
         self._nbytes: list[int] = []  # payload bytes of each shape (what protection costs)
         # What few rows have at a time; a state bit says whether a row is in each.
-        self._written: dict[int, int] = {}  # pending rows: shards written
+        self._written: dict[int, int] = {}  # pending rows: shards (or writers) written
+        # Pending rows whose one shard several writers fill (begin_store(writers=...)).
+        self._writers: dict[int, int] = {}
         self._writing: dict[int, int] = {}
         self._readers: dict[int, int] = {}
         self._row_holds: dict[int, int] = {}
@@ -595,16 +609,24 @@ class ChunkCache:
         *,
         allocate: bool = True,
         acker: str | None = None,
+        writers: int = 0,
     ) -> StoreReservation:
         """Reserve ``shard`` of each key for writing, allocating and evicting as needed.
 
         With ``allocate=False`` only keys that already have a pending entry (a scheduler's
-        ``reserve``) are written; the others are skipped, never refused.
+        ``reserve``) are written; the others are skipped, never refused. With ``writers``
+        the chunk is one shard that ``writers`` writers fill together (disjoint bytes of one
+        extent: vLLM's canonical layout) and ``shard`` is this writer's index; the entry
+        commits when every one of them has written. A pending entry that writers of another
+        count are filling is skipped (they finish it).
         """
         if shard < 0:
             raise ValueError(f"shard must not be negative, got {shard}")
+        if writers and shard >= writers:
+            raise ValueError(f"writer {shard} out of range for {writers} writers")
         bit = 1 << shard
         self._expire(self._clock())
+        part = shard if writers else -1
         res = StoreReservation([], [], [], [])
         table = self._tables.get(namespace, _NO_ROWS)
         protected: frozenset[bytes] | None = None
@@ -620,12 +642,20 @@ class ChunkCache:
                 res.skipped.append(i)
                 continue
             if row is not None:
-                if self._state.v[row] & _COMMITTED or (
-                    (self._written.get(row, 0) | self._writing.get(row, 0)) & bit
-                ):
+                active = self._written.get(row, 0) | self._writing.get(row, 0)
+                if self._state.v[row] & _COMMITTED or active & bit:
                     res.skipped.append(i)
                     continue
                 sizes = self._shapes[self._shape.v[row]]
+                if writers:
+                    if len(sizes) != 1 or (active and self._writers.get(row, 1) != writers):
+                        res.skipped.append(i)  # another layout's writers fill it
+                        continue
+                    self._set_writers(row, writers)
+                    self._start_writing(row, bit)
+                    offset = self._offsets.v[self._base.v[row]] * self._align
+                    res.writes.append(ShardWrite(i, self._handle(row), 0, offset, sizes[0], part))
+                    continue
                 if shard >= len(sizes):
                     self._cancel(res.writes)
                     raise ValueError(
@@ -642,7 +672,8 @@ class ChunkCache:
             sizes = shard_sizes(key)
             if sizes is not checked:
                 sizes = tuple(sizes)
-                if not sizes or shard >= len(sizes) or min(sizes) <= 0:
+                bad = len(sizes) != 1 if writers else shard >= len(sizes)
+                if not sizes or bad or min(sizes) <= 0:
                     self._cancel(res.writes)
                     raise ValueError(f"bad shard sizes {sizes} for shard {shard} of {key.hex()}")
                 shape, checked = self._shape_id(sizes), sizes
@@ -656,9 +687,20 @@ class ChunkCache:
                 break
             self._start_writing(row, bit)
             table = self._tables[namespace]
+            if writers:
+                self._set_writers(row, writers)
+                offset = self._offsets.v[self._base.v[row]] * self._align
+                res.writes.append(ShardWrite(i, self._handle(row), 0, offset, sizes[0], part))
+                continue
             offset = self._offsets.v[self._base.v[row] + shard] * self._align
             res.writes.append(ShardWrite(i, self._handle(row), shard, offset, sizes[shard]))
         return res
+
+    def _set_writers(self, row: int, writers: int) -> None:
+        if writers == 1:
+            self._writers.pop(row, None)
+        else:
+            self._writers[row] = writers
 
     def reserve(
         self,
@@ -911,8 +953,8 @@ class ChunkCache:
         seen: set[tuple[int, int]] = set()
         for w in writes:
             row = w.entry._row
-            token = (row, w.shard)
-            if row < 0 or token in seen or not self._writing.get(row, 0) & (1 << w.shard):
+            token = (row, w.bit)
+            if row < 0 or token in seen or not self._writing.get(row, 0) & w.bit:
                 raise ValueError(f"shard {w.shard} of {w.entry!r} is not being written")
             seen.add(token)
         committed: list[Entry] = []
@@ -921,7 +963,7 @@ class ChunkCache:
         for w in writes:
             entry = w.entry
             row = entry._row
-            bit = 1 << w.shard
+            bit = w.bit
             self._stop_writing(row, bit)
             if state[row] & _DEAD:
                 self._free_if_idle(row)
@@ -929,8 +971,9 @@ class ChunkCache:
                 continue
             if ok:
                 written = self._written.get(row, 0) | bit
-                if written == (1 << len(entry.sizes)) - 1:
+                if written == (1 << self._writers.get(row, len(entry.sizes))) - 1:
                     self._written.pop(row, None)
+                    self._writers.pop(row, None)
                     self._end_reservation(row)  # a reservation never outlives the pending entry
                     state[row] = lifecycle.step(state[row], _COMMIT)
                     self._committed += 1
@@ -965,7 +1008,7 @@ class ChunkCache:
             row = w.entry._row
             if row < 0 or state[row] & (_DEAD | _COMMITTED):
                 continue
-            if self._writing.get(row, 0) & (1 << w.shard):
+            if self._writing.get(row, 0) & w.bit:
                 self._unlink(row, evicted=False)
 
     # -- load -------------------------------------------------------------------------------
@@ -1384,6 +1427,7 @@ class ChunkCache:
             entry._final = (bool(self._state.v[row] & _COMMITTED), self._written_mask(row))
             entry._row = -1
         self._written.pop(row, None)
+        self._writers.pop(row, None)
         self._keys[row] = None
         self._state.v[row] = lifecycle.step(self._state.v[row], _RELEASE)
         self._free_rows.append(row)
@@ -1403,7 +1447,7 @@ class ChunkCache:
     def _cancel(self, writes: list[ShardWrite]) -> None:
         """Undo the writing bits of a ``begin_store`` that is about to raise."""
         for w in writes:
-            self._stop_writing(w.entry._row, 1 << w.shard)
+            self._stop_writing(w.entry._row, w.bit)
 
     # -- internals --------------------------------------------------------------------------
 

@@ -113,6 +113,9 @@ class Namespace:
     # group id (what keys name) -> position in the config's groups
     group_positions: dict[int, int] = field(default_factory=dict)
     engines: set[EngineKey] = field(default_factory=set)
+    # vLLM's canonical layout: each chunk is one shard (the canonical chunk) that this many
+    # ranks of the engine fill together, each with its fragments; 0 for one shard per rank.
+    writers: int = 0
 
     def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
         """Shard sizes of the chunk ``key`` names (its group is the key's last 4 bytes)."""
@@ -353,6 +356,7 @@ class Registry:
                 shard_sizes=shard_sizes,
                 replicated=engine.config.replicated_layout,
                 group_positions=engine.group_positions,
+                writers=canonical_writers(engine),
             )
             self._namespaces[name] = namespace
         namespace.engines.add(engine.key)
@@ -425,7 +429,7 @@ def _check_geometry(hello: Hello) -> list[GroupLayout]:
     config = hello.config
     regions = hello.regions
     for index, region in enumerate(regions):
-        problem = region_problem(region)
+        problem = region_problem(region) or _canonical_problem(config, region)
         if problem:
             raise RegistrationError(ErrorCode.BAD_GEOMETRY, f"region {index}: {problem}")
     if len({region.num_blocks for region in regions}) > 1:
@@ -463,6 +467,25 @@ def _check_geometry(hello: Hello) -> list[GroupLayout]:
                     ErrorCode.BAD_GEOMETRY, f"no region holds a layer of group {index}"
                 )
     return layouts
+
+
+def _canonical_problem(config: OffloadingConfig, region: KVRegion) -> str | None:
+    """Why ``region`` does not fit the config's layout (direct or vLLM's canonical)."""
+    canonical = region.canonical
+    if not config.canonical_layout:
+        return None if canonical is None else "a canonical page in a direct-layout engine"
+    if canonical is None:
+        return "no canonical page, but the engine is in vLLM's canonical layout"
+    if config.parallel.pp_size > 1:
+        return "the canonical layout under pipeline parallelism is not supported"
+    if canonical.writers > 1 and not config.replicated_layout:
+        # Ranks taking turns per block (KV heads replicated over TP) are not planned.
+        return f"{canonical.writers} ranks hold the same canonical bytes (not supported)"
+    return None
+
+
+def _canonical_pages(regions: Sequence[KVRegion]) -> list[int]:
+    return [region.canonical.page_size if region.canonical else 0 for region in regions]
 
 
 def _geometry(session: Session) -> list[tuple[int, tuple[str, ...]]]:
@@ -504,7 +527,9 @@ def _check_agreement(engine: Engine, peers: list[Session], hello: Hello) -> None
                 f"{hello.config.worker_kv_bytes_per_block}",
             )
         theirs = [(region.page_size, region.layer_names) for region in hello.regions]
-        if _geometry(first) != theirs:
+        if _geometry(first) != theirs or _canonical_pages(first.regions) != _canonical_pages(
+            hello.regions
+        ):
             raise RegistrationError(
                 ErrorCode.CONFIG_MISMATCH,
                 f"geometry: rank {first.rank} has regions {_geometry(first)}, "
@@ -516,7 +541,9 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
     """The engine's namespace name and per-group shard sizes (engine must be ready).
 
     Engines share chunks when their bytes are interchangeable: same model, dtype, groups,
-    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt,
+    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt
+    (in vLLM's canonical layout with parallelism-free pages, the canonical geometry instead
+    of the parallel layout and the per-rank geometry: engines of any TP size share keys),
     and only inside one tenant (the kernel's identity of its peers, never a claim of theirs):
     a user cannot plant chunks another user's engines would load. ``extra_config
     ["private_cache"]`` opts an engine out by adding its identity and rank 0's uid.
@@ -527,21 +554,38 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
     config = ranks[0].config
     bpc = config.cache.blocks_per_chunk
     extra: dict[str, Any] = dict(config.extra_config)
+    writers = canonical_writers(engine)
+    shared_across_parallelism = writers > 0 and all(
+        region.canonical is not None and region.canonical.agnostic
+        for session in ranks
+        for region in session.regions
+    )
+    parallel: list[Any] = [
+        config.parallel.tp_size,
+        config.parallel.pp_size,
+        config.parallel.pcp_size,
+        config.parallel.dcp_size,
+        config.parallel.world_size,
+    ]
+    geometry: list[Any] = [_geometry(session) for session in ranks]
+    if shared_across_parallelism:
+        # Rank 0's canonical pages stand for every rank's (vLLM verified that the ranks'
+        # fragments tile each canonical page once; registration checked they agree).
+        parallel = ["canonical"]
+        geometry = [
+            [(r.canonical.page_size if r.canonical else 0, r.layer_names) for r in ranks[0].regions]
+        ]
+    elif writers:
+        parallel.append("canonical")
     identity: list[Any] = [
         config.model.name,
         config.model.dtype,
         [(g.tokens_per_block, list(g.layer_names)) for g in config.groups],
         config.cache.tokens_per_hash,
         bpc,
-        [
-            config.parallel.tp_size,
-            config.parallel.pp_size,
-            config.parallel.pcp_size,
-            config.parallel.dcp_size,
-            config.parallel.world_size,
-        ],
+        parallel,
         config.replicated_layout,
-        [_geometry(session) for session in ranks],
+        geometry,
         str(config.kv_cache_layout or extra.get("kv_cache_layout", "")),
         str(extra.get(NAMESPACE_SALT_KEY, "")),
     ]
@@ -552,12 +596,25 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
         identity.append(["uid", ranks[0].uid])
     digest = hashlib.sha256(msgspec.msgpack.encode(identity)).hexdigest()[:16]
     name = f"{config.model.name}@{digest}"
-    writers = ranks[:1] if config.replicated_layout else ranks
+    if writers:
+        # One shard: the canonical chunk, the same size on every rank.
+        return name, [
+            (ranks[0].layouts[group].shard_bytes(bpc),) for group in range(len(config.groups))
+        ]
+    shard_ranks = ranks[:1] if config.replicated_layout else ranks
     shard_sizes = [
-        tuple(session.layouts[group].shard_bytes(bpc) for session in writers)
+        tuple(session.layouts[group].shard_bytes(bpc) for session in shard_ranks)
         for group in range(len(config.groups))
     ]
     return name, shard_sizes
+
+
+def canonical_writers(engine: Engine) -> int:
+    """How many ranks fill each canonical chunk together (1 when replicated: rank 0), or 0
+    when the engine is not in vLLM's canonical layout (one shard per rank)."""
+    if not engine.config.canonical_layout:
+        return 0
+    return 1 if engine.config.replicated_layout else engine.world_size
 
 
 class EngineOwners:

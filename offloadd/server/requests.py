@@ -273,6 +273,8 @@ class CacheRequests:
     ) -> Accepted:
         session = state.session
         bpc = namespace.blocks_per_chunk
+        # Canonical layout: one shard, the canonical chunk, that the engine's ranks (its
+        # ``writers``) fill together, each its own fragments; it commits when all have.
         shard = 0 if namespace.replicated else session.rank
         cache = self._cache
         reservation = cache.begin_store(
@@ -281,6 +283,7 @@ class CacheRequests:
             shard,
             namespace.shard_sizes_for_key,
             allocate=not request.reserved,
+            writers=namespace.writers,
         )
         self._announce.chunks_removed(reservation.evicted)
         job.failed_keys = [request.keys[i] for i in reservation.refused]
@@ -337,7 +340,7 @@ class CacheRequests:
                 state, request.request_id, job, "keys not in cache"
             )
         job.entries = reservation.entries
-        shard = 0 if namespace.replicated else session.rank
+        shard = 0 if namespace.replicated or namespace.writers else session.rank
         arena_address = self._arena.address
         moves = Copies(state.windows)  # as in store
         runs = ChunkRuns(moves, load=True)  # chunks alike are planned together
