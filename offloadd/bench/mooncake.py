@@ -3,8 +3,9 @@
 A ``mooncake_master`` on loopback (free ports) and two nodes in this process, each an arena
 and a ``MooncakeTier`` contributing a segment: node A publishes, node B promotes.
 
-- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (xxh3_64 of every byte, the data
-  object from the chunk's shards, then its companion); baseline: raw ``batch_put_from`` of the
+- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (every shard sealed with
+  AES-GCM into the staging buffer and xxh3_64'd, the data object, then its MAC'd companion);
+  baseline: raw ``batch_put_from`` of the
   same chunks' bytes (shards laid out contiguously: one range per chunk) through the same
   client, under other names.
 - ``mooncake_get_<chunk>``: GiB/s of ``MooncakeTier.get`` on B (companion, data into the
@@ -128,7 +129,15 @@ def run(ctx: Context) -> list[Result]:
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
         master, metadata = stack.enter_context(_master(binary))
+        key_file = ctx.scratch.shm_path("mooncake-cluster.key")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, os.urandom(32))
+        finally:
+            os.close(fd)
         settings = MooncakeSettings(
+            key_file=key_file,
+            tenants={"bench": [f"uid:{os.getuid()}"]},
             master=master,
             metadata=metadata,
             segment=4 * BATCH_BYTES,
@@ -139,7 +148,7 @@ def run(ctx: Context) -> list[Result]:
         for label in ("a", "b"):
             arena = Arena(ctx.scratch.shm_path(f"mooncake-{label}"), ARENA)
             stack.callback(arena.close)
-            tier = MooncakeTier(settings, arena)
+            tier = MooncakeTier(settings, arena, tenant_of=lambda namespace: f"u{os.getuid()}")
             stack.callback(tier.close)
             arenas.append(arena)
             tiers.append(tier)
