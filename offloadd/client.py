@@ -73,6 +73,7 @@ from protocol.messages import (
     Role,
     Segment,
     StatsResult,
+    StepJobs,
     Store,
     UpdateHolds,
     Welcome,
@@ -83,6 +84,9 @@ from protocol.messages import (
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT = 5.0
 _REMEMBERED_JOBS = 65536
+# A StepJobs frame larger than this is split (the daemon refuses frames over its
+# server.max_frame_bytes, 16 MiB by default, with no request id to tell which jobs they were).
+MAX_STEP_FRAME = 4 << 20
 
 R = TypeVar("R")
 
@@ -105,6 +109,11 @@ class _ClientCore:
         self._hello: Hello | None = None
         self.files: RegionFiles | None = None
         self.last_request = time.monotonic()
+        # StepJobs sent and not yet answered: request id -> (when sent, its job ids).
+        self.steps: dict[int, tuple[float, list[int]]] = {}
+        self.answered_at = 0.0  # monotonic time of the latest StepJobs answer
+        self.session_lost = False  # a StepJobs came back NOT_REGISTERED: say Hello again
+        self.sent = 0  # messages sent on the client's socket (the heartbeat's excepted)
 
     def next_id(self) -> int:
         self.last_request = time.monotonic()
@@ -176,8 +185,48 @@ class _ClientCore:
             return None
         for job_id in sorted(self.submitted):
             self.record(JobDone(job_id, False, [], 0, 0.0, SESSION_LOST))
+        self.steps.clear()
         self._hello = msgspec.structs.replace(self._hello, request_id=self.next_id())
         return self._hello
+
+    def step_frames(self, jobs: Sequence[Store | Load]) -> list[tuple[int, bytes]]:
+        """The StepJobs (request id, frame) carrying ``jobs`` (one unless larger than
+        MAX_STEP_FRAME), their jobs booked as submitted and awaited (``step_unsent`` undoes
+        a frame that could not be sent)."""
+        message = StepJobs(self.next_id(), list(jobs))
+        frame = encode(message)
+        if len(frame) > MAX_STEP_FRAME and len(jobs) > 1:
+            half = len(jobs) // 2
+            return self.step_frames(jobs[:half]) + self.step_frames(jobs[half:])
+        job_ids = [job.job_id for job in jobs]
+        for job_id in job_ids:
+            self.finished.pop(job_id, None)  # a reused id must not see the old result
+            self.submitted.add(job_id)
+        self.steps[message.request_id] = (time.monotonic(), job_ids)
+        return [(message.request_id, frame)]
+
+    def step_unsent(self, request_id: int) -> None:
+        """Forget a StepJobs frame that was never sent (its jobs are not submitted)."""
+        _, job_ids = self.steps.pop(request_id)
+        self.submitted.difference_update(job_ids)
+
+    def step_answered(self, reply: Ok | Error) -> None:
+        """A StepJobs answer: Ok (its jobs' JobDone follow), or Error for all its jobs."""
+        _, job_ids = self.steps.pop(reply.request_id)
+        self.answered_at = time.monotonic()
+        if isinstance(reply, Ok):
+            return
+        lost = reply.code == ErrorCode.NOT_REGISTERED
+        self.session_lost = self.session_lost or lost
+        for job_id in job_ids:
+            if job_id in self.submitted:
+                error = SESSION_LOST if lost else reply.message
+                self.record(JobDone(job_id, False, [], 0, 0.0, error, int(reply.code)))
+
+    @property
+    def unanswered_since(self) -> float | None:
+        """When the oldest StepJobs still unanswered was sent (None: all answered)."""
+        return min((sent for sent, _ in self.steps.values()), default=None)
 
     def accepted(self, job_id: int) -> None:
         self.submitted.add(job_id)
@@ -200,11 +249,14 @@ class _ClientCore:
         match reply:
             case JobDone():
                 self.record(reply)
+            case Ok() | Error() if reply.request_id in self.steps:
+                self.step_answered(reply)
             case EngineReady():
                 self.engine = reply.engine
             case Welcome():
                 self.welcome = reply
                 self.engine = reply.engine
+                self.session_lost = False
             case KeysChanged():
                 self.notices.append(reply)
         return reply
@@ -531,6 +583,48 @@ class OffloadClient:
         self._core.expect(self._request(request), JobAccepted)
         self._core.accepted(request.job_id)
 
+    def post_jobs(self, jobs: Sequence[Store | Load]) -> None:
+        """Send a step's Stores and Loads as one StepJobs, without waiting for anything.
+
+        Their ``JobDone`` (a refused job's too, its ``code`` set) arrive with ``poll`` or
+        ``wait``; a StepJobs refused whole (the session lost: ``session_lost``) records each
+        of its jobs failed. The jobs' ``request_id`` is not read. Raises DaemonUnavailable
+        when no daemon is connected (nothing is sent then).
+        """
+        if self._closed:
+            raise OffloaddError("client is closed")
+        if not jobs:
+            return
+        frames = self._core.step_frames(jobs)
+        for index, (_, frame) in enumerate(frames):
+            try:
+                self._send_frame(frame)
+            except DaemonUnavailable:
+                for request_id, _ in frames[index:]:
+                    self._core.step_unsent(request_id)
+                raise
+
+    @property
+    def session_lost(self) -> bool:
+        """A StepJobs came back NOT_REGISTERED: the daemon forgot this session
+        (``keepalive`` says Hello again)."""
+        return self._core.session_lost
+
+    @property
+    def answered_at(self) -> float:
+        """``time.monotonic()`` of the latest StepJobs answer (0: none yet)."""
+        return self._core.answered_at
+
+    @property
+    def unanswered_since(self) -> float | None:
+        """When the oldest unanswered StepJobs was sent (None: none waits)."""
+        return self._core.unanswered_since
+
+    @property
+    def sent(self) -> int:
+        """Messages this client sent on its socket (its heartbeat thread's excepted)."""
+        return self._core.sent
+
     def wait(
         self,
         job_ids: Sequence[int],
@@ -609,6 +703,7 @@ class OffloadClient:
         while True:
             try:
                 self._sock.send(frame, zmq.NOBLOCK)
+                self._core.sent += 1
                 break
             except zmq.Again:
                 remaining = deadline - time.monotonic()
@@ -631,10 +726,14 @@ class OffloadClient:
         """Send without waiting for the reply (it is read and dropped later)."""
         if self._closed:
             raise OffloaddError("client is closed")
+        self._send_frame(encode(request))
+
+    def _send_frame(self, frame: bytes) -> None:
         try:
-            self._sock.send(encode(request), zmq.NOBLOCK)
+            self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             raise DaemonUnavailable(f"cannot reach {self.endpoint}") from None
+        self._core.sent += 1
 
     def _start_heartbeat(self) -> None:
         if self.heartbeat <= 0:
@@ -837,6 +936,24 @@ class AsyncOffloadClient:
         self._core.finished.pop(request.job_id, None)  # a reused id must not see the old result
         self._core.expect(await self._request(request), JobAccepted)
         self._core.accepted(request.job_id)
+
+    async def post_jobs(self, jobs: Sequence[Store | Load]) -> None:
+        """Send a step's Stores and Loads as one StepJobs (see ``OffloadClient.post_jobs``);
+        waits only for the frames to be queued."""
+        if self._closed:
+            raise OffloaddError("client is closed")
+        if not jobs:
+            return
+        frames = self._core.step_frames(jobs)
+        for index, (_, frame) in enumerate(frames):
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self._sock.send(frame)
+            except TimeoutError:
+                for request_id, _ in frames[index:]:
+                    self._core.step_unsent(request_id)
+                raise DaemonUnavailable(f"cannot reach {self.endpoint}") from None
+            self._core.sent += 1
 
     async def wait(
         self,

@@ -167,7 +167,11 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ready in a warm namespace, at most. ``event_buffer_bytes``: the replay buffer of each
     event publisher, at most (besides ``events.buffer_steps``). ``registrations_per_uid``:
     registration tokens (and the descriptors they hold) a uid may have waiting for their
-    Hello; unused ones expire after ``token_seconds``.
+    Hello; unused ones expire after ``token_seconds``. ``connections_per_uid``: registration
+    connections a uid may hold open at once. ``descriptors_per_uid``: descriptors a uid's
+    registrations (waiting or arriving) and live sessions may make the daemon hold, well
+    below the unit's ``LimitNOFILE``. ``hello_bytes``: the largest encoded Hello, checked on
+    the raw frame before it is decoded.
     """
 
     regions_per_session: int = 1024
@@ -181,6 +185,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     event_buffer_bytes: int = 256 << 20
     registrations_per_uid: int = 64
     token_seconds: float = 30.0
+    connections_per_uid: int = 8
+    descriptors_per_uid: int = 8192
+    hello_bytes: int = 1 << 20
 
 
 class DiskSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -330,6 +337,7 @@ SIZE_SETTINGS = frozenset(
         ("cache", "capacity"),
         ("server", "max_frame_bytes"),
         ("limits", "event_buffer_bytes"),
+        ("limits", "hello_bytes"),
         ("disk", "capacity"),
         ("disk", "queue_bytes"),
         ("mooncake", "segment"),
@@ -765,6 +773,9 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "snapshot_keys"): _at_least(0),
     ("limits", "registrations_per_uid"): _at_least(1),
     ("limits", "token_seconds"): _at_least(0, above=True),
+    ("limits", "connections_per_uid"): _at_least(1),
+    ("limits", "descriptors_per_uid"): _at_least(1),
+    ("limits", "hello_bytes"): _at_least(1024),
     ("disk", "path"): _disk_path_problem,
     ("mooncake", "master"): _master_problem,
     ("mooncake", "metadata"): _metadata_problem,

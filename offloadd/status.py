@@ -66,7 +66,7 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"{stats.misses} misses{hit_rate}",
         f"  moved      stored {format_size(stats.bytes_stored)}, "
         f"loaded {format_size(stats.bytes_loaded)}",
-        f"  refused    {stats.stores_refused} keys (no room); {stats.evictions} evictions; "
+        f"  refused    {_refused(stats)}; {stats.evictions} evictions; "
         f"{stats.protocol_errors} protocol errors",
         *_copy_lines(stats),
         *_tier_lines(stats),
@@ -85,6 +85,15 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"    {namespace}: {', '.join(names)}" for namespace, names in sorted(namespaces.items())
     ]
     return lines
+
+
+def _refused(stats: DaemonStats) -> str:
+    """Refused keys, by reason when the daemon says why."""
+    reasons = stats.stores_refused_by_reason
+    if not reasons:
+        return f"{stats.stores_refused} keys (no room)"
+    parts = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
+    return f"{sum(reasons.values())} keys ({parts})"
 
 
 def _events_line(stats: DaemonStats) -> str:

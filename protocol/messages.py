@@ -9,6 +9,7 @@ Conversation of one rank:
     Hello -> Welcome (then EngineReady once every rank of the engine said Hello)
     Lookup -> LookupResult
     Store / Load -> JobAccepted, later JobDone(job_id)
+    StepJobs (a step's Stores and Loads) -> Ok(count), later one JobDone per job
     Reserve -> Reserved; UpdateHolds -> HoldResult; Ack -> Ok   (schedulers)
     KeysChanged arrives unasked at a scheduler that asked for the key mirror
     Wait -> WaitResult (when the jobs are done or the timeout passes)
@@ -215,6 +216,20 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     seq: int
 
 
+class StepJobs(msgspec.Struct, frozen=True, tag="step_jobs"):
+    """A worker rank's Stores and Loads of one scheduling step, in one message.
+
+    Each job is handled as the lone request would be (same checks, same copies, same commit),
+    in order, but none is answered ``JobAccepted``: the message gets one ``Ok(count)`` (how
+    many jobs started) and every job one ``JobDone``, a job refused before it started
+    included (its ``code`` says why). The jobs' own ``request_id`` is not read. Nothing
+    waits for the reply: a rank sends it and reads its answers with the notices.
+    """
+
+    request_id: int
+    jobs: list[Store | Load] = msgspec.field(default_factory=list)
+
+
 Request = (
     Hello
     | Lookup
@@ -229,6 +244,7 @@ Request = (
     | Reserve
     | UpdateHolds
     | Ack
+    | StepJobs
 )
 
 
@@ -295,6 +311,9 @@ class JobDone(msgspec.Struct, frozen=True, tag="done"):
     nbytes: int
     seconds: float
     error: str = ""
+    # A job of a StepJobs that the daemon refused before it started: the ErrorCode it would
+    # have answered a lone Store or Load with (0: the job ran).
+    code: int = 0
 
 
 class Reserved(msgspec.Struct, frozen=True, tag="reserved"):
@@ -388,6 +407,10 @@ class DaemonStats(msgspec.Struct, frozen=True):
     pid: int = 0
     arena: str = ""  # the arena file's path
     copy_engine: str = ""  # "cpu" or "cuda", as chosen at start
+    # Keys refused by reason: "full" (nothing evictable), "ack" (reserved, but the room a
+    # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
+    # engine's protected share; not in ``stores_refused``). Empty from a daemon before it.
+    stores_refused_by_reason: dict[str, int] = {}
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

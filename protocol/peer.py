@@ -11,8 +11,8 @@ peer) or ``RegisterRefused`` (an ``ErrorCode`` and why). Then it closes the conn
 The token is good for one ``Hello`` (or ``GetStats``) sent on the control socket by the
 ZeroMQ routing id named in ``Register.identity``, within a short time; the session it opens
 belongs to that uid, gid and pid and owns those descriptors. Nothing a Hello says about its
-sender is believed instead. A ``tcp://`` control endpoint has no such channel (see the
-README's Security model).
+sender is believed instead. A ``tcp://`` control endpoint has no such channel (see
+docs/security.md).
 
 Frames are msgpack, one per seqpacket message, at most ``MAX_MESSAGE`` bytes.
 """

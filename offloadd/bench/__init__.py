@@ -17,7 +17,10 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
-  vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed).
+  vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed); and
+  ``vllm_step_64`` / ``vllm_step_256``: worker ms per step, messages per rank per step and
+  store latency with N requests storing in one step, through vLLM's real scheduler and
+  worker connectors, vs an in-process spec (from a checkout: it uses tests/vllm's harness).
 - ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
 - ``guarded``: GB/s of copies through a rank file's descriptor (pread/pwrite, what the cpu
   engine does) vs memmove through a mapping of the same file (``guarded_store_<page>``,
@@ -102,9 +105,12 @@ def _index(ctx: Context) -> list[Result]:
 
 
 def _vllm(ctx: Context) -> list[Result]:
-    from offloadd.bench import vllm_manager
+    from offloadd.bench import vllm_manager, vllm_step
 
-    return vllm_manager.run(ctx)
+    steps = vllm_step.run(ctx)  # first: its harness selects vLLM's CPU platform
+    if not any(ctx.wanted(name) for name in ("vllm_lookup_ns", "vllm_request_us")):
+        return steps
+    return vllm_manager.run(ctx) + steps
 
 
 def _events(ctx: Context) -> list[Result]:

@@ -70,7 +70,7 @@ import time
 import weakref
 from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice, pairwise
 from operator import itemgetter
 from typing import cast
@@ -86,6 +86,9 @@ from offloadd.cache.policy import RowPolicy, make_row_policy
 from offloadd.cache.watchers import Watchers
 
 __all__ = [
+    "REFUSED_ACK",
+    "REFUSED_BUDGET",
+    "REFUSED_FULL",
     "CacheStats",
     "ChunkCache",
     "Entry",
@@ -108,6 +111,12 @@ _HELD = lifecycle.HELD
 _PINNED = lifecycle.PINNED
 _RESERVED = lifecycle.RESERVED
 _LEAVING = lifecycle.LEAVING
+# Why keys were refused (``CacheStats.refused``): nothing evictable made room; beyond the
+# account's room (``budget``); reserved, but the acknowledgement its room waited for had not
+# come when the ranks stored it.
+REFUSED_FULL = "full"
+REFUSED_BUDGET = "budget"
+REFUSED_ACK = "ack"
 _BUSY = _WRITING | _READING | _HELD | _RESERVED  # never evicted (pins are checked apart)
 # Per state byte: whether the row may be freed (dead, and no copy, hold or watcher uses it).
 _RELEASABLE = lifecycle.allowed(Event.RELEASE)
@@ -300,6 +309,10 @@ class CacheStats:
     committed_bytes: int
     held: int = 0  # entries held by scheduler requests
     leaving: int = 0  # removed entries whose space waits for a mirror's acknowledgement
+    # Refused keys by reason (REFUSED_*): they add up to ``stores_refused`` and the keys
+    # beyond an account's room, which ``stores_refused`` leaves out.
+    refused: dict[str, int] = field(default_factory=dict)
+    unplaced: int = 0  # reserved entries waiting for their room (a mirror's acknowledgement)
 
 
 _NO_ROWS: dict[bytes, int] = {}
@@ -386,7 +399,12 @@ class ChunkCache:
         self._hit_keys = 0
         self._miss_keys = 0
         self._stores_refused = 0
+        self._refused: dict[str, int] = {}
         self._evictions = 0
+        # Reserved rows whose extents wait for room on its way (removals other watchers must
+        # acknowledge), in reservation order; their extents are placed when it comes.
+        self._unplaced: dict[int, None] = {}
+        self._unplaced_bytes = 0
         self._watchers = Watchers()
         self._leaving_bytes = 0
         # (owner, token) -> key -> (row, count): holds of a scheduler's requests.
@@ -560,6 +578,13 @@ class ChunkCache:
         shape = -1
         for i, key in enumerate(keys):
             row = table.get(key)
+            if row is not None and row in self._unplaced and not self._place_unplaced(row):
+                # Its room still waits for another mirror: too late for this store.
+                self._unlink(row, evicted=False)
+                self._free_if_idle(row)
+                self._refuse(REFUSED_ACK, 1)
+                res.skipped.append(i)
+                continue
             if row is not None:
                 if self._state.v[row] & _COMMITTED or (
                     (self._written.get(row, 0) | self._writing.get(row, 0)) & bit
@@ -593,6 +618,7 @@ class ChunkCache:
             if row is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
+                self._refuse(REFUSED_FULL, len(keys) - i)
                 break
             self._start_writing(row, bit)
             table = self._tables[namespace]
@@ -620,7 +646,12 @@ class ChunkCache:
         """
         res = Reservation([], [], [])
         if account is not None:
-            keys = self._within_room(keys, shard_sizes, self._room(account, self._clock()))
+            within = self._within_room(keys, shard_sizes, self._room(account, self._clock()))
+            if len(within) < len(keys):
+                known = self._tables.get(namespace, _NO_ROWS)
+                beyond = sum(key not in known for key in keys[len(within) :])
+                self._refuse(REFUSED_BUDGET, beyond)
+                keys = within
         table = self._tables.get(namespace, _NO_ROWS)
         protected = frozenset(keys)
         reserved_by = self._reserved_by
@@ -628,19 +659,39 @@ class ChunkCache:
         # Keys of one group get the same sizes tuple: checked and interned once, not per key.
         checked: tuple[int, ...] | None = None
         shape = -1
+        new: list[tuple[int, bytes, int]] = []
+        seen: set[bytes] = set()  # a key named twice is reserved once
         for i, key in enumerate(keys):
-            if key in table:
+            if key in table or key in seen:
                 continue
+            seen.add(key)
             sizes = shard_sizes(key)
             if sizes is not checked:
                 sizes = tuple(sizes)
                 if not sizes or min(sizes) <= 0:
                     raise ValueError(f"bad shard sizes {sizes} for {key.hex()}")
                 shape, checked = self._shape_id(sizes), sizes
-            row = self._new_entry(namespace, key, shape, protected, res.evicted, acker)
+            new.append((i, key, shape))
+        if new:
+            need = sum(self._footprints[shape] for _i, _key, shape in new)
+            self._make_room(namespace, need, protected, res.evicted, acker)
+        alloc, footprints = self._alloc, self._footprints
+        for i, key, shape in new:
+            row: int | None = None
+            footprint = footprints[shape]
+            on_its_way = self._leaving_bytes - self._unplaced_bytes
+            if alloc.free_bytes >= footprint or on_its_way < footprint:
+                row = self._new_entry(namespace, key, shape, protected, res.evicted, acker)
+            if (
+                row is None
+                and self._fits[shape]
+                and self._leaving_bytes - self._unplaced_bytes >= footprint
+            ):
+                row = self._new_unplaced(namespace, key, shape)
             if row is None:
                 res.refused.extend(range(i, len(keys)))
                 self._stores_refused += len(keys) - i
+                self._refuse(REFUSED_FULL, len(keys) - i)
                 break
             table = self._tables[namespace]
             reserved_by[row] = owner
@@ -651,6 +702,74 @@ class ChunkCache:
             mine.add(row)
             res.reserved.append(i)
         return res
+
+    def _refuse(self, reason: str, count: int) -> None:
+        if count:
+            self._refused[reason] = self._refused.get(reason, 0) + count
+
+    def _make_room(
+        self,
+        namespace: str,
+        need: int,
+        protected: frozenset[bytes],
+        evicted: list[Entry],
+        acker: str | None,
+    ) -> None:
+        """Evict for a whole reservation of ``need`` bytes at once, in policy order.
+
+        Room that other watchers must acknowledge first comes a moment later: then one more
+        reservation's worth is evicted ahead (at most an eighth of the arena), so that the
+        next reservation finds its room already free instead of waiting. Nothing is evicted
+        unless the evictable bytes cover ``need`` (a dry run first).
+        """
+        alloc = self._alloc
+        found_now = alloc.free_bytes
+        found_later = self._leaving_bytes - self._unplaced_bytes
+        target = need
+        if not self._watchers.only(namespace, acker):
+            target += min(need, alloc.capacity // 8)
+        if found_now >= need and found_now + found_later >= target:
+            return
+        victims: list[int] = []
+        for row in self._evictable(namespace, protected, self._clock()):
+            if self._frees_at_once(row, acker):
+                victims.append(row)
+                found_now += self._footprint(row)
+            elif found_now + found_later < target:
+                victims.append(row)
+                found_later += self._footprint(row)
+            if found_now + found_later >= target:
+                break
+        if found_now + found_later < need:
+            return  # not enough: each key tries on its own (_place), the rest are refused
+        for row in victims:
+            self._evict(row, evicted, acker)
+
+    def _new_unplaced(self, namespace: str, key: bytes, shape: int) -> int:
+        """A pending row whose extents are placed once its room is acknowledged."""
+        row = self._new_row(namespace, key, shape, [0] * len(self._needs[shape]))
+        self._unplaced[row] = None
+        self._unplaced_bytes += self._footprints[shape]
+        return row
+
+    def _place_unplaced(self, row: int) -> bool:
+        """Give the unplaced ``row`` its extents if they fit now."""
+        shape = self._shape.v[row]
+        offsets = self._try_alloc(shape)
+        if offsets is None:
+            return False
+        del self._unplaced[row]
+        self._unplaced_bytes -= self._footprints[shape]
+        pool, align, base = self._offsets.v, self._align, self._base.v[row]
+        for slot, offset in enumerate(offsets, base):
+            pool[slot] = offset // align
+        return True
+
+    def _place_waiting(self) -> None:
+        """Place the unplaced rows, in reservation order, as far as the free room goes."""
+        for row in list(self._unplaced):
+            if not self._place_unplaced(row):
+                return
 
     @staticmethod
     def _within_room(
@@ -949,6 +1068,8 @@ class ChunkCache:
             state[row] = lifecycle.step(state[row], _ACK)
             self._leaving_bytes -= self._footprints[self._shape.v[row]]
             self._free_if_idle(row)
+        if rows and self._unplaced:
+            self._place_waiting()
 
     # -- pins -------------------------------------------------------------------------------
 
@@ -1054,6 +1175,8 @@ class ChunkCache:
             committed_bytes=self._committed_bytes,
             held=sum(len(held) for held in self._holds.values()),
             leaving=self._watchers.waiting(),
+            refused=dict(self._refused),
+            unplaced=len(self._unplaced),
         )
 
     # -- rows -------------------------------------------------------------------------------
@@ -1151,9 +1274,13 @@ class ChunkCache:
         """Free a dead, idle row's extents and the row itself; its handle keeps the end."""
         sizes = self._shapes[self._shape.v[row]]
         base = self._base.v[row]
-        pool, align, free = self._offsets.v, self._align, self._alloc.free
-        for slot, size in enumerate(sizes, base):
-            free(pool[slot] * align, size)
+        if row in self._unplaced:  # it never had extents
+            del self._unplaced[row]
+            self._unplaced_bytes -= self._footprints[self._shape.v[row]]
+        else:
+            pool, align, free = self._offsets.v, self._align, self._alloc.free
+            for slot, size in enumerate(sizes, base):
+                free(pool[slot] * align, size)
         runs = self._free_runs.get(len(sizes))
         if runs is None:
             runs = self._free_runs[len(sizes)] = []

@@ -99,6 +99,17 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(_Commit | _Remove)
 
 
+def shm_dirs_problem(path: str, shm_dirs: Sequence[str]) -> str:
+    """Why the journal may not be at ``path`` ("" when it may): not where ranks name files."""
+    for shm_dir in shm_dirs:
+        if _within(path, shm_dir):
+            return (
+                f"it is inside server.shm_dirs ({shm_dir}), where the ranks keep their KV "
+                "files: keep it elsewhere"
+            )
+    return ""
+
+
 class JournalError(Exception):
     """The journal cannot be used as configured (at start), or an append failed."""
 
@@ -266,12 +277,9 @@ class Journal:
         Raises JournalError when the journal's directory or key is unsafe or unusable, or
         when it lies inside ``shm_dirs`` (where the ranks keep their KV files).
         """
-        for shm_dir in shm_dirs:
-            if _within(path, shm_dir):
-                raise JournalError(
-                    f"cache.journal {path} is inside server.shm_dirs ({shm_dir}), where the ranks "
-                    "keep their KV files: keep it elsewhere"
-                )
+        problem = shm_dirs_problem(path, shm_dirs)
+        if problem:
+            raise JournalError(f"cache.journal {path}: {problem}")
         directory = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(directory, 0o700, exist_ok=True)

@@ -2,11 +2,12 @@
 
 It binds the daemon's endpoint (an ipc socket is created with no access for others, then
 given ``server.socket_mode`` and ``server.socket_group``; CURVE when configured), receives
-one request per frame, checks the framing (one frame, at most ``server.max_frame_bytes``),
-decodes it and hands it to ``dispatch`` (``offloadd.server.dispatch``: who answers, and
-when); any frame that cannot be read is answered with an ``Error`` and counted, and a bug
-inside a handler is logged and answered with ``INTERNAL``, so one peer never takes the daemon
-down for the others.
+one request per frame, checks the framing (one frame, at most ``server.max_frame_bytes``;
+a Hello at most ``limits.hello_bytes``, judged on the raw frame before it is decoded, since a
+decoded config costs many times its encoded size), decodes it and hands it to ``dispatch``
+(``offloadd.server.dispatch``: who answers, and when); any frame that cannot be read is
+answered with an ``Error`` and counted, and a bug inside a handler is logged and answered
+with ``INTERNAL``, so one peer never takes the daemon down for the others.
 
 Contract of ``ControlSocket`` (the event loop's thread only):
 - ``bind(ctx)``: create and bind the socket; on failure nothing stays open (an open socket
@@ -49,6 +50,16 @@ __all__ = ["ControlSocket"]
 logger = logging.getLogger(__name__)
 
 _BATCH = 32  # requests handled back to back before the loop runs other callbacks
+
+
+class _Kind(msgspec.Struct):
+    """A request's tag and id only: every other field is skipped, never built."""
+
+    type: str = ""
+    request_id: int = 0
+
+
+_kind_decoder = msgspec.msgpack.Decoder(_Kind)
 
 
 class ControlSocket:
@@ -214,6 +225,21 @@ class ControlSocket:
                 f"frame of {len(frame)} bytes exceeds {self.settings.server.max_frame_bytes}",
             )
             return
+        if len(frame) > self.settings.limits.hello_bytes:
+            try:
+                kind = _kind_decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.protocol_error(identity, 0, ErrorCode.MALFORMED, str(exc))
+                return
+            if kind.type == "hello":
+                self.protocol_error(
+                    identity,
+                    kind.request_id,
+                    ErrorCode.TOO_LARGE,
+                    f"a Hello of {len(frame)} bytes: limits.hello_bytes is "
+                    f"{self.settings.limits.hello_bytes}",
+                )
+                return
         try:
             request = decode_request(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -19,6 +19,9 @@ engine's threads through ``call_soon_threadsafe``):
 - ``wait(state, request, reply)`` (DEFERRED): ``reply(WaitResult)`` at once when none of the
   jobs is in flight or the timeout is not positive, else when the last one finishes or the
   timeout passes.
+- A ``StepJobs``' jobs are answered by their ``JobDone`` only (``requests.step_jobs`` sends no
+  ``JobAccepted``); ``refuse(state, job_id, keys, code, message)``: the ``JobDone`` of such a
+  job refused before it started (its ``code`` set), counted as a protocol error.
 - ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
   becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
   listed as pending).
@@ -113,6 +116,19 @@ class Jobs:
             self.complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
 
         return Accepted(JobAccepted(request_id, job.job_id), then=done)
+
+    def refuse(
+        self, state: SessionState, job_id: int, keys: list[bytes], code: ErrorCode, message: str
+    ) -> None:
+        """The JobDone of a StepJobs job refused before it started (nothing booked)."""
+        self.counters.protocol_errors += 1
+        self.metrics.protocol_error(code.name)
+        self.counters.jobs_failed += 1
+        logger.debug(
+            "%s: job %d refused: %s %s", state.session.describe(), job_id, code.name, message
+        )
+        if state.alive:
+            self._send(state.identity, JobDone(job_id, False, keys, 0, 0.0, message, int(code)))
 
     def submit(
         self,

@@ -7,6 +7,9 @@ Pure logic, no I/O. Contract:
   index and the journal, so their size is what a client could grow them by).
 - ``Limits.session_problem(regions, sessions)``: why a Hello is refused: more regions than
   ``regions_per_session``, or its user has ``sessions_per_uid`` sessions already.
+- ``file_problem(size, furthest)``: why a region file of ``size`` bytes whose regions in one
+  Hello end at ``furthest`` at most is refused: it is larger than that end rounded up to a
+  page (a sparse file of any size would reserve the daemon's address space at that size).
 - ``Limits.lease(asked, default)``: the pin lease a Lookup gets: ``asked`` (``0``: the
   default) cut to ``max_lease_seconds``; ``None`` for NaN or a negative lease.
 - What an engine keeps from eviction (``protected_fraction`` of the capacity) is bounded by
@@ -16,11 +19,12 @@ Pure logic, no I/O. Contract:
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 
 from offloadd.settings import LimitsSettings
 
-__all__ = ["Limits"]
+__all__ = ["Limits", "file_problem"]
 
 
 class Limits:
@@ -59,3 +63,15 @@ class Limits:
         if math.isnan(asked) or asked < 0:
             return None
         return min(asked or default, self.settings.max_lease_seconds)
+
+
+def file_problem(size: int, furthest: int) -> str:
+    """Why a region file of ``size`` bytes, used by regions up to ``furthest``, is refused."""
+    page = mmap.PAGESIZE
+    bound = -(-furthest // page) * page
+    if size > bound:
+        return (
+            f"its file has {size} bytes, but its regions use {furthest}: a region file may be "
+            f"at most its furthest region's end rounded up to a page ({bound})"
+        )
+    return ""

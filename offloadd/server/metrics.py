@@ -477,7 +477,11 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
     )
     lookups = CounterMetricFamily("offloadd_lookups", "Lookup requests answered")
     refused = CounterMetricFamily(
-        "offloadd_stores_refused_keys", "Keys a store could not place (no evictable room)"
+        "offloadd_stores_refused_keys",
+        "Keys a store or reservation could not place, by reason: full (nothing evictable), "
+        "ack (its room waited on a mirror's acknowledgement), budget (beyond the engine's "
+        "protected share)",
+        labels=["reason"],
     )
     evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")
     sessions = GaugeMetricFamily(
@@ -496,7 +500,11 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         lookup_keys.add_metric(["hit"], stats.hits)
         lookup_keys.add_metric(["miss"], stats.misses)
         lookups.add_metric([], stats.lookups)
-        refused.add_metric([], stats.stores_refused)
+        if stats.stores_refused_by_reason:
+            for reason, count in sorted(stats.stores_refused_by_reason.items()):
+                refused.add_metric([reason], count)
+        else:  # a daemon that does not say why
+            refused.add_metric([], stats.stores_refused)
         evictions.add_metric([], stats.evictions)
         for engine in stats.engines:
             dp = str(engine.data_parallel_index)

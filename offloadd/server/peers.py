@@ -10,7 +10,14 @@ hands over. The wire is ``protocol.peer``; the client end is ``offloadd.peer``.
   reused later cannot be mistaken for it. Then it reads ``Register`` and the descriptors that
   come with it (over several messages when there are more than ``FDS_PER_MESSAGE``), answers
   ``Registered`` with a random one-time token, and closes the connection. A connection that
-  says nothing within ``CONNECTION_SECONDS`` is dropped; at most ``MAX_CONNECTIONS`` are open.
+  says nothing within ``CONNECTION_SECONDS`` is dropped. A uid may hold at most
+  ``connections_per_uid`` registration connections open (more are answered ``TOO_LARGE`` and
+  closed at once), and all uids together at most ``MAX_CONNECTIONS``, so one user's idle
+  connections never stop another's registrations.
+- Descriptors per uid: a ``Register`` is refused (``TOO_LARGE``) when the descriptors it
+  announces, with those the uid's waiting registrations and open connections hold and those
+  its live sessions keep (``live_descriptors(uid)``, set by the sessions), would pass
+  ``descriptors_per_uid``.
 - ``take(token, identity)`` hands the ``Registration`` to the Hello (or GetStats) that brings
   its token from the ZeroMQ identity it names, once; the caller then owns it and ``close()``s
   it (its descriptors; the pidfd unless taken). Tokens expire after ``token_seconds``; a uid
@@ -56,7 +63,7 @@ __all__ = ["REMOTE", "Peer", "PeerListener", "Registration", "listen_beside"]
 logger = logging.getLogger(__name__)
 
 CONNECTION_SECONDS = 5.0
-MAX_CONNECTIONS = 128
+MAX_CONNECTIONS = 1024  # all uids together; each holds a socket and a pidfd
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
 
 
@@ -133,6 +140,8 @@ class PeerListener:
         max_descriptors: int,
         per_uid: int,
         token_seconds: float,
+        connections_per_uid: int = 8,
+        descriptors_per_uid: int = 8192,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
@@ -141,6 +150,10 @@ class PeerListener:
         self._max_descriptors = max_descriptors
         self._per_uid = per_uid
         self._token_seconds = token_seconds
+        self._connections_per_uid = connections_per_uid
+        self._descriptors_per_uid = descriptors_per_uid
+        # Descriptors a uid's live sessions keep (the sessions replace this).
+        self.live_descriptors: Callable[[int], int] = lambda uid: 0
         self._clock = clock
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -208,16 +221,36 @@ class PeerListener:
                 logger.warning("registration socket: accept failed: %s", exc.strerror)
                 return
             conn.setblocking(False)
-            if len(self._connections) >= MAX_CONNECTIONS:
-                conn.close()
-                continue
             pid, uid, gid = struct.unpack(
                 "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             )
+            problem = self._connection_problem(uid)
+            if problem:
+                logger.debug("registration connection of uid %d refused: %s", uid, problem)
+                with contextlib.suppress(OSError):  # the peer reads it, or gets a reset
+                    conn.send(encode_peer(RegisterRefused(int(ErrorCode.TOO_LARGE), problem)))
+                conn.close()
+                continue
             connection = _Connection(conn, Peer(uid, gid, pid), _pidfd_of(conn, pid))
             self._connections.add(connection)
             connection.timer = self._loop.call_later(CONNECTION_SECONDS, self._drop, connection)
             self._loop.add_reader(conn.fileno(), self._receive, connection)
+
+    def _connection_problem(self, uid: int) -> str:
+        if len(self._connections) >= MAX_CONNECTIONS:
+            return f"{MAX_CONNECTIONS} registration connections are open"
+        open_ = sum(1 for c in self._connections if c.peer.uid == uid)
+        if open_ >= self._connections_per_uid:
+            return (
+                f"this user has {open_} registration connections open "
+                f"(limits.connections_per_uid = {self._connections_per_uid})"
+            )
+        return ""
+
+    def _descriptors_of(self, uid: int) -> int:
+        waiting = sum(len(r.fds) + 1 for r in self._waiting.values() if r.peer.uid == uid)
+        connecting = sum(len(c.fds) + 2 for c in self._connections if c.peer.uid == uid)
+        return waiting + connecting + self.live_descriptors(uid)
 
     def _receive(self, connection: _Connection) -> None:
         room = FDS_PER_MESSAGE * 4
@@ -286,6 +319,13 @@ class PeerListener:
                 ErrorCode.TOO_LARGE,
                 f"{waiting} registrations of this user wait for their Hello "
                 f"(limits.registrations_per_uid = {self._per_uid})",
+            )
+        held = self._descriptors_of(uid) - len(connection.fds)
+        if held + register.descriptors > self._descriptors_per_uid:
+            return (
+                ErrorCode.TOO_LARGE,
+                f"{register.descriptors} descriptors: this user holds {held} already "
+                f"(limits.descriptors_per_uid = {self._descriptors_per_uid})",
             )
         return None
 
@@ -384,6 +424,8 @@ def listen_beside(
         max_descriptors=limits.regions_per_session,
         per_uid=limits.registrations_per_uid,
         token_seconds=limits.token_seconds,
+        connections_per_uid=limits.connections_per_uid,
+        descriptors_per_uid=limits.descriptors_per_uid,
     )
     peers.start(loop)
     return peers

@@ -21,9 +21,10 @@ import fcntl
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from offloadd.cache.journal import shm_dirs_problem
 from offloadd.endpoint import check_tcp_security, ipc_path
 from offloadd.safety import private_dir_problem, secret_file_problem
 from offloadd.settings import (
@@ -58,8 +59,10 @@ class PreflightError(Exception):
 def preflight(
     settings: Settings, *, claimed: bool = False, copy_engine: bool = True
 ) -> list[Check]:
-    """Every check, in the order ``serve`` meets them (``claimed``: the caller holds the
-    control endpoint's claim already; ``copy_engine=False``: the caller brings its own)."""
+    """Every check, in the order ``serve`` meets them. ``claimed``: the caller is the daemon
+    about to open the arena, holding the control endpoint's claim already (the arena's own
+    open, which comes next and before any pre-faulting, checks its file and room itself, and
+    says more: who owns a file it refuses); ``copy_engine=False``: the caller brings its own."""
     checks = []
     endpoint = settings.endpoint()
     if not (claimed and ipc_path(endpoint) is not None):
@@ -72,9 +75,10 @@ def preflight(
             )
     if settings.metrics.address:
         checks.append(_metrics_check(settings.metrics.address))
-    checks.append(_arena_check(settings))
+    if not claimed:
+        checks.append(_arena_check(settings))
     if settings.cache.persist:
-        checks.append(_journal_check(settings.journal_path()))
+        checks.append(_journal_check(settings.journal_path(), settings.server.shm_dirs))
     if settings.disk.path:
         checks.append(_named("disk.path", settings.disk.path, _creatable_dir(settings.disk.path)))
     if copy_engine:
@@ -230,8 +234,11 @@ def _file_problem(path: str, usable: Callable[[os.stat_result], bool]) -> str:
     return ""
 
 
-def _journal_check(journal: str) -> Check:
+def _journal_check(journal: str, shm_dirs: Sequence[str]) -> Check:
     directory = os.path.dirname(journal)
+    problem = shm_dirs_problem(journal, shm_dirs)
+    if problem:
+        return Check(f"cache.journal {journal}", problem)
     if os.path.lexists(directory):
         problem = private_dir_problem(directory)
     else:

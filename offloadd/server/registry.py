@@ -14,11 +14,20 @@ Pure logic, no I/O. Contract:
   namespace (which engines' bytes are interchangeable) is fixed then, because it covers
   every rank's geometry.
 - ``remove(session_id)`` forgets a session; an engine with no sessions left is dropped.
+- ``EngineOwners`` (the one part with I/O) remembers across restarts which tenant each engine
+  id belongs to, so that after a restart nobody who read the ids from the metrics takes one
+  by saying Hello first: ``owner(engine_id)``, ``bind(engine_id, tenant)``. Its file lies in
+  the state directory beside the journal (0600, replaced atomically); each tenant keeps at
+  most ``OWNED_PER_TENANT`` ids (its oldest go first), so no tenant pushes out another's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -33,6 +42,9 @@ from protocol.handles import KVRegion, region_problem
 from protocol.messages import EngineState, Hello, Role
 
 EngineKey = tuple[str, int]
+OWNED_PER_TENANT = 4096
+
+logger = logging.getLogger(__name__)
 
 # Fields a rank may legitimately hold differently from its peers.
 # A key's group id as its last four bytes (big-endian): what fast paths compare, at C speed.
@@ -546,3 +558,49 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
         for group in range(len(config.groups))
     ]
     return name, shard_sizes
+
+
+class EngineOwners:
+    """Engine id -> tenant, kept in ``path`` across restarts; see the module docstring."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._owners: dict[str, tuple[str, float]] = {}
+        try:
+            with open(path, "rb") as handle:
+                raw = msgspec.json.decode(handle.read(), type=dict[str, tuple[str, float]])
+            self._owners = raw
+        except FileNotFoundError:
+            pass
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("engine owners %s unreadable, starting empty: %s", path, exc)
+
+    def owner(self, engine_id: str) -> str | None:
+        """The tenant ``engine_id`` belongs to, if it was ever bound."""
+        entry = self._owners.get(engine_id)
+        return None if entry is None else entry[0]
+
+    def bind(self, engine_id: str, tenant: str) -> None:
+        """Bind ``engine_id`` to ``tenant`` (its first); written when the binding is new."""
+        known = self._owners.get(engine_id)
+        if known is not None and known[0] == tenant:
+            return
+        self._owners[engine_id] = (tenant, time.time())
+        own = [(when, eid) for eid, (t, when) in self._owners.items() if t == tenant]
+        for _, eid in sorted(own)[: max(0, len(own) - OWNED_PER_TENANT)]:
+            del self._owners[eid]
+        self._write()
+
+    def _write(self) -> None:
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(msgspec.json.encode(self._owners))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            logger.warning("engine owners %s not written: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)

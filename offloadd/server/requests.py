@@ -20,6 +20,9 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   never met by a copy); block ids checked against the rank's regions. A Store's refused keys
   come back in ``JobDone.failed_keys``; a Load of a missing key fails whole. The copies reach
   the rank's unmapped files through their descriptors (``Copies(state.windows)``).
+- ``step_jobs``: each Store and Load of a rank's step handled as above, in order, none
+  answered ``JobAccepted``; a job refused (or failing inside the daemon) gets its ``JobDone``
+  with the code and the next job still runs; the message is answered ``Ok(jobs started)``.
 - ``release``: drop the session's pins of the keys. ``clear``: drop the engine's namespace.
 """
 
@@ -56,6 +59,7 @@ from protocol.messages import (
     Release,
     Reply,
     Segment,
+    StepJobs,
     Store,
 )
 
@@ -173,6 +177,29 @@ class CacheRequests:
             raise Refused(ErrorCode.HANDLE_OPEN_FAILED, problem)
         state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
+
+    def step_jobs(self, state: SessionState, request: StepJobs) -> Reply:
+        """Run each job of the step as its lone request would run; see the module docstring."""
+        started = 0
+        for job in request.jobs:
+            try:
+                accepted = (
+                    self.store(state, job) if isinstance(job, Store) else self.load(state, job)
+                )
+            except Refused as refused:
+                self._jobs.refuse(state, job.job_id, job.keys, refused.code, str(refused))
+                continue
+            except Exception:
+                # A bug in one job must not lose the others' answers.
+                logger.exception("internal error in job %d of a StepJobs", job.job_id)
+                message = "internal error; see daemon log"
+                self._jobs.refuse(state, job.job_id, job.keys, ErrorCode.INTERNAL, message)
+                continue
+            started += 1
+            # Its JobDone is the only answer: no JobAccepted, but what follows it still runs.
+            if accepted.then is not None:
+                accepted.then()
+        return Ok(request.request_id, started)
 
     def store(self, state: SessionState, request: Store) -> Accepted:
         """Reserve the rank's shard of each key and copy its blocks into the arena."""

@@ -39,11 +39,11 @@ from offloadd.server.checks import Refused
 from offloadd.server.control import ControlSocket
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits
+from offloadd.server.limits import Limits, file_problem
 from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import REMOTE, PeerListener, Registration
-from offloadd.server.registry import Engine, RegistrationError, Registry
+from offloadd.server.registry import Engine, EngineOwners, RegistrationError, Registry
 from offloadd.server.state import SessionState, silent_sessions
 from offloadd.server.systemd import Notifier
 from offloadd.server.tenancy import Tenancy
@@ -105,6 +105,21 @@ class Sessions:
         self._limits = limits
         self._announce_topic = announce.derived_topic
         self._states: dict[str, SessionState] = {}
+        # Which tenant each engine id belongs to, across restarts (with the journal only).
+        self._owners = (
+            EngineOwners(settings.journal_path() + ".engines") if settings.cache.persist else None
+        )
+        if peers is not None:  # limits.descriptors_per_uid counts what live sessions keep
+            peers.live_descriptors = self._descriptors_of
+
+    def _descriptors_of(self, uid: int) -> int:
+        """Descriptors ``uid``'s live sessions make the daemon hold: its pidfds and the
+        duplicates the handle table keeps of unsealed region files."""
+        return sum(
+            len(st.windows) + (st.pidfd is not None)
+            for st in self._states.values()
+            if st.peer.uid == uid
+        )
 
     def __len__(self) -> int:
         """Live sessions."""
@@ -191,7 +206,7 @@ class Sessions:
             raise Refused(ErrorCode.BAD_REQUEST, problem)
         if self._peers is None:
             # tcp:// (CURVE) and inproc://: no kernel identity. Such peers form one tenant of
-            # their own and bring no memory (the README's Security model).
+            # their own and bring no memory (docs/security.md).
             if hello.regions:
                 raise Refused(
                     ErrorCode.NOT_PERMITTED,
@@ -215,6 +230,13 @@ class Sessions:
         if problem:
             raise Refused(ErrorCode.TOO_LARGE, problem)
         config = hello.config
+        owner = self._owners.owner(config.engine_id) if self._owners is not None else None
+        if owner is not None and owner != self._tenancy.tenant_of(registration.peer):
+            raise Refused(
+                ErrorCode.NOT_PERMITTED,
+                f"engine {config.engine_id} belongs to another user (engine ids are per node "
+                "and kept across restarts: pick another)",
+            )
         derived = self._announce_topic(
             config.model.name, config.engine_id, config.parallel.data_parallel_index
         )
@@ -264,6 +286,8 @@ class Sessions:
         except BaseException:
             self._jobs.release_imports(imports)  # a bug below must not leak the mappings
             raise
+        if self._owners is not None:
+            self._owners.bind(hello.config.engine_id, outcome.session.tenant)
         for old in outcome.replaced:
             old_state = self._states.get(old.session_id)
             if old_state is not None:
@@ -328,6 +352,10 @@ class Sessions:
                     imports.append(handles.open(handle, fd))
                 except HandleError as exc:
                     raise Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
+            # After the opens (their refusals say more); a refusal here unmaps at once.
+            problem = _region_files_problem(hello, registration)
+            if problem:
+                raise Refused(ErrorCode.TOO_LARGE, problem)
             # One rank, one GPU: a job's copies run on that device's streams.
             if len({imported.device for imported in imports}) > 1:
                 raise Refused(ErrorCode.BAD_GEOMETRY, "a rank's regions must all be on one device")
@@ -465,3 +493,26 @@ def _wrong_memory(index: int, *, cuda: bool) -> str:
         f"region {index} is CUDA memory, but this daemon runs the cpu copy engine: use a "
         'daemon with server.copy_engine = "cuda" on a GPU node, or shared-memory regions'
     )
+
+
+def _region_files_problem(hello: Hello, registration: Registration) -> str:
+    """Why a file the Hello's regions use is refused: larger than its furthest region's end
+    (rounded up to a page), over all the regions that use it (``limits.file_problem``)."""
+    furthest: dict[tuple[int, int], tuple[int, int, str]] = {}
+    for region in hello.regions:
+        handle = region.handle
+        if not isinstance(handle, ShmHandle) or not 0 <= handle.fd < len(registration.fds):
+            continue  # refused when it is opened
+        try:
+            info = os.fstat(registration.fds[handle.fd])
+        except OSError:
+            continue  # refused when it is opened
+        key = (info.st_dev, info.st_ino)
+        end = max(handle.offset, 0) + max(handle.size, 0)
+        _, known, _ = furthest.get(key, (0, 0, ""))
+        furthest[key] = (info.st_size, max(known, end), handle.path[:200])
+    for size, end, name in furthest.values():
+        problem = file_problem(size, end)
+        if problem:
+            return f"{name!r}: {problem}"
+    return ""

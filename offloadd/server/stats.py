@@ -145,4 +145,5 @@ class Stats:
             pid=os.getpid(),
             arena=self._arena_path,
             copy_engine=self._copy_engine,
+            stores_refused_by_reason=cache.refused,
         )

@@ -130,7 +130,7 @@ def _check_counter(handle: CudaIpcHandle, warned: set[bytes]) -> None:
             "cannot write torch's IPC reference counter %s: when the rank frees this GPU "
             "memory it stays allocated until the rank exits. Run the ranks with the group "
             "they share with the daemon (offloadd-clients) as their primary group; see the "
-            "README, CUDA part",
+            "CUDA nodes in docs/operations.md",
             path,
         )
 

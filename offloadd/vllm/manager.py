@@ -1,6 +1,6 @@
 """The scheduler side: vLLM's ``OffloadingManager`` over the daemon, one per engine.
 
-Design (see README "Use with vLLM"): vLLM calls ``lookup`` once per key inside ``schedule()``,
+Design (see docs/vllm.md): vLLM calls ``lookup`` once per key inside ``schedule()``,
 so lookups are answered from a local mirror of the namespace's committed keys (``KeyMirror``,
 fed by the daemon's ``KeysChanged``), a set probe. Each step costs at most:
 - one ``Reserve`` round trip per ``prepare_store`` call (vLLM makes one per request), which
@@ -362,6 +362,11 @@ class OffloaddManager(OffloadingManager):
     def _after_request(self) -> None:
         """Apply what arrived with the last exchange (notices come before its reply)."""
         self._last_request = time.monotonic()
+        self._take_notices()
+
+    def _take_notices(self) -> None:
+        """Apply the notices that arrived, those of a new session only after forgetting the
+        old one's (the background thread may read a new session's snapshot first)."""
         client = self._client
         if client is None:
             return
@@ -427,9 +432,7 @@ class OffloaddManager(OffloadingManager):
         client = self._client
         assert client is not None
         client.poll(0)
-        notices = client.take_notices()
-        if notices:
-            self._apply(notices)
+        self._take_notices()
         if time.monotonic() - self._last_request > KEEPALIVE_SECONDS:
             # A real exchange: a daemon that restarted is noticed here (and said Hello to
             # again, which sends a fresh snapshot), not at the next step's holds.

@@ -1,8 +1,12 @@
 """The rank side: vLLM's ``OffloadingWorker`` over the daemon, one per GPU worker.
 
 Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
-- ``submit_store`` / ``submit_load`` return True (vLLM asserts it) and never block on the
-  copy: the request is sent and the daemon answers ``JobAccepted`` at once.
+- ``submit_store`` / ``submit_load`` return True (vLLM asserts it) and send nothing: the job
+  joins the step's ``StepJobs``. vLLM submits a step's jobs one call at a time and says
+  nothing when the last one is in, so the step's jobs leave in one message at the next call
+  that needs them sent: ``wait`` (synchronous loads, flushed stores) or ``get_finished``
+  (after the forward pass). One message per rank per step, whatever the batch, and no
+  round trip: the daemon answers each job with its ``JobDone`` notice, read without waiting.
 - ``get_finished`` never blocks (a non-blocking poll); ``wait`` blocks until the jobs finish.
 - A store that the daemon could not complete is harmless (the chunk is just not cached), so it
   is reported as done. A load that fails is not: vLLM has no way to recompute it, so the
@@ -13,7 +17,9 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   (the new daemon restored its arena; the old session's hold is gone). Only keys that are
   gone by then fail it. No call waits on the daemon longer than ``STEP_TIMEOUT_SECONDS``
   inside a step (``wait`` excepted), and while it is away nothing is asked of it but one
-  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``.
+  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``. A step that sends its jobs
+  pings not: the daemon's answer to the ``StepJobs`` proves the session (a ping goes only
+  once an answer is ``RECONNECT_SECONDS`` late, or the daemon said it forgot the session).
 
 Ordering against the GPU: on CUDA every store and load carries an interprocess event recorded
 on the current stream, and the daemon's copy waits for it; CPU tensors need no event (the
@@ -43,8 +49,9 @@ from offloadd.errors import DaemonUnavailable, JobError, NotPermitted, NotReady,
 from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
+from protocol.errors import ErrorCode
 from protocol.handles import KVRegion
-from protocol.messages import JobDone, Segment
+from protocol.messages import JobDone, Load, Segment, Store
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +128,8 @@ class OffloaddWorker(OffloadingWorker):
         self._device = next((t.tensor.device for t in kv_caches.tensors if t.tensor.is_cuda), None)
         self._load_timeout = load_timeout
         self._jobs: dict[int, _Job] = {}
+        self._step: list[Store | Load] = []  # this step's jobs, sent together by _flush
+        self._posted = False  # this step's jobs went out (get_finished then pings not)
         self._results: list[TransferResult] = []
         self._checked = time.monotonic()  # the last proof of the session (_tend)
         self._away_until = 0.0  # the daemon did not answer: not asked again before this
@@ -155,20 +164,8 @@ class OffloaddWorker(OffloadingWorker):
         segments = segments_for(dst_spec.keys, src_spec, self._bpc, self._group_ids)
         job = _Job(load=False, started=time.perf_counter())
         wait_event, job.event = self._record_event()
-        try:
-            client.store(
-                job_id,
-                dst_spec.keys,
-                src_spec.block_ids.tolist(),
-                segments=segments,
-                reserved=True,
-                wait_event=wait_event,
-            )
-        except OffloaddError as exc:
-            logger.warning("offloadd: store job %d not sent: %s", job_id, exc)
-            self._note_failure(exc)
-            self._results.append(TransferResult(job_id, True))
-            return True
+        keys, block_ids = list(dst_spec.keys), src_spec.block_ids.tolist()
+        self._step.append(Store(0, job_id, keys, block_ids, wait_event, segments, True))
         self._jobs[job_id] = job
         return True
 
@@ -192,35 +189,23 @@ class OffloaddWorker(OffloadingWorker):
             job.sent = False
             return True
         wait_event, job.event = self._record_event()
-        try:
-            client.load(
-                job_id,
-                src_spec.keys,
-                job.redo[1],
-                segments=segments,
-                hold=src_spec.hold,
-                wait_event=wait_event,
-            )
-        except (DaemonUnavailable, NotReady) as exc:
-            logger.warning("offloadd: load job %d waits for the daemon: %s", job_id, exc)
-            self._note_failure(exc)
-            job.sent = False
-        except OffloaddError as exc:
-            del self._jobs[job_id]
-            raise LoadFailed(f"offloadd: load job {job_id} refused: {exc}") from exc
+        keys, block_ids = job.redo[0], job.redo[1]
+        self._step.append(Load(0, job_id, keys, block_ids, 0, wait_event, segments, src_spec.hold))
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call; never blocks."""
+        """Jobs finished since the last call; never blocks. Sends the step's jobs."""
         client = self._connected()
         if client is not None:
+            self._flush(client)
             if self._jobs:
                 try:
                     client.poll(0)
                 except OffloaddError as exc:
                     logger.warning("offloadd: poll failed: %s", exc)
                 self._collect(client)
-            self._tend(client)
+            posted, self._posted = self._posted, False
+            self._tend(client, posted=posted)
         results, self._results = self._results, []
         return results
 
@@ -229,6 +214,7 @@ class OffloaddWorker(OffloadingWorker):
         client = self._connected()
         if client is None:
             return
+        self._flush(client)
         # Ends: each job finishes, or _collect gives it up (stores) or raises (loads) past
         # its load timeout.
         while pending := [job_id for job_id in job_ids if job_id in self._jobs]:
@@ -240,6 +226,8 @@ class OffloaddWorker(OffloadingWorker):
             else:
                 client.poll(RESEND_POLL_SECONDS)
             self._collect(client)
+            if all(job_id not in self._jobs for job_id in pending):
+                break
             self._tend(client, now=True)
 
     def shutdown(self) -> None:
@@ -294,12 +282,40 @@ class OffloaddWorker(OffloadingWorker):
             self._away_until = time.monotonic() + RECONNECT_SECONDS
             self._checked = time.monotonic()
 
-    def _tend(self, client: OffloadClient, *, now: bool = False) -> None:
+    def _flush(self, client: OffloadClient) -> None:
+        """Send the step's jobs in one StepJobs; if no daemon takes it, its stores are done
+        (nothing cached) and its loads wait for the daemon."""
+        staged, self._step = self._step, []
+        if not staged:
+            return
+        try:
+            client.post_jobs(staged)
+        except OffloaddError as exc:
+            logger.warning("offloadd: %d jobs of the step not sent: %s", len(staged), exc)
+            self._note_failure(exc)
+            for spec in staged:
+                job = self._jobs[spec.job_id]
+                if job.load:
+                    job.sent = False
+                else:
+                    del self._jobs[spec.job_id]
+                    self._results.append(TransferResult(spec.job_id, True))
+            return
+        self._posted = True
+
+    def _tend(self, client: OffloadClient, *, now: bool = False, posted: bool = False) -> None:
         """Every ``RECONNECT_SECONDS`` (or ``now``): prove the session, so that a restarted
         daemon hears this rank again (its engine is ready again only once every rank said
-        Hello), and send the loads waiting for it, by key."""
-        waiting = any(not job.sent for job in self._jobs.values())
+        Hello), and send the loads waiting for it, by key. ``posted``: this step sent its
+        jobs; their answer proves the session unless it is ``RECONNECT_SECONDS`` late."""
         clock = time.monotonic()
+        self._checked = max(self._checked, client.answered_at)
+        if posted and not now and not client.session_lost:
+            late = client.unanswered_since
+            if late is None or clock - late < RECONNECT_SECONDS:
+                return
+        now = now or client.session_lost
+        waiting = any(not job.sent for job in self._jobs.values())
         if not (now or waiting) and clock - self._checked < RECONNECT_SECONDS:
             return
         if clock < self._away_until or (waiting and not now and clock - self._checked < 0.1):
@@ -352,8 +368,9 @@ class OffloaddWorker(OffloadingWorker):
         now = time.perf_counter()
         for job_id, job in list(self._jobs.items()):
             done = client.finished.get(job_id) if job.sent else None
-            if done is not None and job.load and not done.ok and done.error == SESSION_LOST:
-                # The daemon that took it is gone: sent again by key once one answers.
+            if done is not None and job.load and not done.ok and _retry(done):
+                # The daemon that took it is gone (or its engine waits for ranks again):
+                # sent again by key once one answers.
                 del client.finished[job_id]
                 job.sent = False
                 done = None
@@ -373,6 +390,13 @@ class OffloaddWorker(OffloadingWorker):
             self._results.append(self._result(job_id, job, done))
 
     def _result(self, job_id: int, job: _Job, done: JobDone) -> TransferResult:
+        if done.code:
+            logger.warning(
+                "offloadd: %s job %d refused: %s",
+                "load" if job.load else "store",
+                job_id,
+                done.error,
+            )
         if job.load and not done.ok:
             raise LoadFailed(
                 f"offloadd: load job {job_id} failed ({done.error or 'keys missing'}, "
@@ -381,3 +405,9 @@ class OffloaddWorker(OffloadingWorker):
         if not done.ok:
             logger.debug("offloadd: store job %d stored part: %s", job_id, done.error)
         return TransferResult(job_id, True, done.nbytes, done.seconds)
+
+
+def _retry(done: JobDone) -> bool:
+    """A failed load to send again by key: its session was lost, or its engine was not
+    ready (a daemon restarted and not every rank said Hello yet)."""
+    return done.error == SESSION_LOST or done.code == ErrorCode.ENGINE_NOT_READY

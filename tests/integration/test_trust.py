@@ -1045,3 +1045,200 @@ def test_descriptors_above_1023_do_not_stop_registrations(
             os.close(fd)
         kv.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ---------------------------------------------------------------- round two: bounds per tenant
+
+_IDLE_ATTACK = """
+import json, os, socket, sys, uuid
+from offloadd.errors import OffloaddError
+from offloadd.peer import register
+from protocol.peer import decode_peer_reply, peer_socket_path
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+fd = os.memfd_create("od-attack")
+os.ftruncate(fd, 4096)
+out = {"registered": 0}
+try:
+    for _ in range(64):
+        register(endpoint, uuid.uuid4().bytes, [fd] * 16)
+        out["registered"] += 1
+except OffloaddError as exc:
+    out["refused"] = str(exc)
+connections = []
+for _ in range(200):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(peer_socket_path(endpoint))
+    connections.append(sock)
+connections[-1].settimeout(30)
+out["last"] = decode_peer_reply(connections[-1].recv(65536)).message
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+
+
+_ATTACK_ENV = {"PYTHONPATH": REPO, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+def _attack_command(script: str, daemon: DaemonThread, user: User, group: int) -> list[str]:
+    """``script`` run as ``user`` (it drops to that uid and ``group`` itself)."""
+    return [sys.executable, "-c", script, daemon.endpoint, str(user.uid), str(user.gid), str(group)]
+
+
+def _attack(script: str, daemon: DaemonThread, user: User, group: int) -> dict[str, Any]:
+    """Run an attack script to its end; the JSON report on its last line."""
+    attack = subprocess.run(
+        _attack_command(script, daemon, user, group),
+        env=_ATTACK_ENV, cwd="/tmp", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert attack.returncode == 0, attack.stderr
+    report: dict[str, Any] = json.loads(attack.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_one_users_idle_registrations_never_block_another_user(
+    users: dict[str, User],
+    shared_daemon: Callable[..., DaemonThread],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Idle connections stay until the test ends (not CONNECTION_SECONDS): no race with time.
+    monkeypatch.setattr("offloadd.server.peers.CONNECTION_SECONDS", 600.0)
+    daemon = shared_daemon(limits=LimitsSettings(descriptors_per_uid=64))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    attacker = subprocess.Popen(
+        _attack_command(_IDLE_ATTACK, daemon, b, shared),
+        env=_ATTACK_ENV,
+        cwd="/tmp",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert attacker.stdout is not None and attacker.stderr is not None
+        line = attacker.stdout.readline()
+        assert line, attacker.stderr.read()
+        report = json.loads(line)
+        # Its waiting registrations hold descriptors up to limits.descriptors_per_uid only.
+        assert report["registered"] == 3 and "descriptors_per_uid" in report["refused"], report
+        # 200 idle connections of B are open or refused; at most 8 are kept.
+        assert "connections_per_uid" in report["last"], report
+        # A still registers, says Hello, stores and finds what it stored.
+        victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
+        assert victim.get("connected") and victim["stored"] == 4, victim
+        assert victim["uid"] == a.uid
+    finally:
+        attacker.communicate(timeout=60)
+
+
+_BIG_HELLO = """
+import json, os, sys, uuid
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.messages import Hello, decode_reply, encode
+from tests.integration.harness import make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+identity = uuid.uuid4().bytes
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, identity)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+token = register(endpoint, identity, []).token
+config = make_config(engine_id="big", tp=1, extra={"pad": ["x" * 64] * (1 << 15)})
+frame = encode(Hello(7, PROTOCOL_VERSION, "scheduler", config, token=token))
+sock.send(frame)
+assert sock.poll(30_000), "no answer"
+reply = decode_reply(sock.recv())
+print(json.dumps({"bytes": len(frame), "id": reply.request_id, "code": reply.code}))
+"""
+
+
+def test_an_oversize_hello_is_refused_before_it_is_decoded(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        report = _attack(_BIG_HELLO, daemon, b, shared)
+        limit = LimitsSettings().hello_bytes
+        assert report["bytes"] > limit, report
+        assert report["code"] == ErrorCode.TOO_LARGE and report["id"] == 7, report
+        # The victim's cache answers: what A stored is found by another engine of A.
+        seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
+        assert seen["hits"] == 4, seen
+    assert _admin_stats(daemon.endpoint).count("big") == 0
+
+
+_SPARSE_HELLO = """
+import fcntl, json, os, sys, uuid
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.handles import KVRegion, ShmHandle
+from protocol.messages import Hello, decode_reply, encode
+from tests.integration.harness import LAYERS, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+fd = os.memfd_create("od-sparse", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 1 << 40)  # sparse: 1 TiB of address space for 2 pages of regions
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+identity = uuid.uuid4().bytes
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, identity)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+token = register(endpoint, identity, [fd]).token
+regions = tuple(
+    KVRegion(ShmHandle("sparse", i * 4096, 4096, fd=0), 1, 4096, 4096, (name,))
+    for i, name in enumerate(LAYERS)
+)
+config = make_config(engine_id="sparse", tp=1, bytes_per_block=4096 * len(LAYERS))
+sock.send(encode(Hello(9, PROTOCOL_VERSION, "worker", config, regions, token=token)))
+assert sock.poll(30_000), "no answer"
+reply = decode_reply(sock.recv())
+print(json.dumps({"code": getattr(reply, "code", None), "message": getattr(reply, "message", "")}))
+"""
+
+
+def test_a_sparse_region_file_far_larger_than_its_regions_is_refused(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    report = _attack(_SPARSE_HELLO, daemon, b, shared)
+    assert report["code"] == ErrorCode.TOO_LARGE, report
+    assert "furthest region's end" in report["message"], report
+    victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
+    assert victim.get("connected") and victim["stored"] == 4, victim
+
+
+def test_an_engine_id_stays_its_users_across_a_restart(
+    users: dict[str, User], shared_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OFFLOADD_SERVER__SOCKET_GROUP", SHARED_GROUP)
+    arena = f"/dev/shm/od-trust-owners-{uuid.uuid4().hex[:12]}.arena"
+    serve = ServeProcess(shared_dir, arena)
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    try:
+        serve.start()
+        first = run_as(a, serve.endpoint, "--engine", "victim", "--store", "mine")
+        assert first["stored"] == 4, first
+        serve.stop()
+        owners = serve.journal + ".engines"
+        assert stat.S_IMODE(os.stat(owners).st_mode) == 0o600
+        serve.start()
+        # B read "victim" from the metrics and says Hello first after the restart.
+        taken = run_as(b, serve.endpoint, "--engine", "victim")
+        assert "belongs to another user" in str(taken["error"]), taken
+        again = run_as(a, serve.endpoint, "--engine", "victim", "--store", "mine")
+        assert again.get("connected") and again["stored"] == 4, again
+    finally:
+        if serve.process is not None:
+            serve.stop()
+        serve.cleanup()

@@ -46,6 +46,7 @@ from protocol.messages import (
     Reserved,
     Segment,
     StatsResult,
+    StepJobs,
     Store,
     UpdateHolds,
     Wait,
@@ -154,6 +155,33 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Bye, request_id=wire_ints),
     st.builds(Clear, request_id=wire_ints),
     st.builds(Ping, request_id=wire_ints, session=names),
+    st.builds(
+        StepJobs,
+        request_id=wire_ints,
+        jobs=st.lists(
+            st.one_of(
+                st.builds(
+                    Store,
+                    request_id=wire_ints,
+                    job_id=wire_ints,
+                    keys=keys,
+                    block_ids=block_ids,
+                    segments=segments,
+                    reserved=st.booleans(),
+                ),
+                st.builds(
+                    Load,
+                    request_id=wire_ints,
+                    job_id=wire_ints,
+                    keys=keys,
+                    block_ids=block_ids,
+                    segments=segments,
+                    hold=names,
+                ),
+            ),
+            max_size=3,
+        ),
+    ),
 )
 
 engine_states = st.builds(
@@ -175,6 +203,7 @@ job_dones = st.builds(
     nbytes=wire_ints,
     seconds=finite_floats,
     error=names,
+    code=wire_ints,
 )
 
 replies: st.SearchStrategy[Reply] = st.one_of(
@@ -336,6 +365,7 @@ REQUEST_TAGS: dict[type, str] = {
     Reserve: "reserve",
     UpdateHolds: "holds",
     Ack: "ack",
+    StepJobs: "step_jobs",
 }
 REPLY_TAGS: dict[type, str] = {
     Welcome: "welcome",
@@ -597,3 +627,15 @@ def test_fields_from_a_newer_peer_are_ignored() -> None:
     raw["added_in_v9"] = [1, 2, 3]
     raw["config"]["added_in_v9"] = {"x": 1}
     assert decode_request(msgspec.msgpack.encode(raw)) == _hello()
+
+
+def test_step_jobs_nest_tagged_stores_and_loads_in_order() -> None:
+    jobs: list[Store | Load] = [
+        Store(request_id=0, job_id=1, keys=[b"a"], block_ids=[1], reserved=True),
+        Load(request_id=0, job_id=2, keys=[b"b"], block_ids=[2], hold="t"),
+        Store(request_id=0, job_id=3, keys=[b"c"], block_ids=[3]),
+    ]
+    raw = _raw(StepJobs(request_id=9, jobs=jobs))
+    assert raw["type"] == "step_jobs"
+    assert [job["type"] for job in raw["jobs"]] == ["store", "load", "store"]
+    assert decode_request(encode(StepJobs(9, jobs))) == StepJobs(9, jobs)

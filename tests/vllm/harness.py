@@ -147,6 +147,7 @@ with warnings.catch_warnings():
         KVCacheConfig,
         KVCacheSpec,
         MLAAttentionSpec,
+        SlidingWindowSpec,
     )
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.metrics.stats import SchedulerStats
@@ -170,7 +171,13 @@ MLA_NUM_HEADS = 8
 MLA_KV_LORA_RANK = 32
 MLA_ROPE_DIM = 16
 MLA_HEAD_SIZE = MLA_KV_LORA_RANK + MLA_ROPE_DIM
-MODELS = ("llama", "mla")
+# The tiny hybrid model (``model="hybrid"``, a Qwen2 with per-layer ``layer_types``): sliding-window
+# layers of `HYBRID_WINDOW` tokens interleaved with full-attention layers, Llama's head layout.
+# vLLM's hybrid KV cache manager gives each layer type its own KV cache group; one layer of each
+# group shares a KV tensor (block ids come from one pool).
+HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+HYBRID_WINDOW = 20
+MODELS = ("llama", "mla", "hybrid")
 
 _HASH_SEED = b"offloadd-vllm-harness"
 
@@ -183,8 +190,9 @@ class KVMismatchError(AssertionError):
 
 
 def write_model_dir(path: Path, model: str = "llama") -> Path:
-    """Write a config.json-only tiny model (a Llama, or with ``model="mla"`` a DeepSeek-V2
-    whose attention is MLA) into `path` (created); return `path`."""
+    """Write a config.json-only tiny model (a Llama; with ``model="mla"`` a DeepSeek-V2
+    whose attention is MLA; with ``model="hybrid"`` a Qwen2 of sliding-window and
+    full-attention layers) into `path` (created); return `path`."""
     path.mkdir(parents=True, exist_ok=True)
     if model == "mla":
         mla = {
@@ -212,6 +220,31 @@ def write_model_dir(path: Path, model: str = "llama") -> Path:
             "tie_word_embeddings": False,
         }
         (path / "config.json").write_text(json.dumps(mla, indent=1))
+        return path
+    if model == "hybrid":
+        hybrid = {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_size": HIDDEN_SIZE,
+            "intermediate_size": 2 * HIDDEN_SIZE,
+            "num_attention_heads": NUM_HEADS,
+            "num_key_value_heads": NUM_KV_HEADS,
+            "num_hidden_layers": len(HYBRID_LAYER_TYPES),
+            "layer_types": list(HYBRID_LAYER_TYPES),
+            "use_sliding_window": True,
+            "sliding_window": HYBRID_WINDOW,
+            "max_window_layers": 0,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        }
+        (path / "config.json").write_text(json.dumps(hybrid, indent=1))
         return path
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -399,6 +432,16 @@ class LoadJob:
     sync: bool
 
 
+@dataclass(frozen=True)
+class StoreJob:
+    """A store job the scheduler connector put in a step's metadata."""
+
+    step: int
+    job_id: int
+    req_id: str
+    src: GPULoadStoreSpec
+
+
 @dataclass
 class RankState:
     """One worker rank: its config, KV memory, layer views and connector."""
@@ -487,6 +530,7 @@ class VllmHarness:
             ``data_parallel_index`` > 0, so pass a ``tcp://`` one there).
         engine_id: ``kv_transfer_config.engine_id`` before any DP suffix.
         max_num_batched_tokens: scheduler token budget per step.
+        max_num_seqs: requests running at once.
         max_model_len: default: what `num_blocks` can hold.
         kv_cache_layout: force a layout name (e.g. "BLHNC"); default: vLLM's
             resolution, which takes the connector's preference (LBHNC).
@@ -494,7 +538,14 @@ class VllmHarness:
         model: ``"llama"`` (2 KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
             latent KV every TP rank holds whole: vLLM's ``use_mla``, ``MLAAttentionSpec``
             with ``max_tp_shards=1``); MLA pages hold the same bytes on every rank
-            (`kv_rank`).
+            (`kv_rank`); or ``"hybrid"`` (`HYBRID_LAYER_TYPES`: sliding-window layers of
+            `HYBRID_WINDOW` tokens and full-attention layers, one KV cache group per type
+            through vLLM's hybrid KV cache manager, which vLLM's CPU platform would turn off
+            and a GPU platform keeps). The forward pass checks in a sliding-window group only
+            the context its attention reads (the last ``window - 1`` tokens).
+        prefix_cache_retention_interval: vLLM's (sliding-window groups): 0, its default,
+            keeps (and offloads) a window only at the prompt's end; ``N`` also every ``N``
+            tokens; None at every boundary.
     """
 
     def __init__(
@@ -516,6 +567,8 @@ class VllmHarness:
         kv_cache_layout: str | None = None,
         shm_dir: Path = Path("/dev/shm"),
         model: str = "llama",
+        max_num_seqs: int = 64,
+        prefix_cache_retention_interval: int | None = 0,
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -542,6 +595,8 @@ class VllmHarness:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 kv_cache_layout=kv_cache_layout,
+                max_num_seqs=max_num_seqs,
+                retention_interval=prefix_cache_retention_interval,
             )
         except BaseException:
             self.close()
@@ -565,6 +620,8 @@ class VllmHarness:
         max_num_batched_tokens: int,
         max_model_len: int | None,
         kv_cache_layout: str | None,
+        max_num_seqs: int = 64,
+        retention_interval: int | None,
     ) -> None:
         if not current_platform.is_cpu():
             raise RuntimeError(
@@ -574,6 +631,9 @@ class VllmHarness:
         if max_model_len is None:
             # vLLM refuses a max_model_len the KV cache cannot hold (less the null block).
             max_model_len = (num_blocks - 1) * block_size
+            if self.model == "hybrid":
+                # The groups share the blocks; a sliding-window request holds few of them.
+                max_model_len //= 2
         model_dir = write_model_dir(
             self.workdir / ("model" if self.model == "llama" else f"model-{self.model}"),
             self.model,
@@ -593,11 +653,12 @@ class VllmHarness:
             enable_prefix_caching=True,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=64,
+            max_num_seqs=max_num_seqs,
             tensor_parallel_size=tp,
             data_parallel_size=dp_size,
             async_scheduling=async_scheduling,
             num_gpu_blocks_override=num_blocks,
+            prefix_cache_retention_interval=retention_interval,
             kv_events_config=kv_events_config,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="OffloadingConnector",
@@ -616,6 +677,10 @@ class VllmHarness:
             vllm_config.cache_config.enable_prefix_caching = True
             vllm_config.scheduler_config.enable_chunked_prefill = True
             vllm_config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+        if self.model == "hybrid":
+            # The CPU platform turns the hybrid KV cache manager off (every layer would get
+            # full attention's blocks); a GPU platform keeps it for a connector that supports it.
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
         parallel = vllm_config.parallel_config
         if dp_size > 1 or dp_index > 0:
             # What EngineCoreProc.run_engine_core does for one DP engine of a
@@ -662,7 +727,8 @@ class VllmHarness:
             cfg.cache_hit_alignment_tokens = alignment
         self.kv_cache_config = scheduler_kv_cache_config
         self.block_size = scheduler_block_size
-        self.layer_names = [layer_name(i) for i in range(NUM_LAYERS)]
+        num_layers = len(HYBRID_LAYER_TYPES) if self.model == "hybrid" else NUM_LAYERS
+        self.layer_names = [layer_name(i) for i in range(num_layers)]
 
         # ---- Workers: config per rank (Worker.__init__ sets parallel_config.rank),
         # connector before the KV tensors (Worker.initialize_from_config), then
@@ -700,6 +766,8 @@ class VllmHarness:
         self.match_calls: dict[str, list[MatchCall]] = {}
         # req_id -> every load job scheduled for it
         self.load_jobs: dict[str, list[LoadJob]] = {}
+        # req_id -> every store job scheduled for it
+        self.store_jobs: dict[str, list[StoreJob]] = {}
         # every SchedulerOutput, in step order
         self.scheduler_outputs: list[SchedulerOutput] = []
         # req_id -> (step, first token, tokens) of every forward pass over it
@@ -752,6 +820,19 @@ class VllmHarness:
             head_size=HEAD_SIZE,
             dtype=KV_DTYPE,
         )
+        if self.model == "hybrid":
+            assert vllm_config.model_config.get_sliding_window() == HYBRID_WINDOW
+            sliding = SlidingWindowSpec(
+                block_size=vllm_config.cache_config.block_size,
+                num_kv_heads=NUM_KV_HEADS // tp,
+                head_size=HEAD_SIZE,
+                dtype=KV_DTYPE,
+                sliding_window=HYBRID_WINDOW,
+            )
+            return {
+                layer_name(i): sliding if kind == "sliding_attention" else spec
+                for i, kind in enumerate(HYBRID_LAYER_TYPES)
+            }
         return {layer_name(i): spec for i in range(NUM_LAYERS)}
 
     def _build_rank(self, rank: int, kv_cache_config: KVCacheConfig) -> RankState:
@@ -902,6 +983,11 @@ class VllmHarness:
             self.load_jobs.setdefault(job.req_id, []).append(
                 LoadJob(self.step_count, job_id, job.req_id, job.dst_spec, job.sync)
             )
+        for job_id, job in meta.store_jobs.items():
+            assert isinstance(job.src_spec, GPULoadStoreSpec)
+            self.store_jobs.setdefault(job.req_id, []).append(
+                StoreJob(self.step_count, job_id, job.req_id, job.src_spec)
+            )
         return out
 
     def _update(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
@@ -993,6 +1079,15 @@ class VllmHarness:
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
 
+    @staticmethod
+    def context_start(spec: KVCacheSpec, start: int) -> int:
+        """The first token position attention over `spec` reads when computing tokens from
+        `start` on: 0 for full attention, the window's start for a sliding window (whose
+        earlier blocks vLLM frees, and whose block table then names the null block)."""
+        if isinstance(spec, SlidingWindowSpec):
+            return max(0, start - (spec.sliding_window - 1))
+        return 0
+
     def _slots(
         self, req: _RunnerRequest, group: int, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1025,16 +1120,18 @@ class VllmHarness:
                 layer = self.layer_names.index(name)
                 kv = state.kv_bytes[name]
                 _, heads, _, width = kv.shape
-                if start:
-                    # Attention reads every earlier token: cached, loaded or computed.
-                    blocks, slots = self._slots(req, group, 0, start)
-                    data = req.slot_bytes(layer, byte_rank, heads * width, 0, start)
+                first = self.context_start(kv_group.kv_cache_spec, start)
+                if first < start:
+                    # Attention reads every earlier token it reaches: cached, loaded or
+                    # computed (a sliding window's last ``window - 1``, else all of them).
+                    blocks, slots = self._slots(req, group, first, start)
+                    data = req.slot_bytes(layer, byte_rank, heads * width, first, start)
                     want = self._as_slots(data, heads, width)
                     got = kv[blocks, :, slots, :]
                     if not torch.equal(got, want):
                         bad = sorted(
                             {
-                                int(p) // self.block_size
+                                (first + int(p)) // self.block_size
                                 for p in torch.nonzero((got != want).flatten(1).any(1))
                             }
                         )
@@ -1119,6 +1216,11 @@ class VllmHarness:
             slots.permute(1, 0, 2)
         )
         return page
+
+    def block_table(self, req_id: str, group: int) -> list[int]:
+        """The model runner's block ids of `req_id` in KV cache group `group`, by block
+        index (0, the null block, where vLLM left or dropped a sliding window's blocks)."""
+        return list(self._runner[req_id].block_ids[group])
 
     def loaded_blocks(self, req_id: str) -> list[tuple[int, int, int]]:
         """(group, block index in the request, GPU block id) of every block

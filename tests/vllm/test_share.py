@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,37 +16,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
-from offloadd.vllm.manager import OffloaddManager
 from tests.integration.harness import DaemonThread
-from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
+from tests.vllm.harness import NUM_LAYERS, VllmHarness
+from tests.vllm.prompts import compute, prompt_of, settle
 
 BLOCK = 16
-
-
-def prompt_of(n: int, seed: int = 0) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, 1000) for _ in range(n)]
-
-
-def compute(h: VllmHarness, prompt: list[int], max_tokens: int = 2) -> str:
-    """Run one request to completion and check the simulated sampler's output."""
-    req = h.add_request(prompt, max_tokens=max_tokens)
-    h.run_until_finished()
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(sampled_token(tokens))
-    assert h.outputs[req] == tokens[len(prompt) :]
-    return req
-
-
-def settle(h: VllmHarness, chunks: int) -> None:
-    """Wait until the scheduler's mirror shows ``chunks`` chunks (commits reach it async)."""
-    manager = h.offloading_manager
-    assert isinstance(manager, OffloaddManager)
-    deadline = time.monotonic() + 10
-    while len(manager._mirror.keys) < chunks:
-        assert time.monotonic() < deadline, f"mirror has {len(manager._mirror.keys)} chunks"
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -1,0 +1,232 @@
+"""Rank-side cost of a scheduling step through vLLM's real scheduler and worker connectors.
+
+``vllm_step_<N>``: rounds of N requests (two 16-token chunks each) prefill together, so
+their N stores reach the rank in one step, through vLLM 0.33's ``Scheduler`` and worker
+``OffloadingConnector`` (the test harness in ``tests/vllm/harness.py``: run from a checkout).
+Measured per rank, same run, offloadd (a daemon subprocess) beside the native in-process
+spec (``tests/vllm/simple_spec.py``: torch copies in the rank, what vLLM's CPU spec does
+without a GPU, as its worker cannot run on a CPU host). The harness and the native spec are
+test code the wheel does not carry: they are found beside the package in a checkout (by
+module name, at run time) and the rows are skipped elsewhere.
+
+- value: worker ms per step (the time spent in the spec worker's ``submit_store``,
+  ``submit_load``, ``get_finished`` and ``wait``) in the step that submits the N stores,
+  median over rounds; baseline: the same for the native spec.
+- params: messages the rank sent per step (the most in any step, and in the store step),
+  store latency (the job scheduled, in ``build_connector_meta``, to its result returned by
+  the rank's ``get_finished``) median in ms for both, and the ranges over rounds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from offloadd.bench._util import Context, Result, median, ratio
+from offloadd.bench.datapath import daemon
+
+BLOCK = 16
+SIZES = (64, 256)
+
+
+def run(ctx: Context) -> list[Result]:
+    """``vllm_step_64`` and ``vllm_step_256`` (offloadd vs the native in-process spec)."""
+    wanted = [n for n in SIZES if ctx.wanted(f"vllm_step_{n}")]
+    if not wanted:
+        return []
+    checkout = Path(__file__).resolve().parents[2] / "tests" / "vllm" / "harness.py"
+    try:
+        if not checkout.is_file():
+            raise ImportError(f"no {checkout}")
+        harness = importlib.import_module("tests.vllm.harness")  # first: selects vLLM's CPU
+        simple_spec = importlib.import_module("tests.vllm.simple_spec")
+    except ImportError as exc:
+        ctx.progress(f"vllm_step: skipped ({exc}); run from a checkout with vLLM 0.33 installed")
+        return []
+    rounds = 3 if ctx.quick else 6
+    results = []
+    with daemon(ctx, 256 << 20, "vllm-step") as (endpoint, _process):
+        for n in wanted:
+            ctx.progress(f"vllm_step: {n} requests per step")
+            ours = _measure(harness, n, rounds, _offloadd_extra(endpoint))
+            store = f"bench-{uuid.uuid4().hex}"
+            try:
+                native = _measure(harness, n, rounds, _native_extra(store))
+            finally:
+                simple_spec.drop_namespace(store)
+            results.append(
+                Result(
+                    f"vllm_step_{n}",
+                    median(ours["worker_ms"]),
+                    "ms",
+                    median(native["worker_ms"]),
+                    ratio(median(ours["worker_ms"]), median(native["worker_ms"])),
+                    {
+                        "requests_per_step": n,
+                        "rounds": rounds,
+                        "messages_per_rank_step_max": max(ours["messages"]),
+                        "messages_in_store_step": max(ours["store_step_messages"]),
+                        "worker_ms_range": _range(ours["worker_ms"]),
+                        "native_worker_ms_range": _range(native["worker_ms"]),
+                        "store_latency_ms": median(ours["latency_ms"]),
+                        "native_store_latency_ms": median(native["latency_ms"]),
+                        "store_latency_ms_range": _range(ours["latency_ms"]),
+                        "store_latency_steps": median(ours["latency_steps"]),
+                        "native_store_latency_steps": median(native["latency_steps"]),
+                        "harness_step_ms": median(ours["step_ms"]),
+                        "native_harness_step_ms": median(native["step_ms"]),
+                        "baseline": "in-process torch copies (tests/vllm/simple_spec.py)",
+                    },
+                )
+            )
+    return results
+
+
+def _offloadd_extra(endpoint: str) -> dict[str, Any]:
+    return {
+        "spec_name": "OffloaddSpec",
+        "spec_module_path": "offloadd.vllm",
+        "offloadd_endpoint": endpoint,
+        "block_size": BLOCK,
+    }
+
+
+def _native_extra(store: str) -> dict[str, Any]:
+    return {
+        "spec_name": "SimpleSpec",
+        "spec_module_path": "tests.vllm.simple_spec",
+        "simple_store": store,
+        "block_size": BLOCK,
+    }
+
+
+def _range(values: list[float]) -> list[float]:
+    return [round(min(values), 3), round(max(values), 3)]
+
+
+class _CountingSocket:
+    """A client's socket, counting what it sends (works with any client revision)."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.sent = 0
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._sock.send(*args, **kwargs)
+        self.sent += 1
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _Probe:
+    """Times the spec worker's calls and counts its messages, per step."""
+
+    def __init__(self, h: Any) -> None:
+        self.h = h
+        (state,) = h.ranks
+        self.worker = state.offloading_worker
+        self.seconds = 0.0
+        self.stores = 0
+        self.reported: dict[int, tuple[float, int]] = {}  # job -> (time, step)
+        client = getattr(self.worker, "_client", None)
+        self.socket = None
+        if client is not None:
+            self.socket = _CountingSocket(client._sock)
+            client._sock = self.socket
+        for name in ("submit_store", "submit_load", "get_finished", "wait"):
+            setattr(self.worker, name, self._timed(name, getattr(self.worker, name)))
+
+    def _timed(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                out = call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+            if name == "submit_store":
+                self.stores += 1
+            if name == "get_finished":
+                now = time.perf_counter()
+                for result in out:
+                    self.reported.setdefault(result.job_id, (now, self.h.step_count))
+            return out
+
+        return timed
+
+    @property
+    def sent(self) -> int:
+        return self.socket.sent if self.socket is not None else 0
+
+
+def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {
+        "worker_ms": [],
+        "messages": [],
+        "store_step_messages": [],
+        "latency_ms": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="offloadd-bench-vllm-") as workdir:
+        h = harness.VllmHarness(
+            Path(workdir),
+            extra,
+            num_blocks=4 * n + 16,
+            max_num_batched_tokens=n * (2 * BLOCK + 8),
+            max_num_seqs=n,
+            max_model_len=16 * BLOCK,
+        )
+        with h:
+            probe = _Probe(h)
+            scheduled: dict[int, tuple[float, int]] = {}
+            schedule = h.scheduler.schedule
+
+            def timed_schedule() -> Any:
+                so = schedule()
+                now = time.perf_counter()
+                for job_id in so.kv_connector_metadata.store_jobs:
+                    scheduled.setdefault(job_id, (now, h.step_count))
+                return so
+
+            h.scheduler.schedule = timed_schedule
+            step_ms: list[float] = []
+            for index in range(rounds + 1):  # the first round warms up
+                for i in range(n):
+                    h.add_request(_prompt(index * n + i), max_tokens=6)
+                worker_ms: list[float] = []
+                while h.has_work():
+                    probe.seconds, probe.stores, sent = 0.0, 0, probe.sent
+                    started = time.perf_counter()
+                    h.step()
+                    step_ms.append((time.perf_counter() - started) * 1e3)
+                    messages = probe.sent - sent
+                    if index:
+                        out["messages"].append(messages)
+                    if probe.stores >= n:
+                        worker_ms.append(probe.seconds * 1e3)
+                        if index:
+                            out["store_step_messages"].append(messages)
+                if index and worker_ms:
+                    out["worker_ms"].append(max(worker_ms))
+            pairs = [
+                (at, probe.reported[job]) for job, at in scheduled.items() if job in probe.reported
+            ]
+            pairs = pairs[len(pairs) // (rounds + 1) :]  # past the warm-up round
+            out["latency_ms"] = [(done[0] - at[0]) * 1e3 for at, done in pairs]
+            out["latency_steps"] = [float(done[1] - at[1]) for at, done in pairs]
+            out["step_ms"] = step_ms
+    if not out["worker_ms"]:
+        raise RuntimeError(f"no step submitted {n} stores")
+    return out
+
+
+def _prompt(seed: int) -> list[int]:
+    import random
+
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(2 * BLOCK + 3)]

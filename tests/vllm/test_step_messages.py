@@ -1,0 +1,151 @@
+"""A scheduling step costs each rank at most one message to the daemon, whatever the batch.
+
+vLLM's real Scheduler and worker connectors drive ``OffloaddSpec`` against a real daemon: N
+requests prefill in one step, so their N stores reach every rank in the next one; later N
+requests sharing those prompts load them in one step. The messages each rank's client puts
+on its socket are counted per step (not timed), and every loaded page is checked byte for
+byte against the bytes its prefix determines.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
+
+from offloadd.vllm.manager import OffloaddManager
+from offloadd.vllm.worker import OffloaddWorker
+from tests.integration.harness import DaemonThread
+from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 16
+TP = 2
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(n)]
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonThread]:
+    d = DaemonThread(capacity=64 << 20).start()
+    yield d
+    d.stop()
+
+
+class _Counts:
+    """Per step and rank: messages sent, stores and loads submitted."""
+
+    def __init__(self, h: VllmHarness) -> None:
+        self.workers: list[OffloaddWorker] = []
+        self.jobs: list[dict[str, int]] = []
+        for index, state in enumerate(h.ranks):
+            worker = state.offloading_worker
+            assert isinstance(worker, OffloaddWorker)
+            self.workers.append(worker)
+            jobs = {"store": 0, "load": 0}
+            self.jobs.append(jobs)
+            for kind in ("store", "load"):
+                original = getattr(worker, f"submit_{kind}")
+
+                def counted(
+                    *args: Any, _kind: str = kind, _f: Any = original, _i: int = index, **kw: Any
+                ) -> Any:
+                    self.jobs[_i][_kind] += 1
+                    return _f(*args, **kw)
+
+                setattr(worker, f"submit_{kind}", counted)
+        # (messages, stores, loads) of each rank, one entry per step
+        self.steps: list[list[tuple[int, int, int]]] = []
+
+    def step(self, h: VllmHarness) -> None:
+        before = [self._sent(w) for w in self.workers]
+        for jobs in self.jobs:
+            jobs["store"] = jobs["load"] = 0
+        h.step()
+        self.steps.append(
+            [
+                (self._sent(w) - b, j["store"], j["load"])
+                for w, b, j in zip(self.workers, before, self.jobs, strict=True)
+            ]
+        )
+
+    @staticmethod
+    def _sent(worker: OffloaddWorker) -> int:
+        client = worker._client
+        assert client is not None
+        return client.sent
+
+    def run(self, h: VllmHarness, seconds: float = 120.0) -> None:
+        # Bounded in time, not steps: on a fast machine a step takes microseconds, and the
+        # daemon's notices (JobDone) arrive in their own time.
+        deadline = time.monotonic() + seconds
+        while h.has_work():
+            assert time.monotonic() < deadline, f"still busy after {seconds} s"
+            self.step(h)
+
+
+def _settle(h: VllmHarness, chunks: int) -> None:
+    manager = h.offloading_manager
+    assert isinstance(manager, OffloaddManager)
+    deadline = time.monotonic() + 60
+    while len(manager._mirror.keys) < chunks:
+        assert time.monotonic() < deadline, f"mirror has {len(manager._mirror.keys)} chunks"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("n", [1, 64, 256])
+def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: int) -> None:
+    extra = {
+        "spec_name": "OffloaddSpec",
+        "spec_module_path": "offloadd.vllm",
+        "offloadd_endpoint": daemon.endpoint,
+        "block_size": BLOCK,
+    }
+    prompts = [_prompt(seed, 2 * BLOCK + 3) for seed in range(n)]  # 2 chunks each
+    with VllmHarness(
+        tmp_path,
+        extra,
+        tensor_parallel_size=TP,
+        num_blocks=4 * n + 16,
+        max_num_batched_tokens=n * (2 * BLOCK + 8),
+        max_num_seqs=n,
+        max_model_len=8 * BLOCK,
+    ) as h:
+        counts = _Counts(h)
+        for prompt in prompts:
+            h.add_request(prompt, max_tokens=3)
+        counts.run(h)
+        # Every rank got the N requests' 2N chunks as N stores in one step.
+        assert any(all(store == n for _, store, _ in step) for step in counts.steps)
+        _settle(h, 2 * n)
+        h.reset_prefix_cache()  # drop the GPU prefix cache and zero every rank's KV
+        loaders = [
+            h.add_request(p[: 2 * BLOCK] + _prompt(10_000 + i, 5), 2) for i, p in enumerate(prompts)
+        ]
+        counts.run(h)
+        assert any(all(load == n for _, _, load in step) for step in counts.steps)
+        for req, prompt in zip(loaders, prompts, strict=True):
+            assert h.external_tokens(req) == 2 * BLOCK
+            assert h.assert_loaded_pages(req) == 2 * NUM_LAYERS * TP
+            tokens = prompt[: 2 * BLOCK] + _prompt(10_000 + loaders.index(req), 5)
+            expected = []
+            for _ in range(2):
+                expected.append(sampled_token(tokens))
+                tokens.append(expected[-1])
+            assert h.outputs[req] == expected
+        worst = max(sent for step in counts.steps for sent, _, _ in step)
+        assert worst <= 1, [
+            (index, step)
+            for index, step in enumerate(counts.steps)
+            if any(s > 1 for s, _, _ in step)
+        ]
