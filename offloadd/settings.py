@@ -223,6 +223,15 @@ class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # gid as tenancy.shared_groups makes one tenant of). Unmapped tenants skip the cluster.
     tenants: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
+    def cluster_tenants(self) -> dict[str, str]:
+        """``tenants`` as local tenant (``u1000``, ``g2000``) -> the cluster tenant it is."""
+        local: dict[str, str] = {}
+        for name, members in self.tenants.items():
+            for member in members:
+                kind, _, number = member.partition(":")
+                local[("u" if kind == "uid" else "g") + str(int(number))] = name
+        return local
+
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the daemon reads at start."""
@@ -857,6 +866,9 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):  # mooncake.tenants: an inline table, its keys quoted
+        items = (f"{_toml_value(key)} = {_toml_value(item)}" for key, item in value.items())
+        return "{" + ", ".join(items) + "}"
     # A JSON string is a valid TOML basic string.
     return msgspec.json.encode(str(value)).decode()
 

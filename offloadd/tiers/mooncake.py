@@ -81,7 +81,6 @@ __all__ = [
     "MooncakeTier",
     "MooncakeUnavailable",
     "Space",
-    "cluster_tenants",
     "load_cluster_key",
 ]
 
@@ -155,16 +154,6 @@ def load_cluster_key(path: str) -> bytes:
     if len(key) != KEY_SIZE:
         raise MooncakeUnavailable(f"mooncake.key_file {path} is not a {KEY_SIZE}-byte key")
     return key
-
-
-def cluster_tenants(tenants: dict[str, list[str]]) -> dict[str, str]:
-    """``mooncake.tenants`` as local tenant (``u1000``, ``g2000``) -> cluster tenant name."""
-    local: dict[str, str] = {}
-    for name, members in tenants.items():
-        for member in members:
-            kind, _, number = member.partition(":")
-            local[("u" if kind == "uid" else "g") + str(int(number))] = name
-    return local
 
 
 def _derive(key: bytes, label: str, *parts: str) -> bytes:
@@ -448,7 +437,7 @@ class MooncakeTier(Tier):
         no chunk has a tenant and none uses the tier. Blocks up to seconds: call it off the
         event loop."""
         self._keys = ClusterKeys(load_cluster_key(settings.key_file))
-        self._tenants = cluster_tenants(settings.tenants)
+        self._tenants = settings.cluster_tenants()
         self._tenant_of = tenant_of
         self._capacity = settings.segment
         self._address = arena.address

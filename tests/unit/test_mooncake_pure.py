@@ -37,8 +37,8 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def settings(key_file: str, **fields: str) -> MooncakeSettings:
-    return MooncakeSettings(key_file=key_file, tenants=TENANTS, **fields)
+def settings(key_file: str, master: str = "") -> MooncakeSettings:
+    return MooncakeSettings(key_file=key_file, tenants=TENANTS, master=master)
 
 
 def object_names(namespace: str, key: bytes) -> tuple[str, str]:
