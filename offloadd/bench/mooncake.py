@@ -109,6 +109,20 @@ def mooncake_installed() -> tuple[str | None, str]:
     return binary, ""
 
 
+TENANTS = {"bench": [f"uid:{os.getuid()}"]}  # this user, named "bench" in the cluster
+
+
+def cluster_key(ctx: Context) -> str:
+    """A fresh cluster key for the run's nodes (32 random bytes, 0600, in the scratch dir)."""
+    key_file = ctx.scratch.shm_path("mooncake-cluster.key")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return key_file
+
+
 def run(ctx: Context) -> list[Result]:
     """``mooncake_put_<chunk>`` and ``mooncake_get_<chunk>`` for each chunk size."""
     from offloadd.tiers.mooncake import MooncakeTier
@@ -129,15 +143,9 @@ def run(ctx: Context) -> list[Result]:
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
         master, metadata = stack.enter_context(_master(binary))
-        key_file = ctx.scratch.shm_path("mooncake-cluster.key")
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, os.urandom(32))
-        finally:
-            os.close(fd)
         settings = MooncakeSettings(
-            key_file=key_file,
-            tenants={"bench": [f"uid:{os.getuid()}"]},
+            key_file=cluster_key(ctx),
+            tenants=TENANTS,
             master=master,
             metadata=metadata,
             segment=4 * BATCH_BYTES,
