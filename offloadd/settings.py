@@ -54,6 +54,7 @@ import msgspec
 
 from offloadd.endpoint import default_endpoint, ipc_path, replay_beside, state_dir
 from offloadd.logs import install_log_handler
+from offloadd.safety import secret_file_problem
 from protocol.peer import PEER_SUFFIX
 
 AUTO = "auto"  # an events or metrics socket beside the control socket (Settings.exposed)
@@ -249,6 +250,21 @@ class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     local_hostname: str = ""  # how peers reach this node; empty: the host name
     lookup_timeout: float = 0.05  # seconds a lookup waits for the cluster before a miss
     queue_bytes: int = 256 << 20  # publications waiting for the cluster; beyond, skipped
+    # The cluster key: a 0600 file of 32 random bytes, the same on every daemon of the
+    # cluster (companion MACs, payload encryption, object names); required.
+    key_file: str = ""
+    # Cluster tenants: name -> the local identities that are it ("uid:1000", "gid:2000", a
+    # gid as tenancy.shared_groups makes one tenant of). Unmapped tenants skip the cluster.
+    tenants: dict[str, list[str]] = msgspec.field(default_factory=dict)
+
+    def cluster_tenants(self) -> dict[str, str]:
+        """``tenants`` as local tenant (``u1000``, ``g2000``) -> the cluster tenant it is."""
+        local: dict[str, str] = {}
+        for name, members in self.tenants.items():
+            for member in members:
+                kind, _, number = member.partition(":")
+                local[("u" if kind == "uid" else "g") + str(int(number))] = name
+        return local
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -779,6 +795,30 @@ def _at_least(low: float, *, above: bool = False) -> Callable[[float], str]:
     return check
 
 
+def _cluster_key_problem(path: str) -> str:
+    """A cluster key must be a 0600 file of the daemon's user (checked again when read)."""
+    return secret_file_problem(path) if path else ""
+
+
+_CLUSTER_TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+_LOCAL_IDENTITY = re.compile(r"(uid|gid):(\d{1,10})\Z")
+
+
+def _cluster_tenants_problem(tenants: dict[str, list[str]]) -> str:
+    """Names from a short alphabet; each local identity ("uid:N", "gid:N") in one tenant."""
+    seen: dict[str, str] = {}
+    for name, members in tenants.items():
+        if not _CLUSTER_TENANT.match(name):
+            return f"tenant name {name!r}: expected 1-64 of A-Z a-z 0-9 _ . -"
+        for member in members:
+            if not _LOCAL_IDENTITY.match(member):
+                return f"tenant {name}: {member!r} is not uid:N or gid:N"
+            if member in seen:
+                return f"{member} is in both tenants {seen[member]} and {name}"
+            seen[member] = name
+    return ""
+
+
 # What a field's type cannot say: a message, or "" when the value is fine.
 _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("server", "endpoint"): _control_endpoint_problem,
@@ -826,6 +866,8 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("mooncake", "rdma_devices"): _rdma_devices_problem,
     ("mooncake", "local_hostname"): _host_name_problem,
     ("mooncake", "lookup_timeout"): _at_least(0, above=True),
+    ("mooncake", "key_file"): _cluster_key_problem,
+    ("mooncake", "tenants"): _cluster_tenants_problem,
 }
 
 
@@ -908,6 +950,9 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):  # mooncake.tenants: an inline table, its keys quoted
+        items = (f"{_toml_value(key)} = {_toml_value(item)}" for key, item in value.items())
+        return "{" + ", ".join(items) + "}"
     # A JSON string is a valid TOML basic string.
     return msgspec.json.encode(str(value)).decode()
 

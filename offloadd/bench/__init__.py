@@ -38,7 +38,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   chunks (``mooncake_put_<chunk>``, ``mooncake_get_<chunk>``); and through two served
   daemons: an engine on A stores until A published all, an engine on B looks up, promotes
   and loads them, vs raw puts and gets of the same bytes (``mooncake_daemon_publish``,
-  ``mooncake_daemon_promote``); skipped without the extra.
+  ``mooncake_daemon_promote``); and what the AEAD costs, without the network: the tier's
+  sealing and opening of a call's shards vs xxh3_64 of them alone, the plain tier's work
+  (``mooncake_seal_<chunk>``, ``mooncake_open_<chunk>``); skipped without the extra.
 - ``tiers``: chunk hit rate and time per request of a prefix-sharing workload (Zipf-popular
   documents, each request a document plus its own chunks, several times the arena) on a
   daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
@@ -160,7 +162,7 @@ def _cuda_marshal(ctx: Context) -> list[Result]:
 def _mooncake(ctx: Context) -> list[Result]:
     from offloadd.bench import mooncake, tiers
 
-    return mooncake.run(ctx) + tiers.run_cluster(ctx)
+    return mooncake.run_aead(ctx) + mooncake.run(ctx) + tiers.run_cluster(ctx)
 
 
 def _sharing(ctx: Context) -> list[Result]:

@@ -102,7 +102,6 @@ class Daemon:
     ) -> None:
         settings = with_copy_engine_chosen(settings.exposed())  # "auto" sockets placed
         self.settings = settings
-        # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
         self._tier_slots = list(tiers) if tiers is not None else None
         self._tiers: Tiers | None = None
         self._tiers_closed = True  # False while tier threads may still use the arena
@@ -125,7 +124,7 @@ class Daemon:
         self._peers: PeerListener | None = None  # the registration socket (ipc:// only)
         self.tenancy = Tenancy(settings.tenancy)
         self.limits = Limits(settings.limits)
-        self.registry = Registry()
+        self.registry = Registry(cluster_tenants=settings.mooncake.cluster_tenants())
         self._started = time.monotonic()
         self.counters = Counters()
         self.metrics = Metrics(
@@ -241,7 +240,9 @@ class Daemon:
             snapshot_keys=settings.limits.snapshot_keys,
         )
         commit = Committer(cache, announce, journal=self._journal)
-        slots = self._tier_slots if self._tier_slots is not None else tier_slots(settings, arena)
+        slots = self._tier_slots
+        if slots is None:  # none given (tests): those the settings turn on
+            slots = tier_slots(settings, arena, tenant_of=registry.tenant_of_namespace)
         tiers = None
         if slots:
             tiers = Tiers(slots, cache, arena, announce, commit, capacity=settings.cache.capacity)

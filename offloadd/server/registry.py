@@ -14,6 +14,14 @@ Pure logic, no I/O. Contract:
   namespace (which engines' bytes are interchangeable) is fixed then, because it covers
   every rank's geometry.
 - ``remove(session_id)`` forgets a session; an engine with no sessions left is dropped.
+- ``cluster_tenants`` (``MooncakeSettings.cluster_tenants``: local tenant -> cluster tenant)
+  names a tenant in its namespaces by its cluster name when it has one, so that its engines
+  on every node of the cluster (where its uid may differ) name their chunks alike, and the
+  local tenants one cluster tenant names share a cache here too.
+- ``tenant_of_namespace(name)``: the local tenant whose engines made namespace ``name``
+  (the cluster tier's ``tenant_of``), remembered after they leave (their chunks stay, their
+  writes to the tiers may still be queued) for the last ``NAMESPACE_TENANTS`` namespaces
+  besides those in use. Called from the tiers' threads: one dict read, written on the loop.
 - ``EngineOwners`` (the one part with I/O) remembers across restarts which tenant each engine
   id belongs to, so that after a restart nobody who read the ids from the metrics takes one
   by saying Hello first: ``owner(engine_id)``, ``bind(engine_id, tenant)``. Its file lies in
@@ -28,7 +36,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -43,6 +51,7 @@ from protocol.messages import EngineState, Hello, Role
 
 EngineKey = tuple[str, int]
 OWNED_PER_TENANT = 4096
+NAMESPACE_TENANTS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +229,12 @@ def group_of_key(key: bytes) -> int:
 class Registry:
     """Sessions and engines; see the module docstring for the contract."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cluster_tenants: Mapping[str, str] | None = None) -> None:
         self._sessions: dict[str, Session] = {}
         self._engines: dict[EngineKey, Engine] = {}
         self._namespaces: dict[str, Namespace] = {}
+        self._cluster_tenants = dict(cluster_tenants or {})
+        self._namespace_tenants: dict[str, str] = {}
 
     def session(self, session_id: str) -> Session | None:
         """The live session ``session_id``, if any."""
@@ -244,6 +255,10 @@ class Registry:
     def namespaces(self) -> list[Namespace]:
         """Namespaces of ready engines."""
         return list(self._namespaces.values())
+
+    def tenant_of_namespace(self, name: str) -> str | None:
+        """The local tenant of namespace ``name``, if known (see the module docstring)."""
+        return self._namespace_tenants.get(name)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -347,7 +362,8 @@ class Registry:
             del self._engines[session.engine_key]
 
     def _join_namespace(self, engine: Engine) -> None:
-        name, shard_sizes = namespace_of(engine)
+        name, shard_sizes = namespace_of(engine, self._cluster_tenants.get(engine.tenant, ""))
+        self._remember_tenant(name, engine.tenant)
         namespace = self._namespaces.get(name)
         if namespace is None:
             namespace = Namespace(
@@ -361,6 +377,14 @@ class Registry:
             self._namespaces[name] = namespace
         namespace.engines.add(engine.key)
         engine.namespace = namespace
+
+    def _remember_tenant(self, name: str, tenant: str) -> None:
+        known = self._namespace_tenants
+        known.pop(name, None)
+        known[name] = tenant
+        if len(known) > NAMESPACE_TENANTS + len(self._namespaces):
+            oldest = next(old for old in known if old not in self._namespaces)
+            del known[oldest]
 
     def _leave_namespace(self, engine: Engine) -> None:
         namespace = engine.namespace
@@ -537,7 +561,7 @@ def _check_agreement(engine: Engine, peers: list[Session], hello: Hello) -> None
             )
 
 
-def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
+def namespace_of(engine: Engine, cluster_tenant: str = "") -> tuple[str, list[tuple[int, ...]]]:
     """The engine's namespace name and per-group shard sizes (engine must be ready).
 
     Engines share chunks when their bytes are interchangeable: same model, dtype, groups,
@@ -545,8 +569,10 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
     (in vLLM's canonical layout with parallelism-free pages, the canonical geometry instead
     of the parallel layout and the per-rank geometry: engines of any TP size share keys),
     and only inside one tenant (the kernel's identity of its peers, never a claim of theirs):
-    a user cannot plant chunks another user's engines would load. ``extra_config
-    ["private_cache"]`` opts an engine out by adding its identity and rank 0's uid.
+    a user cannot plant chunks another user's engines would load. A tenant the operator
+    named in the cluster (``cluster_tenant``) is hashed by that name, the same on every
+    node. ``extra_config["private_cache"]`` opts an engine out by adding its identity and
+    rank 0's uid.
     """
     ranks = [engine.workers[r] for r in range(engine.world_size)]
     # Rank 0's config, not the engine's (whoever said Hello first): under pipeline parallelism
@@ -589,7 +615,9 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
         str(config.kv_cache_layout or extra.get("kv_cache_layout", "")),
         str(extra.get(NAMESPACE_SALT_KEY, "")),
     ]
-    if engine.tenant:
+    if cluster_tenant:
+        identity.append(["cluster tenant", cluster_tenant])
+    elif engine.tenant:
         identity.append(["tenant", engine.tenant])
     if extra.get(PRIVATE_CACHE_KEY):
         identity.append(list(engine.key))

@@ -227,6 +227,7 @@ EMPTY_MEANS_SOMETHING = {
     ("mooncake", "metadata"),  # the master's host, port 8080
     ("mooncake", "rdma_devices"),  # every device
     ("mooncake", "local_hostname"),  # the host name
+    ("mooncake", "key_file"),  # no cluster key: the cluster tier does not open
 }
 # Lists for which no entry is a documented meaning: "" (from the environment) and [] are ().
 EMPTY_LIST_MEANS_NONE = {("tenancy", "shared_groups")}  # no group shares across its users

@@ -500,3 +500,16 @@ def test_a_capacity_above_the_machines_memory_is_refused_by_the_preflight() -> N
     assert "is more than this machine's memory" in arena.problem
     with pytest.raises(PreflightError, match=r"^cache.arena .*more than this machine's memory"):
         raise_on_failure(settings)
+
+
+def test_cluster_tenants_name_local_tenants_by_uid_and_by_group(toml: Path) -> None:
+    text = '[mooncake.tenants]\nalice = ["uid:1000", "gid:2000"]\n"team.b" = ["uid:01001"]\n'
+    settings = load_settings(write(toml, text), environ=NO_ENV)
+    assert settings.mooncake.cluster_tenants() == {
+        "u1000": "alice",
+        "g2000": "alice",
+        "u1001": "team.b",
+    }
+    assert Settings().mooncake.cluster_tenants() == {}
+    # settings_toml writes the mapping back as an inline table.
+    assert load_settings(write(toml, settings_toml(settings)), environ=NO_ENV) == settings
