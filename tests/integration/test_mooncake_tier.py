@@ -207,75 +207,6 @@ def test_dead_master_then_restart() -> None:
             a.close()
 
 
-def test_a_peer_that_left(master: MooncakeMaster, nodes: list[Node]) -> None:
-    """Objects in the segment of a daemon that closed are misses: never garbage, no fault."""
-    _, b = nodes
-    peer = Node(master)
-    try:
-        namespace = f"model-{uuid.uuid4().hex}"
-        chunks = peer.chunks(namespace, 8)
-        assert peer.tier.put(chunks, peer.arena).stored == [True] * 8
-        expected = [peer.read(chunk) for chunk in chunks]
-    finally:
-        peer.close()  # its segment, with whatever objects the master placed there, goes
-    keys = [chunk.key for chunk in chunks]
-    targets = moved(chunks, base=4 << 20)
-    started = time.monotonic()
-    found = b.tier.get(targets, b.arena)
-    assert time.monotonic() - started < HANG_BOUND
-    for ok, target, want in zip(found, targets, expected, strict=True):
-        if ok:
-            assert b.read(target) == want
-    # What was not found is dropped: the next lookup does not offer it again.
-    assert b.tier.contains(namespace, keys) == found
-    assert b.tier.healthy
-
-
-def test_a_peer_that_was_killed(master: MooncakeMaster, nodes: list[Node]) -> None:
-    """A peer SIGKILLed (its segment gone without a word to the master): its objects are
-    quick misses, dropped, never garbage; the tier stays healthy."""
-    _, b = nodes
-    namespace = f"model-{uuid.uuid4().hex}"
-    peer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.integration.mooncake_peer",
-            master.address,
-            master.metadata,
-            namespace,
-        ],
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert peer.stdout is not None
-        line = json.loads(peer.stdout.readline())
-    finally:
-        peer.kill()
-        peer.wait()
-        if peer.stdout is not None:
-            peer.stdout.close()
-    os.unlink(line["arena"])  # what the killed peer could not remove
-    published = line["chunks"]
-    chunks = [
-        ChunkAddress(namespace, bytes.fromhex(key), tuple((o, s) for o, s in extents))
-        for key, extents, _ in published
-    ]
-    targets = moved(chunks, base=4 << 20)
-    started = time.monotonic()
-    found = b.tier.get(targets, b.arena)
-    assert time.monotonic() - started < HANG_BOUND
-    for ok, target, (_, _, data) in zip(found, targets, published, strict=True):
-        if ok:
-            assert b.read(target) == bytes.fromhex(data)
-    assert b.tier.contains(namespace, [c.key for c in chunks]) == found
-    assert b.tier.healthy
-
-
 def test_a_forged_object_with_right_checksums_is_a_miss(nodes: list[Node]) -> None:
     """An attacker without the key plants data and a companion (written with Mooncake's own
     client) whose shard sizes and xxh3 checksums are right, under the victim's names: a miss,
@@ -363,3 +294,73 @@ def test_the_tier_refuses_to_open_without_a_good_key(
             MooncakeTier(settings(master, key_file="" if problem == "unset" else path), arena)
     finally:
         arena.close()
+
+
+# Last: a dead peer's segment stays in the master a while, and puts placed there fail.
+def test_a_peer_that_left(master: MooncakeMaster, nodes: list[Node]) -> None:
+    """Objects in the segment of a daemon that closed are misses: never garbage, no fault."""
+    _, b = nodes
+    peer = Node(master)
+    try:
+        namespace = f"model-{uuid.uuid4().hex}"
+        chunks = peer.chunks(namespace, 8)
+        assert peer.tier.put(chunks, peer.arena).stored == [True] * 8
+        expected = [peer.read(chunk) for chunk in chunks]
+    finally:
+        peer.close()  # its segment, with whatever objects the master placed there, goes
+    keys = [chunk.key for chunk in chunks]
+    targets = moved(chunks, base=4 << 20)
+    started = time.monotonic()
+    found = b.tier.get(targets, b.arena)
+    assert time.monotonic() - started < HANG_BOUND
+    for ok, target, want in zip(found, targets, expected, strict=True):
+        if ok:
+            assert b.read(target) == want
+    # What was not found is dropped: the next lookup does not offer it again.
+    assert b.tier.contains(namespace, keys) == found
+    assert b.tier.healthy
+
+
+def test_a_peer_that_was_killed(master: MooncakeMaster, nodes: list[Node]) -> None:
+    """A peer SIGKILLed (its segment gone without a word to the master): its objects are
+    quick misses, dropped, never garbage; the tier stays healthy."""
+    _, b = nodes
+    namespace = f"model-{uuid.uuid4().hex}"
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.mooncake_peer",
+            master.address,
+            master.metadata,
+            namespace,
+        ],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert peer.stdout is not None
+        line = json.loads(peer.stdout.readline())
+    finally:
+        peer.kill()
+        peer.wait()
+        if peer.stdout is not None:
+            peer.stdout.close()
+    os.unlink(line["arena"])  # what the killed peer could not remove
+    published = line["chunks"]
+    chunks = [
+        ChunkAddress(namespace, bytes.fromhex(key), tuple((o, s) for o, s in extents))
+        for key, extents, _ in published
+    ]
+    targets = moved(chunks, base=4 << 20)
+    started = time.monotonic()
+    found = b.tier.get(targets, b.arena)
+    assert time.monotonic() - started < HANG_BOUND
+    for ok, target, (_, _, data) in zip(found, targets, published, strict=True):
+        if ok:
+            assert b.read(target) == bytes.fromhex(data)
+    assert b.tier.contains(namespace, [c.key for c in chunks]) == found
+    assert b.tier.healthy
