@@ -409,7 +409,8 @@ class DaemonStats(msgspec.Struct, frozen=True):
     copy_engine: str = ""  # "cpu" or "cuda", as chosen at start
     # Keys refused by reason: "full" (nothing evictable), "ack" (reserved, but the room a
     # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
-    # engine's protected share; not in ``stores_refused``). Empty from a daemon before it.
+    # engine's protected share; not in ``stores_refused``), "draining" (reserved or stored
+    # while the daemon was stopping; not in ``stores_refused``). Empty from a daemon before it.
     stores_refused_by_reason: dict[str, int] = {}
 
 
