@@ -317,13 +317,14 @@ def test_two_groups_by_group_id_partial_chunks_and_mid_chunk_loads(daemon: Daemo
         r.close()
 
 
-def acking(client: OffloadClient, notices: list[KeysChanged]) -> None:
-    """What a live mirror does: read its notices and acknowledge them."""
+def acking(client: OffloadClient, notices: list[KeysChanged]) -> list[KeysChanged]:
+    """What a live mirror does: read its notices and acknowledge them; all read so far."""
     client.poll(0)
     new = client.take_notices()
     if new:
         notices.extend(new)
         client.ack(max(notice.seq for notice in new))
+    return notices
 
 
 def schedulers_of(d: DaemonThread, engine_id: str) -> int:
@@ -413,13 +414,13 @@ def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservation
         copies.started.acquire(timeout=10)
         notices.clear()
         d.begin_stop()
-        wait_for(lambda: acking(sched, notices) or any(n.reset for n in notices), sched)
+        wait_for(lambda: any(n.reset for n in acking(sched, notices)), sched)
         (reset,) = notices
         assert reset.stored == [] and not reset.more
         for refused_call in (
             lambda: sched.reserve(keys[3:]),
             lambda: sched.update_holds([HoldKeys("during", keys[:1])]),
-            lambda: r.client.store(3, keys[3:], chunk_block_ids([3], BPC)),  # type: ignore[union-attr]
+            lambda: r.client.store(3, keys[3:], chunk_block_ids([3], BPC)),
         ):
             with pytest.raises(RequestFailed) as refused:
                 refused_call()
