@@ -62,18 +62,20 @@ SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
     "--events-endpoint": (
         "events",
         "endpoint",
-        "KV events PUB endpoint (default tcp://127.0.0.1:5557; '' turns events off)",
+        "KV events PUB endpoint (default auto: ipc://SOCKET.events beside the control "
+        "socket; tcp://HOST:PORT explicitly; '' turns events off)",
     ),
     "--events-replay-endpoint": (
         "events",
         "replay_endpoint",
-        "KV events replay ROUTER endpoint (default tcp://127.0.0.1:5558; '' disables replay)",
+        "KV events replay ROUTER endpoint (default auto: ipc://SOCKET.replay, the next port "
+        "beside a tcp events endpoint; '' disables replay)",
     ),
     "--metrics-address": (
         "metrics",
         "address",
-        "Prometheus /metrics address HOST:PORT or unix:/PATH (default 127.0.0.1:9464; "
-        "'' turns it off)",
+        "Prometheus /metrics address HOST:PORT or unix:/PATH (default auto: "
+        "unix:SOCKET.metrics beside the control socket, 0600; '' turns it off)",
     ),
 }
 

@@ -228,8 +228,13 @@ def offset_endpoint_port(endpoint: str, k: int) -> str:
 
 
 def replay_beside(endpoint: str) -> str:
-    """The replay endpoint beside a ``tcp://`` PUB endpoint in the daemon's default layout
-    (port + 1, as 5557 and 5558); ``""`` for other endpoints, which have no such neighbour."""
+    """The replay endpoint beside a PUB endpoint in the daemon's default layout: port + 1
+    beside ``tcp://`` (as 5557 and 5558), ``PATH.replay`` beside ``ipc://PATH.events``; ``""``
+    for other endpoints, which have no such neighbour."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        stem, dot, suffix = path.rpartition(".")
+        return f"ipc://{stem}.replay" if dot and suffix == "events" else ""
     if not endpoint.startswith("tcp://"):
         return ""
     try:

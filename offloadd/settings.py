@@ -11,10 +11,17 @@ An empty string has one documented meaning per setting, the same from every sour
   no rank can reach it), ``events.pod`` (the host name);
 * "off": ``events.endpoint`` (no KV events, as ``enabled = false``),
   ``events.replay_endpoint`` (no replay socket), ``metrics.address`` (no HTTP server),
+  ``metrics.socket_group`` (the metrics socket's group is left as created),
   ``server.socket_group`` (the group is left as created), ``server.curve_secret_key_file``
   (no CURVE), ``server.curve_clients_dir`` (with CURVE on loopback: any client key; off
   loopback an allow-list is required);
 * itself: ``events.topic_template`` (the topic ``""``, which every subscriber receives);
+
+``"auto"`` (the default of ``events.endpoint``, ``events.replay_endpoint`` and
+``metrics.address``) puts the socket beside the control socket, in its checked directory:
+``ipc://PATH.events``, ``ipc://PATH.replay`` (beside a ``tcp://`` events endpoint: its next
+port) and ``unix:PATH.metrics`` for the control socket ``ipc://PATH`` (``Settings.exposed``);
+tcp is only ever an explicit setting.
 * no entries: ``tenancy.shared_groups`` (``""`` from the environment, ``[]`` in a file).
 
 Every other setting rejects ``""``.
@@ -45,9 +52,15 @@ from typing import IO, Any, Literal, get_args, get_origin
 
 import msgspec
 
-from offloadd.endpoint import default_endpoint, state_dir
+from offloadd.endpoint import default_endpoint, ipc_path, replay_beside, state_dir
 from offloadd.logs import install_log_handler
+from offloadd.safety import secret_file_problem
 from protocol.peer import PEER_SUFFIX
+
+AUTO = "auto"  # an events or metrics socket beside the control socket (Settings.exposed)
+# What "auto" appends to the control socket's path.
+EVENTS_SUFFIX, REPLAY_SUFFIX, METRICS_SUFFIX = ".events", ".replay", ".metrics"
+_BESIDE_SUFFIXES = (PEER_SUFFIX, EVENTS_SUFFIX, REPLAY_SUFFIX, METRICS_SUFFIX)
 
 
 class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -71,7 +84,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # with the batched copy are there, else cpu (chosen and logged at start).
     copy_engine: Literal["auto", "cpu", "cuda"] = "auto"
     # The ipc socket's permission bits (octal) and group: ranks of that group may connect.
-    # Event ipc sockets and a unix: metrics socket get the same.
+    # Event ipc sockets get the same (a unix: metrics socket has metrics.socket_mode/group).
     socket_mode: str = "0660"
     socket_group: str = ""
     # A tcp:// control endpoint off loopback must be encrypted and authenticated with
@@ -114,16 +127,22 @@ class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """KV-cache events: vLLM-compatible PUB socket and replay ROUTER.
 
-    Loopback by default; listening on another address is an explicit setting.
+    ``"auto"``: ipc sockets beside the control socket, with its mode and group (who may
+    subscribe: every tenant's block hashes go out there). tcp is an explicit setting; one off
+    loopback is logged as a warning at start (anyone who reaches the port reads them).
+    The tenant (``{tenant}``: ``u<uid>``, ``g<gid>``, ``*``) is part of the default topic, so
+    no tenant publishes events a router would attribute to another.
     """
 
     enabled: bool = True
-    endpoint: str = "tcp://127.0.0.1:5557"  # "" turns events off (as enabled = false does)
-    replay_endpoint: str = "tcp://127.0.0.1:5558"  # "" disables replay
+    endpoint: str = AUTO  # "" turns events off (as enabled = false does)
+    replay_endpoint: str = AUTO  # "" disables replay
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # PUB high-water mark, in batches
     max_queue: int = 100_000  # batches waiting to be sent; more are dropped and counted
-    topic_template: str = "kv@{pod}@{model}"  # placeholders: {pod} {model} {engine_id} {dp}
+    # Placeholders: {pod} {tenant} {model} {engine_id} {dp}. Three @-separated parts, as
+    # vLLM's kv@{pod}@{model}, for routers that split topics that way.
+    topic_template: str = "kv@{pod}/{tenant}@{model}"
     pod: str = ""  # empty: the host name
     # vLLM's convention: the engine with dp index k publishes on endpoint port + k (and
     # replay port + k); otherwise one publisher serves every dp index.
@@ -135,13 +154,19 @@ class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class MetricsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Prometheus metrics over HTTP (``/metrics``).
+    """Prometheus metrics over HTTP (``/metrics``, ``/healthz``, ``/readyz``).
 
-    Loopback by default; another address is an explicit setting. ``""`` turns it off.
-    ``unix:/PATH`` serves HTTP on a unix socket with the control socket's mode and group.
+    ``"auto"``: a unix socket beside the control socket (``unix:PATH.metrics``); ``unix:/PATH``
+    another one; ``HOST:PORT`` tcp, an explicit setting (Prometheus scrapes tcp only): a
+    loopback port is open to every local user, another address to whoever reaches it (logged
+    as a warning at start). ``""`` turns it off. The unix socket gets ``socket_mode`` and
+    ``socket_group``: by default only the daemon's user and root may read it, since metrics
+    name every tenant's engines and count their bytes (GetStats shows them to admins only).
     """
 
-    address: str = "127.0.0.1:9464"  # HOST:PORT, [IPv6]:PORT, unix:/PATH; port 0: a free one
+    address: str = AUTO  # auto, HOST:PORT, [IPv6]:PORT, unix:/PATH; port 0: a free one
+    socket_mode: str = "0600"
+    socket_group: str = ""
 
 
 class TenancySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -165,10 +190,17 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     ``protected_fraction``: bytes an engine's sessions may keep from eviction (lookup pins,
     scheduler holds and reservations) as a fraction of ``cache.capacity``; beyond it pins and
-    holds are not taken and reservations are refused. ``max_lease_seconds`` caps a Lookup's
-    pin lease. ``snapshot_keys``: chunks announced (KV events) to an engine that becomes
-    ready in a warm namespace, at most. ``event_buffer_bytes``: the replay buffer of each
-    event publisher, at most (besides ``events.buffer_steps``). ``registrations_per_uid``:
+    holds are not taken and reservations are refused. ``tenant_protected_fraction``: the same
+    bound for all the engines of one tenant (a uid, or a shared group) together, so a user
+    who starts more engines gets no more of the arena (0: ``protected_fraction``).
+    ``reservation_seconds``: how long a scheduler's reservation waits for its ranks' store;
+    one not committed by then is dropped and its room freed (counted as ``expired``).
+    ``mapped_bytes_per_uid``: bytes of shared-memory region files a uid's live sessions may
+    make the daemon map or reserve address space for (0: the host's memory, ``MemTotal``).
+    ``max_lease_seconds`` caps a Lookup's pin lease. ``snapshot_keys``: chunks announced (KV
+    events) to an engine that becomes ready in a warm namespace, at most.
+    ``event_buffer_bytes``: the replay buffer of each event publisher, at most (besides
+    ``events.buffer_steps``). ``registrations_per_uid``:
     registration tokens (and the descriptors they hold) a uid may have waiting for their
     Hello; unused ones expire after ``token_seconds``. ``connections_per_uid``: registration
     connections a uid may hold open at once. ``descriptors_per_uid``: descriptors a uid's
@@ -181,6 +213,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     key_bytes: int = 128
     keys_per_request: int = 1 << 16
     protected_fraction: float = 0.5
+    tenant_protected_fraction: float = 0.0
+    reservation_seconds: float = 5.0
+    mapped_bytes_per_uid: int = 0
     max_lease_seconds: float = 300.0
     jobs_per_session: int = 1024
     sessions_per_uid: int = 256
@@ -219,6 +254,21 @@ class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     local_hostname: str = ""  # how peers reach this node; empty: the host name
     lookup_timeout: float = 0.05  # seconds a lookup waits for the cluster before a miss
     queue_bytes: int = 256 << 20  # publications waiting for the cluster; beyond, skipped
+    # The cluster key: a 0600 file of 32 random bytes, the same on every daemon of the
+    # cluster (companion MACs, payload encryption, object names); required.
+    key_file: str = ""
+    # Cluster tenants: name -> the local identities that are it ("uid:1000", "gid:2000", a
+    # gid as tenancy.shared_groups makes one tenant of). Unmapped tenants skip the cluster.
+    tenants: dict[str, list[str]] = msgspec.field(default_factory=dict)
+
+    def cluster_tenants(self) -> dict[str, str]:
+        """``tenants`` as local tenant (``u1000``, ``g2000``) -> the cluster tenant it is."""
+        local: dict[str, str] = {}
+        for name, members in self.tenants.items():
+            for member in members:
+                kind, _, number = member.partition(":")
+                local[("u" if kind == "uid" else "g") + str(int(number))] = name
+        return local
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -249,6 +299,29 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         # The default keeps the name it had when the arena lay in /dev/shm itself.
         name = os.path.basename(self.cache.arena) or f"offloadd-{os.getuid()}.arena"
         return os.path.join(state_dir(), name + ".journal")
+
+    def exposed(self) -> Settings:
+        """These settings with each ``"auto"`` events and metrics endpoint made concrete:
+        beside the control socket ``ipc://PATH`` (a tcp control endpoint: beside the default
+        one), as ``ipc://PATH.events``, ``ipc://PATH.replay`` (the next port beside a tcp
+        events endpoint) and ``unix:PATH.metrics``. The daemon and its checks use these."""
+        events, metrics = self.events, self.metrics
+        if AUTO not in (events.endpoint, events.replay_endpoint, metrics.address):
+            return self
+        beside = ipc_path(self.endpoint()) or ipc_path(default_endpoint()) or ""
+        endpoint = f"ipc://{beside}{EVENTS_SUFFIX}" if events.endpoint == AUTO else events.endpoint
+        replay = events.replay_endpoint
+        if replay == AUTO:
+            tcp = endpoint.startswith("tcp://")
+            replay = replay_beside(endpoint) if tcp else f"ipc://{beside}{REPLAY_SUFFIX}"
+        address = metrics.address
+        if address == AUTO:
+            address = f"{UNIX_PREFIX}{beside}{METRICS_SUFFIX}"
+        return msgspec.structs.replace(
+            self,
+            events=msgspec.structs.replace(events, endpoint=endpoint, replay_endpoint=replay),
+            metrics=msgspec.structs.replace(metrics, address=address),
+        )
 
 
 def default_arena_dir() -> str:
@@ -530,6 +603,8 @@ UNIX_PREFIX = "unix:"
 
 
 def _address_problem(address: str) -> str:
+    if address == AUTO:
+        return ""
     if address.startswith(UNIX_PREFIX):
         path = address[len(UNIX_PREFIX) :]
         if not os.path.isabs(path) or len(path.encode()) > 107:
@@ -539,30 +614,37 @@ def _address_problem(address: str) -> str:
         if address:
             parse_address(address)
     except ValueError:
-        return f'expected HOST:PORT, unix:/PATH, or "" to turn metrics off, got {address!r}'
+        return (
+            f'expected HOST:PORT, unix:/PATH, "auto" (beside the control socket) or "" to '
+            f"turn metrics off, got {address!r}"
+        )
     return ""
 
 
-def _endpoint_check(empty: str) -> Callable[[str], str]:
-    """An endpoint setting's check; ``empty`` says what ``""`` means there."""
+def _endpoint_check(empty: str, *, auto: bool = True) -> Callable[[str], str]:
+    """An endpoint setting's check; ``empty`` says what ``""`` means there, ``auto`` whether
+    it takes ``"auto"`` (beside the control socket)."""
+    also = '"auto" for beside the control socket, or ' if auto else "or "
 
     def check(text: str) -> str:
-        if not text:
+        if not text or (auto and text == AUTO):
             return ""
         problem = endpoint_problem(text, bind=True)
-        return f'{problem}; or "" for {empty}' if problem else ""
+        return f'{problem}; {also}"" for {empty}' if problem else ""
 
     return check
 
 
 def _control_endpoint_problem(text: str) -> str:
-    problem = _endpoint_check("the default ipc socket in the runtime directory")(text)
+    default = "the default ipc socket in the runtime directory"
+    problem = _endpoint_check(default, auto=False)(text)
     if problem or not text.startswith("ipc://"):
         return problem
-    if len(text[len("ipc://") :].encode()) + len(PEER_SUFFIX) > _SUN_PATH_MAX:
+    longest = max(_BESIDE_SUFFIXES, key=len)
+    if len(text[len("ipc://") :].encode()) + len(longest) > _SUN_PATH_MAX:
         return (
-            f"the path of {text!r} leaves no room for its registration socket "
-            f"(PATH{PEER_SUFFIX}, at most {_SUN_PATH_MAX} bytes): use a shorter path"
+            f"the path of {text!r} leaves no room for the sockets beside it (registration, "
+            f"events, metrics: PATH{longest}, at most {_SUN_PATH_MAX} bytes): use a shorter path"
         )
     return ""
 
@@ -579,6 +661,10 @@ def _fraction_problem(value: float) -> str:
     if math.isfinite(value) and 0 < value <= 1:
         return ""
     return f"expected a fraction above 0 and at most 1, got {value!r}"
+
+
+def _fraction_or_zero_problem(value: float) -> str:
+    return "" if value == 0 else _fraction_problem(value)
 
 
 def _absolute_path_problem(path: str) -> str:
@@ -694,9 +780,9 @@ def _curve_key_problem(path: str) -> str:
 
 def _topic_template_problem(template: str) -> str:
     try:
-        template.format(pod="", model="", engine_id="", dp=0)
+        template.format(pod="", tenant="", model="", engine_id="", dp=0)
     except (KeyError, IndexError, ValueError, AttributeError):
-        names = "{pod} {model} {engine_id} {dp}"
+        names = "{pod} {tenant} {model} {engine_id} {dp}"
         return f"bad topic template {template!r}; placeholders are {names}"
     return ""
 
@@ -711,6 +797,30 @@ def _at_least(low: float, *, above: bool = False) -> Callable[[float], str]:
         return f"expected a number {bound}, got {value!r}"
 
     return check
+
+
+def _cluster_key_problem(path: str) -> str:
+    """A cluster key must be a 0600 file of the daemon's user (checked again when read)."""
+    return secret_file_problem(path) if path else ""
+
+
+_CLUSTER_TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+_LOCAL_IDENTITY = re.compile(r"(uid|gid):(\d{1,10})\Z")
+
+
+def _cluster_tenants_problem(tenants: dict[str, list[str]]) -> str:
+    """Names from a short alphabet; each local identity ("uid:N", "gid:N") in one tenant."""
+    seen: dict[str, str] = {}
+    for name, members in tenants.items():
+        if not _CLUSTER_TENANT.match(name):
+            return f"tenant name {name!r}: expected 1-64 of A-Z a-z 0-9 _ . -"
+        for member in members:
+            if not _LOCAL_IDENTITY.match(member):
+                return f"tenant {name}: {member!r} is not uid:N or gid:N"
+            if member in seen:
+                return f"{member} is in both tenants {seen[member]} and {name}"
+            seen[member] = name
+    return ""
 
 
 # What a field's type cannot say: a message, or "" when the value is fine.
@@ -736,11 +846,16 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("events", "max_queue"): _at_least(1),
     ("events", "topic_template"): _topic_template_problem,
     ("metrics", "address"): _address_problem,
+    ("metrics", "socket_mode"): _socket_mode_problem,
+    ("metrics", "socket_group"): _socket_group_problem,
     ("tenancy", "shared_groups"): _groups_problem,
     ("limits", "regions_per_session"): _at_least(1),
     ("limits", "key_bytes"): _at_least(5),
     ("limits", "keys_per_request"): _at_least(1),
     ("limits", "protected_fraction"): _fraction_problem,
+    ("limits", "tenant_protected_fraction"): _fraction_or_zero_problem,
+    ("limits", "reservation_seconds"): _at_least(0, above=True),
+    ("limits", "mapped_bytes_per_uid"): _at_least(0),
     ("limits", "max_lease_seconds"): _at_least(0, above=True),
     ("limits", "jobs_per_session"): _at_least(1),
     ("limits", "sessions_per_uid"): _at_least(1),
@@ -756,6 +871,8 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("mooncake", "rdma_devices"): _rdma_devices_problem,
     ("mooncake", "local_hostname"): _host_name_problem,
     ("mooncake", "lookup_timeout"): _at_least(0, above=True),
+    ("mooncake", "key_file"): _cluster_key_problem,
+    ("mooncake", "tenants"): _cluster_tenants_problem,
 }
 
 
@@ -806,6 +923,13 @@ def settings_toml(settings: Settings) -> str:
         ("events", "endpoint"): "off: no KV events",
         ("events", "replay_endpoint"): "no replay",
         ("metrics", "address"): "off",
+        ("metrics", "socket_group"): "left as created",
+    }
+    exposed = settings.exposed()
+    placed = {
+        ("events", "endpoint"): exposed.events.endpoint,
+        ("events", "replay_endpoint"): exposed.events.replay_endpoint or "no replay",
+        ("metrics", "address"): exposed.metrics.address,
     }
     lines: list[str] = []
     for section in _SECTIONS:
@@ -817,6 +941,8 @@ def settings_toml(settings: Settings) -> str:
                 line += f"  # {format_size(value)}"
             elif not value and (section, key) in derived:
                 line += f"  # {derived[section, key]}"
+            elif value == AUTO and (section, key) in placed:
+                line += f"  # {placed[section, key]}"
             lines.append(line)
         lines.append("")
     return "\n".join(lines)
@@ -829,6 +955,9 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):  # mooncake.tenants: an inline table, its keys quoted
+        items = (f"{_toml_value(key)} = {_toml_value(item)}" for key, item in value.items())
+        return "{" + ", ".join(items) + "}"
     # A JSON string is a valid TOML basic string.
     return msgspec.json.encode(str(value)).decode()
 

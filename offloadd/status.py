@@ -60,17 +60,27 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
         f"  daemon     version {stats.version or 'unknown'}, pid {stats.pid or 'unknown'}, "
         f"copy engine {stats.copy_engine or 'unknown'}",
         f"  arena      {stats.arena or 'unknown'}",
-        f"  cache      {format_size(stats.used_bytes)} of {format_size(stats.capacity_bytes)} "
-        f"({fill:.1%}); {stats.committed_entries} chunks, {pending} being stored",
-        f"  lookups    {stats.lookups} requests, {keys} keys: {stats.hits} hits, "
-        f"{stats.misses} misses{hit_rate}",
-        f"  moved      stored {format_size(stats.bytes_stored)}, "
-        f"loaded {format_size(stats.bytes_loaded)}",
-        f"  refused    {_refused(stats)}; {stats.evictions} evictions; "
-        f"{stats.protocol_errors} protocol errors",
+        *(
+            [
+                f"  cache      {format_size(stats.used_bytes)} of "
+                f"{format_size(stats.capacity_bytes)} ({fill:.1%}); "
+                f"{stats.committed_entries} chunks, {pending} being stored",
+                f"  lookups    {stats.lookups} requests, {keys} keys: {stats.hits} hits, "
+                f"{stats.misses} misses{hit_rate}",
+                f"  moved      stored {format_size(stats.bytes_stored)}, "
+                f"loaded {format_size(stats.bytes_loaded)}",
+                f"  refused    {_refused(stats)}; {stats.evictions} evictions; "
+                f"{stats.protocol_errors} protocol errors",
+            ]
+            if stats.counters
+            else [
+                f"  cache      {format_size(stats.capacity_bytes)}; node-wide counters shown to "
+                "root and the daemon's user only"
+            ]
+        ),
         *_copy_lines(stats),
-        *_tier_lines(stats),
-        f"  sessions   {stats.sessions}",
+        *(_tier_lines(stats) if stats.counters else []),
+        *([f"  sessions   {stats.sessions}"] if stats.counters else []),
         f"  events     {_events_line(stats)}",
         f"  engines    {len(stats.engines)}" + ("" if stats.engines else " (none connected)"),
     ]

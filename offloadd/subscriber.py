@@ -20,8 +20,10 @@
 * Payloads in either msgpack encoding are decoded (``protocol.events.decode_batch``); an
   undecodable one is logged and skipped.
 
-With a topic filter on a publisher that serves several topics with one seq stream (the
-daemon's shared publisher), the other topics' seqs look like gaps; replay fills them with
+The daemon's topics name the tenant (``kv@{pod}/{tenant}@{model}`` by default): ``topic``
+``"kv@node-a/u1001@"`` follows one tenant's engines, ``"kv@node-a/"`` every tenant's. With
+a topic filter on a publisher that serves several topics with one seq stream (the daemon's
+shared publisher), the other topics' seqs look like gaps; replay fills them with
 batches that are then skipped, so nothing is lost but each such gap costs a replay.
 """
 

@@ -153,7 +153,8 @@ class GetStats(msgspec.Struct, frozen=True, tag="stats"):
     """Ask for the daemon's counters.
 
     A sender without a session may pass a registration ``token`` (``protocol.peer``): the
-    engines listed are those its user may see. Without either, only aggregate counters.
+    engines listed are those its user may see. Without either, no engine. Node-wide
+    counters only for root and the daemon's user (``DaemonStats.counters``).
     """
 
     request_id: int
@@ -409,9 +410,15 @@ class DaemonStats(msgspec.Struct, frozen=True):
     copy_engine: str = ""  # "cpu" or "cuda", as chosen at start
     # Keys refused by reason: "full" (nothing evictable), "ack" (reserved, but the room a
     # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
-    # engine's protected share; not in ``stores_refused``), "draining" (reserved or stored
-    # while the daemon was stopping; not in ``stores_refused``). Empty from a daemon before it.
+    # engine's protected share; not in ``stores_refused``), "tenant" (beyond the share of the
+    # engine's tenant, all its engines together; not in it either), "expired" (reserved, not
+    # stored within limits.reservation_seconds, dropped), "draining" (reserved or stored while
+    # the daemon was stopping; not in ``stores_refused``). Empty from a daemon before it.
     stores_refused_by_reason: dict[str, int] = {}
+    # False: the node-wide counters (cache fill, lookups, bytes, sessions, tiers' counts) are
+    # withheld from this asker and read 0: they add up every tenant's work, so only root and
+    # the daemon's user see them. True from a daemon before this field.
+    counters: bool = True
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

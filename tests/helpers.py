@@ -171,28 +171,3 @@ def fake_stats(**changes: object) -> DaemonStats:
 
 def value(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
-
-
-def shared_lru_hits(requests: list[list[object]], capacity: int) -> int:
-    """Prefix hits of an exact shared LRU cache of ``capacity`` chunks over ``requests`` (each
-    its chunk keys in order), as a vLLM engine drives an offload cache: the leading keys
-    present hit and are touched; from the first miss on, every absent key is stored (most
-    recent), evicting the least recently used; present keys after a miss are left as they
-    are. Returns the hit keys."""
-    from collections import OrderedDict
-
-    cache: OrderedDict[object, None] = OrderedDict()
-    hits = 0
-    for keys in requests:
-        missed = False
-        for key in keys:
-            if not missed and key in cache:
-                cache.move_to_end(key)
-                hits += 1
-                continue
-            missed = True
-            if key not in cache:
-                cache[key] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits

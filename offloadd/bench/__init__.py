@@ -14,6 +14,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k (random
   keys over the whole index, and keys from a 10k hot set), lookup cost vs a plain dict probe
   of the same keys (``dict_probe_*``), and index bytes per entry vs the key bytes.
+- ``bounds``: what the bounds per tenant cost the index: a pinned lookup counted per engine
+  and per tenant vs per engine only (``pinned_lookup_tenant_ns``), reservations with a lease
+  vs without (``reserve_store_lease_ns``).
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
@@ -35,11 +38,18 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   chunks (``mooncake_put_<chunk>``, ``mooncake_get_<chunk>``); and through two served
   daemons: an engine on A stores until A published all, an engine on B looks up, promotes
   and loads them, vs raw puts and gets of the same bytes (``mooncake_daemon_publish``,
-  ``mooncake_daemon_promote``); skipped without the extra.
+  ``mooncake_daemon_promote``); and what the AEAD costs, without the network: the tier's
+  sealing and opening of a call's shards vs xxh3_64 of them alone, the plain tier's work
+  (``mooncake_seal_<chunk>``, ``mooncake_open_<chunk>``); skipped without the extra.
 - ``tiers``: chunk hit rate and time per request of a prefix-sharing workload (Zipf-popular
   documents, each request a document plus its own chunks, several times the arena) on a
   daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
   interleaved (``tiers_hit_rate_disk4x``, ``tiers_request_time_disk4x``).
+- ``shared_cache``: two DP engines through vLLM's real scheduler and worker connectors on one
+  arena smaller than their working set, a prefix-sharing workload: the total chunk hit rate
+  vs an exact shared LRU of the same capacity over the same requests
+  (``shared_cache_hit_rate``; goal: ratio >= 0.9) and the keys refused vs those offered
+  (``shared_cache_refused``; goal: ratio <= 0.01). From a checkout, as ``vllm_step``.
 - ``sharing``: arena bytes per cached token of an MLA engine (latent replicated on every TP
   rank, stored once) at TP=1/2/4/8 vs one copy of the latent (``mla_bytes_per_token_tp<N>``;
   goal: 1.0, flat).
@@ -104,6 +114,12 @@ def _index(ctx: Context) -> list[Result]:
     return growth.run(ctx)
 
 
+def _bounds(ctx: Context) -> list[Result]:
+    from offloadd.bench import bounds
+
+    return bounds.run(ctx)
+
+
 def _vllm(ctx: Context) -> list[Result]:
     from offloadd.bench import vllm_manager, vllm_step
 
@@ -146,13 +162,19 @@ def _cuda_marshal(ctx: Context) -> list[Result]:
 def _mooncake(ctx: Context) -> list[Result]:
     from offloadd.bench import mooncake, tiers
 
-    return mooncake.run(ctx) + tiers.run_cluster(ctx)
+    return mooncake.run_aead(ctx) + mooncake.run(ctx) + tiers.run_cluster(ctx)
 
 
 def _sharing(ctx: Context) -> list[Result]:
     from offloadd.bench import sharing
 
     return sharing.run(ctx)
+
+
+def _shared_cache(ctx: Context) -> list[Result]:
+    from offloadd.bench import shared_cache
+
+    return shared_cache.run(ctx)
 
 
 def _tiers(ctx: Context) -> list[Result]:
@@ -177,6 +199,7 @@ GROUPS = (
         ),
         _index,
     ),
+    Group("bounds", ("pinned_lookup_tenant_ns", "reserve_store_lease_ns"), _bounds),
     Group("events", ("events_per_s",), _events),
     Group("vllm", ("vllm_*",), _vllm),
     Group("checksum", ("checksum_*",), _checksum),
@@ -186,6 +209,7 @@ GROUPS = (
     Group("mooncake", ("mooncake_*",), _mooncake),
     Group("tiers", ("tiers_*",), _tiers),
     Group("sharing", ("mla_bytes_per_token_*",), _sharing),
+    Group("shared_cache", ("shared_cache_*",), _shared_cache),
 )
 
 

@@ -3,22 +3,30 @@
 A ``mooncake_master`` on loopback (free ports) and two nodes in this process, each an arena
 and a ``MooncakeTier`` contributing a segment: node A publishes, node B promotes.
 
-- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (xxh3_64 of every byte, the data
-  object from the chunk's shards, then its companion); baseline: raw ``batch_put_from`` of the
+- ``mooncake_put_<chunk>``: GiB/s of ``MooncakeTier.put`` on A (every shard sealed with
+  AES-GCM into the staging buffer and xxh3_64'd, the data object, then its MAC'd companion);
+  baseline: raw ``batch_put_from`` of the
   same chunks' bytes (shards laid out contiguously: one range per chunk) through the same
   client, under other names.
 - ``mooncake_get_<chunk>``: GiB/s of ``MooncakeTier.get`` on B (companion, data into the
   extents, xxh3_64 check); baseline: raw ``batch_get_into`` of the raw objects into the same
   extents of B's arena.
 
+- ``mooncake_seal_<chunk>`` / ``mooncake_open_<chunk>``: what the AEAD costs, in one run and
+  without the network: GiB/s of the tier's own sealing of a call's shards (AES-GCM from the
+  arena into the staging buffer, then xxh3_64 of the sealed bytes) and of its opening
+  (xxh3_64, then AES-GCM into the extents); baseline: xxh3_64 of the same shards in place,
+  the whole per-byte work of the plain (v2) tier it replaced.
+
 Each rep puts new names (a put of an existing name costs nothing) and removes them after.
-Reps alternate tier and raw, and each pair is compared. Skipped when mooncake is not
-installed (``pip install 'offloadd[mooncake]'``).
+Reps alternate tier and raw (sealed and plain), and each pair is compared. Skipped when
+mooncake is not installed (``pip install 'offloadd[mooncake]'``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import socket
@@ -108,6 +116,20 @@ def mooncake_installed() -> tuple[str | None, str]:
     return binary, ""
 
 
+TENANTS = {"bench": [f"uid:{os.getuid()}"]}  # this user, named "bench" in the cluster
+
+
+def cluster_key(ctx: Context) -> str:
+    """A fresh cluster key for the run's nodes (32 random bytes, 0600, in the scratch dir)."""
+    key_file = ctx.scratch.shm_path("mooncake-cluster.key")
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return key_file
+
+
 def run(ctx: Context) -> list[Result]:
     """``mooncake_put_<chunk>`` and ``mooncake_get_<chunk>`` for each chunk size."""
     from offloadd.tiers.mooncake import MooncakeTier
@@ -129,6 +151,8 @@ def run(ctx: Context) -> list[Result]:
     with contextlib.ExitStack() as stack:
         master, metadata = stack.enter_context(_master(binary))
         settings = MooncakeSettings(
+            key_file=cluster_key(ctx),
+            tenants=TENANTS,
             master=master,
             metadata=metadata,
             segment=4 * BATCH_BYTES,
@@ -139,12 +163,112 @@ def run(ctx: Context) -> list[Result]:
         for label in ("a", "b"):
             arena = Arena(ctx.scratch.shm_path(f"mooncake-{label}"), ARENA)
             stack.callback(arena.close)
-            tier = MooncakeTier(settings, arena)
+            tier = MooncakeTier(settings, arena, tenant_of=lambda namespace: f"u{os.getuid()}")
             stack.callback(tier.close)
             arenas.append(arena)
             tiers.append(tier)
         for size in sizes:
             results += _measure(ctx, arenas, tiers, size, reps)
+    return results
+
+
+def run_aead(ctx: Context) -> list[Result]:
+    """``mooncake_seal_<chunk>`` and ``mooncake_open_<chunk>`` for each chunk size."""
+    from offloadd.tiers.mooncake import ClusterKeys, MooncakeUnavailable
+
+    sizes = [
+        size
+        for size in CHUNK_SIZES
+        if ctx.wanted(f"mooncake_seal_{size_name(size)}")
+        or ctx.wanted(f"mooncake_open_{size_name(size)}")
+    ]
+    if not sizes:
+        return []
+    try:
+        keys = ClusterKeys(os.urandom(32))
+    except MooncakeUnavailable as exc:
+        ctx.progress(f"mooncake aead: skipped ({exc})")
+        return []
+    reps = 3 if ctx.quick else 9
+    results: list[Result] = []
+    with contextlib.ExitStack() as stack:
+        arena = Arena(ctx.scratch.shm_path("mooncake-aead"), ARENA)
+        stack.callback(arena.close)
+        for offset in range(0, BATCH_BYTES, 1 << 20):
+            arena.view(offset, 1 << 20)[:] = os.urandom(1 << 20)
+        for size in sizes:
+            results += _measure_aead(ctx, arena, keys, size, reps)
+    return results
+
+
+def _measure_aead(ctx: Context, arena: Arena, keys, size: int, reps: int) -> list[Result]:
+    from offloadd.checksum import checksum
+    from offloadd.tiers.mooncake import _Job, _open_sealed, _seal, sealed_size
+
+    count = BATCH_BYTES // size
+    shard = size // SHARDS
+    label = size_name(size)
+    space = keys.space("bench", f"bench-{uuid.uuid4().hex}")
+    chunks = [
+        ChunkAddress(
+            space.prefix,
+            os.urandom(16),
+            tuple((i * size + s * shard, shard) for s in range(SHARDS)),
+        )
+        for i in range(count)
+    ]
+    staging = (ctypes.c_char * sum(sealed_size(chunk) for chunk in chunks))()
+    base = ctypes.addressof(staging)
+    jobs, at = [], base
+    for index, chunk in enumerate(chunks):
+        data, companion = space.names(chunk.key)
+        jobs.append(_Job(index, chunk, space, data, companion, at))
+        at += sealed_size(chunk)
+    ctx.progress(
+        f"mooncake aead: {count} chunks of {label} ({SHARDS} shards) per call, {reps} reps"
+    )
+
+    def plain() -> None:
+        for chunk in chunks:
+            for offset, length in chunk.extents:
+                checksum(arena.address + offset, length)
+
+    timings: dict[str, list[float]] = {"seal": [], "open": [], "plain_seal": [], "plain_open": []}
+    for rep in range(reps):
+        for kind in ("seal", "open"):
+            for side in (kind, "plain_" + kind) if rep % 2 == 0 else ("plain_" + kind, kind):
+                started = time.perf_counter()
+                if side == "seal":
+                    sealed = _seal(arena.address, jobs)
+                elif side == "open":
+                    expected = [list(zip(sums, nonces, strict=True)) for sums, nonces in sealed]
+                    if not all(_open_sealed(arena.address, jobs, expected)):
+                        raise RuntimeError("mooncake aead bench: a sealed shard did not open")
+                else:
+                    plain()
+                timings[side].append(BATCH_BYTES / (time.perf_counter() - started) / GiB)
+    params = {
+        "chunk_bytes": size,
+        "shards": SHARDS,
+        "chunks_per_call": count,
+        "reps": reps,
+        "baseline": "xxh3_64 of the plaintext shards in place (the plain v2 tier's work)",
+    }
+    results = []
+    for kind in ("seal", "open"):
+        name = f"mooncake_{kind}_{label}"
+        if ctx.wanted(name):
+            values, baselines = timings[kind], timings["plain_" + kind]
+            results.append(
+                Result(
+                    name,
+                    median(values),
+                    "GiB/s",
+                    median(baselines),
+                    paired_ratio(values, baselines),
+                    dict(params),
+                )
+            )
     return results
 
 

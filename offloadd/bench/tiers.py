@@ -341,7 +341,7 @@ def run_cluster(ctx: Context) -> list[Result]:
     names = ("mooncake_daemon_publish", "mooncake_daemon_promote")
     if not any(ctx.wanted(name) for name in names):
         return []
-    from offloadd.bench.mooncake import _master, mooncake_installed
+    from offloadd.bench.mooncake import TENANTS, _master, cluster_key, mooncake_installed
     from offloadd.cache.arena import Arena
     from offloadd.settings import MooncakeSettings
     from offloadd.tiers.mooncake import MooncakeTier
@@ -357,7 +357,10 @@ def run_cluster(ctx: Context) -> list[Result]:
     segment = max(2 * total, 64 << 20)  # mooncake refuses small segments
     with contextlib.ExitStack() as stack:
         master, metadata = stack.enter_context(_master(binary))  # 127.0.0.1 only
+        key_file = cluster_key(ctx)  # the daemons' and the raw clients' (which need one to open)
         cluster = {
+            "key_file": key_file,
+            "tenants": TENANTS,
             "master": master,
             "metadata": metadata,
             "segment": segment,
@@ -376,6 +379,7 @@ def run_cluster(ctx: Context) -> list[Result]:
             )
             endpoints.append(_endpoint(settings))
         raw_settings = MooncakeSettings(
+            key_file=key_file,
             master=master,
             metadata=metadata,
             segment=segment,

@@ -8,7 +8,9 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 
 - Entries are keyed by ``(namespace, key)``; a key is only looked up inside its namespace. An
   entry holds one shard per rank (a replicated layout has one shard), each in its own arena
-  extent. An entry is *pending* until every shard is written, then *committed* (visible).
+  extent; in vLLM's canonical layout one shard that every rank fills with its fragments
+  (``begin_store(writers=...)``). An entry is *pending* until every shard (every writer) is
+  written, then *committed* (visible).
 - ``lookup``: how many leading keys are committed (the prefix hit), which keys are pending;
   touches the hits and, with ``pin_owner`` and a lease, pins them until ``clock() + lease``.
 - ``begin_store`` (vLLM's prepare_store) reserves this rank's shard of each key: committed keys
@@ -33,14 +35,29 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   or ``release_reservations``; ``hold`` protects committed keys for one request until
   ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile).
 - Protected bytes have one ledger (``offloadd.cache.ledger``), kept here as pins, holds and
-  reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` and an
-  ``account`` on ``lookup``, ``hold`` or ``reserve``, a new protection is taken only within
-  ``room(account)``; what does not fit is never taken (not pinned, returned as not held,
-  neither reserved nor refused).
+  reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` (per
+  engine) or ``tenant_budget`` (per tenant, all its engines together) and an ``account`` and
+  ``tenant`` on ``lookup``, ``hold`` or ``reserve``, a new protection is taken only within
+  ``room(account, tenant)``, the smaller of the two; what does not fit is never taken (not
+  pinned, returned as not held, neither reserved nor refused; counted as ``budget`` or
+  ``tenant`` in ``CacheStats.refused`` for reservations).
+- With ``reservation_lease``, a reservation lasts that many seconds: one whose entry has not
+  committed by then ends: with no copy writing it right then it is dropped and freed at once,
+  counted as ``expired``; one being written is left a plain pending entry (its store has
+  begun; eviction may take it once the copy ends).
+  Lapsed reservations are dropped whenever the cache counts a room, reserves, allocates a
+  store or reports ``stats``.
 - A scheduler that mirrors a namespace's keys (``watch``) may still show a removed key as
   present: a removed committed entry of a watched namespace keeps its extents until every
   watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
   call names the watcher that applies that call's removals before anything else (it asked).
+- A key ``reserve`` found room for only once other watchers acknowledge is reserved *unplaced*
+  (no extents yet); it is placed, in reservation order, when an acknowledgement or a freed
+  hold or read makes the room, and ``on_placed``'s callback is then called (with nothing,
+  after the cache's state is whole; it must not call back into the cache synchronously).
+  ``unplaced(namespace, keys)`` places what fits now and counts the keys still waiting, so a
+  rank's store can wait for them instead of meeting them in ``begin_store``, which drops a
+  key still unplaced (refused, reason ``ack``).
 - ``used_bytes <= capacity`` always; extents of live and dead-but-busy entries never overlap.
 - Misuse that can only be a caller bug (a write finished twice, a load finished without its
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
@@ -69,6 +86,7 @@ import heapq
 import time
 import weakref
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, pairwise
@@ -80,7 +98,7 @@ import numpy as np
 from offloadd.cache import lifecycle
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.columns import Column
-from offloadd.cache.ledger import Ledger
+from offloadd.cache.ledger import TENANT, Ledger
 from offloadd.cache.lifecycle import Event
 from offloadd.cache.policy import RowPolicy, make_row_policy
 from offloadd.cache.watchers import Watchers
@@ -88,7 +106,9 @@ from offloadd.cache.watchers import Watchers
 __all__ = [
     "REFUSED_ACK",
     "REFUSED_BUDGET",
+    "REFUSED_EXPIRED",
     "REFUSED_FULL",
+    "REFUSED_TENANT",
     "CacheStats",
     "ChunkCache",
     "Entry",
@@ -117,6 +137,10 @@ _LEAVING = lifecycle.LEAVING
 REFUSED_FULL = "full"
 REFUSED_BUDGET = "budget"
 REFUSED_ACK = "ack"
+# Beyond its tenant's room (``tenant_budget``: all the tenant's engines together); reserved,
+# but not stored within ``reservation_lease`` (the reservation was dropped).
+REFUSED_TENANT = "tenant"
+REFUSED_EXPIRED = "expired"
 _BUSY = _WRITING | _READING | _HELD | _RESERVED  # never evicted (pins are checked apart)
 # Per state byte: whether the row may be freed (dead, and no copy, hold or watcher uses it).
 _RELEASABLE = lifecycle.allowed(Event.RELEASE)
@@ -250,13 +274,23 @@ def _overlaps(taken: list[tuple[int, int]], start: int, end: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ShardWrite:
-    """One shard copy to perform: ``keys[index]``'s ``shard`` goes to ``[offset, offset+size)``."""
+    """One shard copy to perform: ``keys[index]``'s ``shard`` goes to ``[offset, offset+size)``.
+
+    ``part`` is the writer's bit among the entry's writes: the shard itself, or for a shard
+    several writers fill together (``begin_store(writers=...)``), this writer's index.
+    """
 
     index: int
     entry: Entry
     shard: int
     offset: int
     size: int
+    part: int = -1
+
+    @property
+    def bit(self) -> int:
+        """This write's bit in the entry's written and writing masks."""
+        return 1 << (self.shard if self.part < 0 else self.part)
 
 
 @dataclass(slots=True)
@@ -350,6 +384,8 @@ class ChunkCache:
         boundary: int = 0,
         clock: Callable[[], float] = time.monotonic,
         budget: int | None = None,
+        tenant_budget: int | None = None,
+        reservation_lease: float | None = None,
     ) -> None:
         # ``boundary``: no shard extent straddles a multiple of it (see ExtentAllocator).
         self._alloc = ExtentAllocator(capacity, align, boundary=boundary)
@@ -378,14 +414,23 @@ class ChunkCache:
         self._fits: list[bool] = []  # whether each shape could ever fit the arena
         self._nbytes: list[int] = []  # payload bytes of each shape (what protection costs)
         # What few rows have at a time; a state bit says whether a row is in each.
-        self._written: dict[int, int] = {}  # pending rows: shards written
+        self._written: dict[int, int] = {}  # pending rows: shards (or writers) written
+        # Pending rows whose one shard several writers fill (begin_store(writers=...)).
+        self._writers: dict[int, int] = {}
         self._writing: dict[int, int] = {}
         self._readers: dict[int, int] = {}
         self._row_holds: dict[int, int] = {}
         self._pins: dict[int, dict[str, float]] = {}
         self._reserved_by: dict[int, str] = {}
-        # The bytes each owner protects by those three, per account against ``budget``.
-        self._ledger = Ledger(budget)
+        # The bytes each owner protects by those three, per engine against ``budget`` and per
+        # tenant against ``tenant_budget``.
+        self._ledger = Ledger(budget, tenant_budget)
+        # Reservations end by this time (``reservation_lease``): row -> deadline, and the
+        # rows of each reserve call with their deadline, oldest first (the lease is one for
+        # all, the clock never goes back); rows whose deadline differs or is gone are stale.
+        self._lease = reservation_lease
+        self._reserved_until: dict[int, float] = {}
+        self._deadlines: deque[tuple[float, list[int]]] = deque()
         # Handles given out, so that a row's handle is always the same object while it lives.
         # References of handles that died are swept out now and then (_handle).
         self._handles: dict[int, weakref.ref[Entry]] = {}
@@ -405,6 +450,7 @@ class ChunkCache:
         # acknowledge), in reservation order; their extents are placed when it comes.
         self._unplaced: dict[int, None] = {}
         self._unplaced_bytes = 0
+        self._on_placed: Callable[[], None] | None = None
         self._watchers = Watchers()
         self._leaving_bytes = 0
         # (owner, token) -> key -> (row, count): holds of a scheduler's requests.
@@ -490,12 +536,13 @@ class ChunkCache:
         pin_owner: str | None = None,
         lease: float = 0.0,
         account: Hashable | None = None,
+        tenant: Hashable | None = None,
     ) -> LookupOutcome:
         """Prefix hit and pending keys; touches the hits and pins them if asked.
 
-        With an ``account``, ``pin_owner``'s new pins count towards it, and a hit whose pin
-        would exceed the account's room is not pinned (pins the owner holds already cost
-        nothing and are extended).
+        With an ``account`` (and ``tenant``), ``pin_owner``'s new pins count towards them, and
+        a hit whose pin would exceed their room is not pinned (pins the owner holds already
+        cost nothing and are extended).
         """
         # Every key probed at C speed (map), then the state bytes of the rows up to the first
         # missing key read at C speed too (itemgetter, translate): a hit costs no bytecode.
@@ -534,10 +581,10 @@ class ChunkCache:
             if pin_owner is not None and lease > 0:
                 now = self._clock()
                 expiry = now + lease
-                room = self._room(account, now)
+                room = self._room(account, tenant, now)
                 if room == float("inf"):
                     for row in hit_rows:
-                        self._pin(row, pin_owner, expiry, account)
+                        self._pin(row, pin_owner, expiry, account, tenant)
                     pinned = hits
                 else:
                     pins, nbytes, shape_of = self._pins, self._nbytes, self._shape.v
@@ -547,7 +594,7 @@ class ChunkCache:
                             if cost > room:
                                 continue
                             room -= cost
-                        self._pin(row, pin_owner, expiry, account)
+                        self._pin(row, pin_owner, expiry, account, tenant)
                         pinned += 1
         return LookupOutcome(hits, pending, pinned)
 
@@ -562,15 +609,24 @@ class ChunkCache:
         *,
         allocate: bool = True,
         acker: str | None = None,
+        writers: int = 0,
     ) -> StoreReservation:
         """Reserve ``shard`` of each key for writing, allocating and evicting as needed.
 
         With ``allocate=False`` only keys that already have a pending entry (a scheduler's
-        ``reserve``) are written; the others are skipped, never refused.
+        ``reserve``) are written; the others are skipped, never refused. With ``writers``
+        the chunk is one shard that ``writers`` writers fill together (disjoint bytes of one
+        extent: vLLM's canonical layout) and ``shard`` is this writer's index; the entry
+        commits when every one of them has written. A pending entry that writers of another
+        count are filling is skipped (they finish it).
         """
         if shard < 0:
             raise ValueError(f"shard must not be negative, got {shard}")
+        if writers and shard >= writers:
+            raise ValueError(f"writer {shard} out of range for {writers} writers")
         bit = 1 << shard
+        self._expire(self._clock())
+        part = shard if writers else -1
         res = StoreReservation([], [], [], [])
         table = self._tables.get(namespace, _NO_ROWS)
         protected: frozenset[bytes] | None = None
@@ -586,12 +642,20 @@ class ChunkCache:
                 res.skipped.append(i)
                 continue
             if row is not None:
-                if self._state.v[row] & _COMMITTED or (
-                    (self._written.get(row, 0) | self._writing.get(row, 0)) & bit
-                ):
+                active = self._written.get(row, 0) | self._writing.get(row, 0)
+                if self._state.v[row] & _COMMITTED or active & bit:
                     res.skipped.append(i)
                     continue
                 sizes = self._shapes[self._shape.v[row]]
+                if writers:
+                    if len(sizes) != 1 or (active and self._writers.get(row, 1) != writers):
+                        res.skipped.append(i)  # another layout's writers fill it
+                        continue
+                    self._set_writers(row, writers)
+                    self._start_writing(row, bit)
+                    offset = self._offsets.v[self._base.v[row]] * self._align
+                    res.writes.append(ShardWrite(i, self._handle(row), 0, offset, sizes[0], part))
+                    continue
                 if shard >= len(sizes):
                     self._cancel(res.writes)
                     raise ValueError(
@@ -608,7 +672,8 @@ class ChunkCache:
             sizes = shard_sizes(key)
             if sizes is not checked:
                 sizes = tuple(sizes)
-                if not sizes or shard >= len(sizes) or min(sizes) <= 0:
+                bad = len(sizes) != 1 if writers else shard >= len(sizes)
+                if not sizes or bad or min(sizes) <= 0:
                     self._cancel(res.writes)
                     raise ValueError(f"bad shard sizes {sizes} for shard {shard} of {key.hex()}")
                 shape, checked = self._shape_id(sizes), sizes
@@ -622,9 +687,20 @@ class ChunkCache:
                 break
             self._start_writing(row, bit)
             table = self._tables[namespace]
+            if writers:
+                self._set_writers(row, writers)
+                offset = self._offsets.v[self._base.v[row]] * self._align
+                res.writes.append(ShardWrite(i, self._handle(row), 0, offset, sizes[0], part))
+                continue
             offset = self._offsets.v[self._base.v[row] + shard] * self._align
             res.writes.append(ShardWrite(i, self._handle(row), shard, offset, sizes[shard]))
         return res
+
+    def _set_writers(self, row: int, writers: int) -> None:
+        if writers == 1:
+            self._writers.pop(row, None)
+        else:
+            self._writers[row] = writers
 
     def reserve(
         self,
@@ -635,22 +711,26 @@ class ChunkCache:
         *,
         acker: str | None = None,
         account: Hashable | None = None,
+        tenant: Hashable | None = None,
     ) -> Reservation:
         """Allocate every shard of each new key for a later ``begin_store(allocate=False)``.
 
         Committed and pending keys are left out. A key that finds no room is refused, and so is
         every later key (as in ``begin_store``). Reserved entries are not evictable until they
-        commit or ``release_reservations(owner)``. With an ``account``, only the leading keys
-        whose bytes (all of them, reserved or not) fit its room are looked at; the others are
-        neither reserved nor refused.
+        commit, ``release_reservations(owner)`` or their lease ends. With an ``account`` (and
+        ``tenant``), only the leading keys whose bytes (all of them, reserved or not) fit their
+        room are looked at; the others are neither reserved nor refused.
         """
         res = Reservation([], [], [])
-        if account is not None:
-            within = self._within_room(keys, shard_sizes, self._room(account, self._clock()))
+        now = self._clock()
+        self._expire(now)
+        if account is not None or tenant is not None:
+            within = self._within_room(keys, shard_sizes, self._room(account, tenant, now))
             if len(within) < len(keys):
                 known = self._tables.get(namespace, _NO_ROWS)
                 beyond = sum(key not in known for key in keys[len(within) :])
-                self._refuse(REFUSED_BUDGET, beyond)
+                tenants = self._ledger.binding(account, tenant) == TENANT
+                self._refuse(REFUSED_TENANT if tenants else REFUSED_BUDGET, beyond)
                 keys = within
         table = self._tables.get(namespace, _NO_ROWS)
         protected = frozenset(keys)
@@ -660,6 +740,7 @@ class ChunkCache:
         checked: tuple[int, ...] | None = None
         shape = -1
         new: list[tuple[int, bytes, int]] = []
+        leased: list[int] = []  # the rows reserved, for their lease
         seen: set[bytes] = set()  # a key named twice is reserved once
         for i, key in enumerate(keys):
             if key in table or key in seen:
@@ -696,12 +777,31 @@ class ChunkCache:
             table = self._tables[namespace]
             reserved_by[row] = owner
             self._state.v[row] = lifecycle.step(self._state.v[row], _RESERVE)
-            self._ledger.charge(owner, self._nbytes[shape], account)
+            self._ledger.charge(owner, self._nbytes[shape], account, tenant)
             if mine is None:
                 mine = self._reservations.setdefault(owner, set())
             mine.add(row)
             res.reserved.append(i)
+            leased.append(row)
+        if self._lease is not None and leased:
+            deadline = now + self._lease
+            self._reserved_until.update(dict.fromkeys(leased, deadline))
+            self._deadlines.append((deadline, leased))
         return res
+
+    def _expire(self, now: float) -> None:
+        """Drop the reservations whose lease ended by ``now`` (see the module docstring)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            deadline, rows = deadlines.popleft()
+            for row in rows:
+                if self._reserved_until.get(row) != deadline:
+                    continue  # committed, released or re-reserved since
+                self._end_reservation(row)
+                if row not in self._writing:  # else its store has begun: plain pending
+                    self._refuse(REFUSED_EXPIRED, 1)
+                    self._unlink(row, evicted=False)
+                    self._free_if_idle(row)
 
     def _refuse(self, reason: str, count: int) -> None:
         if count:
@@ -767,9 +867,29 @@ class ChunkCache:
 
     def _place_waiting(self) -> None:
         """Place the unplaced rows, in reservation order, as far as the free room goes."""
+        placed = False
         for row in list(self._unplaced):
             if not self._place_unplaced(row):
-                return
+                break
+            placed = True
+        if placed and self._on_placed is not None:
+            self._on_placed()
+
+    def on_placed(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` whenever waiting unplaced keys got their extents."""
+        self._on_placed = callback
+
+    def unplaced(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` are reserved unplaced still, placing those that fit now."""
+        if not self._unplaced:
+            return 0
+        table = self._tables.get(namespace, _NO_ROWS)
+        waiting = 0
+        for key in keys:
+            row = table.get(key)
+            if row is not None and row in self._unplaced and not self._place_unplaced(row):
+                waiting += 1
+        return waiting
 
     @staticmethod
     def _within_room(
@@ -793,12 +913,16 @@ class ChunkCache:
         """
         rows = self._reservations.pop(owner, set())
         refund, nbytes, shape_of = self._ledger.refund, self._nbytes, self._shape.v
+        until = self._reserved_until
         for row in rows:
             del self._reserved_by[row]
+            until.pop(row, None)
             self._state.v[row] = lifecycle.step(self._state.v[row], _UNRESERVE)
             refund(owner, nbytes[shape_of[row]])
             self._unlink(row, evicted=False)
             self._free_if_idle(row)
+        if rows and self._unplaced:
+            self._place_waiting()
         return len(rows)
 
     def _new_entry(
@@ -829,24 +953,27 @@ class ChunkCache:
         seen: set[tuple[int, int]] = set()
         for w in writes:
             row = w.entry._row
-            token = (row, w.shard)
-            if row < 0 or token in seen or not self._writing.get(row, 0) & (1 << w.shard):
+            token = (row, w.bit)
+            if row < 0 or token in seen or not self._writing.get(row, 0) & w.bit:
                 raise ValueError(f"shard {w.shard} of {w.entry!r} is not being written")
             seen.add(token)
         committed: list[Entry] = []
         state = self._state.v
+        freed = False
         for w in writes:
             entry = w.entry
             row = entry._row
-            bit = 1 << w.shard
+            bit = w.bit
             self._stop_writing(row, bit)
             if state[row] & _DEAD:
                 self._free_if_idle(row)
+                freed = True
                 continue
             if ok:
                 written = self._written.get(row, 0) | bit
-                if written == (1 << len(entry.sizes)) - 1:
+                if written == (1 << self._writers.get(row, len(entry.sizes))) - 1:
                     self._written.pop(row, None)
+                    self._writers.pop(row, None)
                     self._end_reservation(row)  # a reservation never outlives the pending entry
                     state[row] = lifecycle.step(state[row], _COMMIT)
                     self._committed += 1
@@ -854,11 +981,14 @@ class ChunkCache:
                     committed.append(entry)
                 else:
                     self._written[row] = written
+        if freed and self._unplaced:
+            self._place_waiting()
         return committed
 
     def _end_reservation(self, row: int) -> None:
         owner = self._reserved_by.pop(row, None)
         if owner is not None:
+            self._reserved_until.pop(row, None)
             self._state.v[row] = lifecycle.step(self._state.v[row], _UNRESERVE)
             self._ledger.refund(owner, self._nbytes[self._shape.v[row]])
             reserved = self._reservations[owner]
@@ -878,7 +1008,7 @@ class ChunkCache:
             row = w.entry._row
             if row < 0 or state[row] & (_DEAD | _COMMITTED):
                 continue
-            if self._writing.get(row, 0) & (1 << w.shard):
+            if self._writing.get(row, 0) & w.bit:
                 self._unlink(row, evicted=False)
 
     # -- load -------------------------------------------------------------------------------
@@ -921,6 +1051,8 @@ class ChunkCache:
                 state[row] = lifecycle.step(state[row], _STOP_READ)
                 if state[row] & _DEAD:
                     self._free_if_idle(row)
+        if self._unplaced:
+            self._place_waiting()
 
     def begin_load_held(self, owner: str, token: str, keys: Sequence[bytes]) -> LoadReservation:
         """Like ``begin_load``, for keys held under ``(owner, token)`` (removed ones too)."""
@@ -947,13 +1079,14 @@ class ChunkCache:
         keys: Sequence[bytes],
         *,
         account: Hashable | None = None,
+        tenant: Hashable | None = None,
     ) -> list[bytes]:
         """Hold each committed key for ``(owner, token)``; returns the keys that are not.
 
         A key removed while a watcher may still show it (see ``watch``) can be held too: its
         bytes are intact. Holding a key twice for one token needs two releases. With an
-        ``account``, a key the token does not hold yet is held only within the account's
-        room; the keys (occurrences) beyond it come last in the list returned.
+        ``account`` (and ``tenant``), a key the token does not hold yet is held only within
+        their room; the keys (occurrences) beyond it come last in the list returned.
         """
         table = self._tables.get(namespace, _NO_ROWS)
         state = self._state.v
@@ -961,7 +1094,7 @@ class ChunkCache:
         missing: list[bytes] = []
         over: list[bytes] = []
         touched: list[int] = []
-        room = self._room(account, self._clock()) if account is not None else float("inf")
+        room = self._room(account, tenant, self._clock())
         ledger, nbytes, shape_of = self._ledger, self._nbytes, self._shape.v
         for key in keys:
             row = table.get(key)
@@ -979,9 +1112,9 @@ class ChunkCache:
                     over.append(key)
                     continue
                 room -= cost
-                ledger.charge(owner, cost, account)
+                ledger.charge(owner, cost, account, tenant)
             elif previous[0] != row:
-                ledger.charge(owner, cost, account)
+                ledger.charge(owner, cost, account, tenant)
                 ledger.refund(owner, nbytes[shape_of[previous[0]]])
                 self._unhold(previous[0], previous[1])  # re-held after a re-store: keep newest
                 previous = (row, 0)
@@ -1042,6 +1175,8 @@ class ChunkCache:
         state[row] = lifecycle.step(state[row], _UNHOLD)
         if state[row] & _DEAD:
             self._free_if_idle(row)
+            if self._unplaced:
+                self._place_waiting()
 
     # -- mirrors ----------------------------------------------------------------------------
 
@@ -1147,10 +1282,10 @@ class ChunkCache:
         """Bytes ``owner``'s pins (possibly expired), holds and reservations keep."""
         return self._ledger.owned(owner)
 
-    def room(self, account: Hashable) -> float:
-        """Bytes ``account`` may still protect (``math.inf`` with no ``budget``); its expired
-        pins are dropped first."""
-        return self._room(account, self._clock())
+    def room(self, account: Hashable | None, tenant: Hashable | None = None) -> float:
+        """Bytes ``account`` (within ``tenant``) may still protect (``math.inf`` with no
+        budget); expired pins and lapsed reservations are dropped first."""
+        return self._room(account, tenant, self._clock())
 
     def keys_in(self, namespace: str) -> list[bytes]:
         """Committed keys of ``namespace``, e.g. to announce a warm cache to a new engine."""
@@ -1164,7 +1299,8 @@ class ChunkCache:
         return None if row is None else self._handle(row)
 
     def stats(self) -> CacheStats:
-        """A snapshot of the counters."""
+        """A snapshot of the counters (lapsed reservations dropped first)."""
+        self._expire(self._clock())
         return CacheStats(
             capacity=self._alloc.capacity,
             used_bytes=self._alloc.used_bytes,
@@ -1295,6 +1431,7 @@ class ChunkCache:
             entry._final = (bool(self._state.v[row] & _COMMITTED), self._written_mask(row))
             entry._row = -1
         self._written.pop(row, None)
+        self._writers.pop(row, None)
         self._keys[row] = None
         self._state.v[row] = lifecycle.step(self._state.v[row], _RELEASE)
         self._free_rows.append(row)
@@ -1314,11 +1451,18 @@ class ChunkCache:
     def _cancel(self, writes: list[ShardWrite]) -> None:
         """Undo the writing bits of a ``begin_store`` that is about to raise."""
         for w in writes:
-            self._stop_writing(w.entry._row, 1 << w.shard)
+            self._stop_writing(w.entry._row, w.bit)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _pin(self, row: int, owner: str, expiry: float, account: Hashable | None) -> None:
+    def _pin(
+        self,
+        row: int,
+        owner: str,
+        expiry: float,
+        account: Hashable | None,
+        tenant: Hashable | None = None,
+    ) -> None:
         pins = self._pins.get(row)
         if pins is None:
             pins = self._pins[row] = {}
@@ -1329,7 +1473,7 @@ class ChunkCache:
         pins[owner] = expiry
         ledger = self._ledger
         if old is None:
-            ledger.charge(owner, self._nbytes[self._shape.v[row]], account)
+            ledger.charge(owner, self._nbytes[self._shape.v[row]], account, tenant)
             self._owners.setdefault(owner, set()).add(row)
         if ledger.bounded(owner):
             heap = ledger.expiries(owner)
@@ -1340,13 +1484,15 @@ class ChunkCache:
                 heapq.heapify(heap)
                 ledger.set_expiries(owner, heap)
 
-    def _room(self, account: Hashable | None, now: float) -> float:
-        """The bytes ``account`` may still protect (no bound without one); its expired pins
-        are dropped first, as they protect nothing."""
+    def _room(self, account: Hashable | None, tenant: Hashable | None, now: float) -> float:
+        """The bytes ``account`` within ``tenant`` may still protect (no bound without
+        either); their expired pins and lapsed reservations are dropped first, as they
+        protect nothing."""
+        self._expire(now)
         ledger = self._ledger
-        if account is None or ledger.budget is None:
+        if ledger.room(account, tenant) == float("inf"):
             return float("inf")
-        for member in ledger.members(account):
+        for member in ledger.members(account, tenant):
             heap = ledger.expiries(member)
             while heap and heap[0][0] <= now:
                 expiry, row = heapq.heappop(heap)
@@ -1355,7 +1501,7 @@ class ChunkCache:
                     self._drop_pin(row, member)
                     if not ledger.bounded(member):
                         break  # its last bytes went: forgotten, heap and all
-        return ledger.room(account)
+        return ledger.room(account, tenant)
 
     def _drop_pin(self, row: int, owner: str) -> None:
         """Drop ``owner``'s pin on ``row`` (it has one)."""

@@ -243,6 +243,11 @@ class Journal:
         self._sums: dict[tuple[str, bytes], tuple[int, ...]] = {}
         # Checksums of shards written but not committed yet, set by seal() on any thread.
         self._pending: dict[tuple[Entry, int], int] = {}
+        # A shard several writers fill (vLLM's canonical layout) is checksummed whole by each
+        # writer's seal; the one that started last is the one that saw every writer's bytes
+        # (each seal starts after its own copy ended), so only a later start may replace it.
+        self._seal_order: dict[tuple[Entry, int], int] = {}
+        self._seals_started = 0
         self._pending_lock = threading.Lock()
         self._pending_mark = 1024
         self._exact = False  # the file names no chunk outside _sums
@@ -457,6 +462,10 @@ class Journal:
         """
         arena = self._arena
         for write in writes:
+            token = (write.entry, write.shard)
+            with self._pending_lock:
+                self._seals_started += 1
+                started = self._seals_started
             try:
                 if self.durable:
                     arena.sync(write.offset, write.size)
@@ -465,7 +474,11 @@ class Journal:
                 logger.error("arena %s: %s; that chunk is not committed", arena.path, exc)
                 continue
             with self._pending_lock:
-                self._pending[(write.entry, write.shard)] = value
+                if write.part >= 0:
+                    if self._seal_order.get(token, -1) > started:
+                        continue
+                    self._seal_order[token] = started
+                self._pending[token] = value
 
     def submit_seal(self, writes: Sequence[ShardWrite], then: Callable[[], object]) -> None:
         """``seal(writes)`` on the journal's threads, then ``then()`` on that thread."""
@@ -523,6 +536,8 @@ class Journal:
     def _take(self, entry: Entry) -> tuple[int, ...] | None:
         with self._pending_lock:
             found = [self._pending.pop((entry, s), None) for s in range(len(entry.sizes))]
+            for shard in range(len(entry.sizes)):
+                self._seal_order.pop((entry, shard), None)
         if any(value is None for value in found):
             return None
         return tuple(value for value in found if value is not None)
@@ -534,6 +549,7 @@ class Journal:
         with self._pending_lock:
             for token in [token for token in self._pending if token[0].dead]:
                 del self._pending[token]
+                self._seal_order.pop(token, None)
             self._pending_mark = max(1024, 2 * len(self._pending))
 
     def _recover(self, chunks: Callable[[], list[RestoredChunk]]) -> bool:

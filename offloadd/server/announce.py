@@ -20,8 +20,9 @@ visible and journals their commits):
   of the namespace that want events.
 - ``engine_ready(engine)``: routers learn at once what the node already holds for it (at
   most ``snapshot_keys`` chunks, the most recently used; a warning says how many not).
-- ``derived_topic(model, engine_id, dp)``: the topic ``events.topic_template`` gives an
-  engine; an engine publishes under it (under its Hello's topic only with
+- ``derived_topic(model, engine_id, dp, tenant)``: the topic ``events.topic_template`` gives
+  an engine of ``tenant`` (the default template names it, so no tenant's events carry
+  another's topic); an engine publishes under it (under its Hello's topic only with
   ``client_topics``).
 - ``publish_to(engine, events)``: queue events under the engine's topic and dp index; never
   blocks. Engines without ``enable_kv_cache_events``, and engines whose scheduler mirrors
@@ -58,6 +59,23 @@ class TierListener(Protocol):
     def cleared(self, namespace: str) -> None: ...
 
 
+def topic_warnings(template: str, *, client_topics: bool) -> list[str]:
+    """Why events published under these topics could be attributed to the wrong tenant."""
+    warnings = []
+    if "{tenant}" not in template and "{engine_id}" not in template:
+        warnings.append(
+            f"events.topic_template {template!r} names neither {{tenant}} nor {{engine_id}}: "
+            "engines of different tenants serving one model share a topic, so one tenant "
+            "can publish events a router attributes to another"
+        )
+    if client_topics:
+        warnings.append(
+            "tenancy.client_topics = true: ranks choose their KV-event topics, so one tenant "
+            "can publish under another's"
+        )
+    return warnings
+
+
 class Announcer:
     """Journal, mirrors and KV events for each cache change; see the module docstring."""
 
@@ -82,6 +100,9 @@ class Announcer:
         self._journal = journal
         self._events = events
         self._tiers: TierListener | None = None
+        if events is not None:
+            for warning in topic_warnings(settings.topic_template, client_topics=client_topics):
+                logger.warning("%s", warning)
 
     def attach_tiers(self, tiers: TierListener | None) -> None:
         """Commits and clears reach ``tiers`` from now on (None: no more)."""
@@ -204,14 +225,17 @@ class Announcer:
         first = engine.workers.get(0)
         if first is not None and first.kv_events_topic and self._client_topics:
             return first.kv_events_topic
-        return self.derived_topic(engine.config.model.name, engine.key[0], engine.key[1])
+        return self.derived_topic(
+            engine.config.model.name, engine.key[0], engine.key[1], engine.tenant
+        )
 
-    def derived_topic(self, model: str, engine_id: str, dp: int) -> str:
-        """The topic the daemon's template gives an engine."""
+    def derived_topic(self, model: str, engine_id: str, dp: int, tenant: str) -> str:
+        """The topic the daemon's template gives an engine of ``tenant``."""
         settings = self.settings
         return topic_for(
             settings.topic_template,
             pod=settings.pod_name(),
+            tenant=tenant,
             model=model,
             engine_id=engine_id,
             dp=dp,

@@ -43,7 +43,7 @@ from offloadd.server.control import ControlSocket
 from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
 from offloadd.server.jobs import Jobs
-from offloadd.server.limits import Limits
+from offloadd.server.limits import Limits, cache_bounds
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.peers import PeerListener, listen_beside
@@ -100,9 +100,8 @@ class Daemon:
         notifier: Notifier | None = None,
         tiers: Sequence[TierSlot] | None = None,
     ) -> None:
-        settings = with_copy_engine_chosen(settings)
+        settings = with_copy_engine_chosen(settings.exposed())  # "auto" sockets placed
         self.settings = settings
-        # Tiers given here (tests) replace those the settings turn on (``tier_slots``).
         self._tier_slots = list(tiers) if tiers is not None else None
         self._tiers: Tiers | None = None
         self._tiers_closed = True  # False while tier threads may still use the arena
@@ -125,7 +124,7 @@ class Daemon:
         self._peers: PeerListener | None = None  # the registration socket (ipc:// only)
         self.tenancy = Tenancy(settings.tenancy)
         self.limits = Limits(settings.limits)
-        self.registry = Registry()
+        self.registry = Registry(cluster_tenants=settings.mooncake.cluster_tenants())
         self._started = time.monotonic()
         self.counters = Counters()
         self.metrics = Metrics(
@@ -169,8 +168,8 @@ class Daemon:
                 policy=settings.cache.policy,
                 # One DMA may not span two of the arena's cudaHostRegister pieces.
                 boundary=PIN_PIECE if cuda else 0,
-                # What each engine may keep from eviction (pins, holds, reservations).
-                budget=int(settings.cache.capacity * settings.limits.protected_fraction),
+                # What engines and tenants may keep from eviction, how long reservations last.
+                **cache_bounds(settings.cache.capacity, settings.limits),
             )
             self._mirrors = Mirrors(self._cache, self.registry, self._send_to_session)
             self._journal = open_journal(settings, self._arena, self._cache, self._notify)
@@ -204,8 +203,8 @@ class Daemon:
             if settings.metrics.address:
                 self.metrics.start(
                     settings.metrics.address,
-                    socket_mode=settings.server.socket_mode,
-                    socket_group=settings.server.socket_group,
+                    socket_mode=settings.metrics.socket_mode,
+                    socket_group=settings.metrics.socket_group,
                 )
         except BaseException:
             await self._drain_tiers()
@@ -241,7 +240,9 @@ class Daemon:
             snapshot_keys=settings.limits.snapshot_keys,
         )
         commit = Committer(cache, announce, journal=self._journal)
-        slots = self._tier_slots if self._tier_slots is not None else tier_slots(settings, arena)
+        slots = self._tier_slots
+        if slots is None:  # none given (tests): those the settings turn on
+            slots = tier_slots(settings, arena, tenant_of=registry.tenant_of_namespace)
         tiers = None
         if slots:
             tiers = Tiers(slots, cache, arena, announce, commit, capacity=settings.cache.capacity)

@@ -22,9 +22,12 @@ engine's threads through ``call_soon_threadsafe``):
 - A ``StepJobs``' jobs are answered by their ``JobDone`` only (``requests.step_jobs`` sends no
   ``JobAccepted``); ``refuse(state, job_id, keys, code, message)``: the ``JobDone`` of such a
   job refused before it started (its ``code`` set), counted as a protocol error.
+- ``park(job, timer)`` / ``unpark(job)``: book a store that waits for its room
+  (``offloadd.server.waiting``) before it is started, and take the booking back (cancelling
+  ``timer``, the end of its wait) just before it is.
 - ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
   becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
-  listed as pending).
+  listed as pending), its waiting stores are unbooked and never start.
 - ``in_flight``: jobs booked and not finished; ``drain()`` waits, up to
   ``server.drain_seconds``, until there are none. ``draining``: no new jobs are taken;
   ``refuse_while_draining(store_keys)`` raises ``Refused(SHUTTING_DOWN)`` then, counting the
@@ -40,6 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from offloadd.cache.index import ChunkCache
+from offloadd.logs import LogLimiter
 from offloadd.server.checks import Refused
 from offloadd.server.commit import Committer
 from offloadd.server.metrics import Counters, Metrics
@@ -87,6 +91,10 @@ class Jobs:
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
+        # One line per failure would let one client's broken copies flood the log (the
+        # failures are each counted: offloadd_jobs_total{outcome="failed"}).
+        self._warn_unstarted = LogLimiter(logger)
+        self._warn_failed = LogLimiter(logger)
 
     def handles_closed(self) -> None:
         """Release nothing more (the daemon closed the handle table: all is unmapped)."""
@@ -176,7 +184,13 @@ class Jobs:
             # Nothing was queued: undo the booking, or the job would stay in flight forever
             # (Wait never answered, drain never finished).
             self._unbook(job, imports)
-            logger.error("%s: job %d not started: %s", state.session.describe(), job.job_id, exc)
+            self._warn_unstarted(
+                logging.ERROR,
+                "%s: job %d not started: %s",
+                state.session.describe(),
+                job.job_id,
+                exc,
+            )
             raise Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
 
         store = job.direction is Direction.STORE
@@ -212,8 +226,12 @@ class Jobs:
             seconds = future.result()
             error = ""
         except Exception as exc:
-            logger.error(
-                "%s: job %d copy failed: %s", job.state.session.describe(), job.job_id, exc
+            self._warn_failed(
+                logging.ERROR,
+                "%s: job %d copy failed: %s",
+                job.state.session.describe(),
+                job.job_id,
+                exc,
             )
             seconds, error = 0.0, f"copy failed: {exc}"
         copied = not error
@@ -280,6 +298,25 @@ class Jobs:
             # still gets its Wait's reply, the abandoned jobs listed as pending.
             waiter.reply(wait_result(state, waiter))
         state.waiters.clear()
+        for job in [job for job in state.jobs.values() if job.waiting is not None]:
+            self.unpark(job)
+
+    def park(self, job: Job, timer: asyncio.TimerHandle) -> None:
+        """Book the store ``job``, which waits for its room until ``timer`` at most."""
+        job.state.jobs[job.job_id] = job
+        job.waiting = timer
+        self.in_flight += 1
+
+    def unpark(self, job: Job) -> None:
+        """Take back ``park``'s booking of ``job`` (it starts now, or never)."""
+        if job.waiting is None:
+            return
+        job.waiting.cancel()
+        job.waiting = None
+        job.state.jobs.pop(job.job_id, None)
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
     # ----------------------------------------------------------------- wait
 

@@ -12,8 +12,13 @@ Pure logic, no I/O. Contract:
   page (a sparse file of any size would reserve the daemon's address space at that size).
 - ``Limits.lease(asked, default)``: the pin lease a Lookup gets: ``asked`` (``0``: the
   default) cut to ``max_lease_seconds``; ``None`` for NaN or a negative lease.
-- What an engine keeps from eviction (``protected_fraction`` of the capacity) is bounded by
-  the cache itself, which owns the pins, holds and reservations (``offloadd.cache.ledger``).
+- ``Limits.mapped_problem(mapped)``: why a Hello is refused when its user's live sessions
+  would make the daemon map (or reserve address space for) ``mapped`` bytes of host region
+  files: more than ``mapped_bytes_per_uid`` (0: the host's memory).
+- What an engine and a tenant keep from eviction (``protected_fraction`` and
+  ``tenant_protected_fraction`` of the capacity) and how long a reservation lasts
+  (``reservation_seconds``) are bounded by the cache itself, which owns the pins, holds and
+  reservations (``offloadd.cache.ledger``); ``cache_bounds`` gives its arguments.
 """
 
 from __future__ import annotations
@@ -21,17 +26,38 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Sequence
+from typing import TypedDict
 
-from offloadd.settings import LimitsSettings
+from offloadd.settings import LimitsSettings, physical_memory
 
-__all__ = ["Limits", "file_problem"]
+__all__ = ["CacheBounds", "Limits", "cache_bounds", "file_problem"]
+
+
+class CacheBounds(TypedDict):
+    """``ChunkCache``'s keyword arguments that come from ``[limits]``."""
+
+    budget: int
+    tenant_budget: int
+    reservation_lease: float
+
+
+def cache_bounds(capacity: int, settings: LimitsSettings) -> CacheBounds:
+    """What each engine and each tenant may keep from eviction, and a reservation's lease."""
+    tenant = settings.tenant_protected_fraction or settings.protected_fraction
+    return CacheBounds(
+        budget=int(capacity * settings.protected_fraction),
+        tenant_budget=int(capacity * tenant),
+        reservation_lease=settings.reservation_seconds,
+    )
 
 
 class Limits:
     """The ``[limits]`` settings' checks that need no state."""
 
-    def __init__(self, settings: LimitsSettings) -> None:
+    def __init__(self, settings: LimitsSettings, *, memory: int | None = None) -> None:
         self.settings = settings
+        # Bytes of host region files one uid's sessions may make the daemon map.
+        self.mapped_bytes = settings.mapped_bytes_per_uid or (memory or physical_memory())
 
     def keys_problem(self, keys: Sequence[bytes]) -> str:
         """Why ``keys`` are refused ("" when they are fine)."""
@@ -57,6 +83,15 @@ class Limits:
         if sessions >= settings.sessions_per_uid:
             return f"this user has {sessions} sessions already (limits.sessions_per_uid)"
         return ""
+
+    def mapped_problem(self, mapped: int) -> str:
+        """Why a Hello after which its user's sessions map ``mapped`` bytes is refused."""
+        if mapped <= self.mapped_bytes or not self.mapped_bytes:  # 0: the host did not say
+            return ""
+        return (
+            f"this user's sessions would map {mapped} bytes of region files, more than "
+            f"limits.mapped_bytes_per_uid ({self.mapped_bytes})"
+        )
 
     def lease(self, asked: float, default: float) -> float | None:
         """The lease a pin gets, or None for a lease that is no number of seconds."""

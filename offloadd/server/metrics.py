@@ -1,4 +1,4 @@
-"""Prometheus metrics (``offloadd_*``) on a small HTTP endpoint, loopback by default.
+"""Prometheus metrics (``offloadd_*``) on a small HTTP endpoint, a unix socket by default.
 
 The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
 
@@ -40,9 +40,10 @@ with the reason), and every other path but ``/metrics`` is 404.
 
 ``start(address)`` serves them on ``HOST:PORT`` from a background thread, or on a
 unix socket for ``unix:/PATH`` (created like the control socket: in a directory only the
-daemon's user can change, with ``socket_mode`` and ``socket_group``, so that only the
-clients' group may read it; a loopback port is open to every local user). ``close()`` stops
-it (idempotent).
+daemon's user can change, then given ``socket_mode`` and ``socket_group``: by default 0600,
+so that only the daemon's user and root read every tenant's engine ids and counters; a
+loopback port is open to every local user, and a port off loopback, logged as a warning, to
+whoever reaches it). ``close()`` stops it (idempotent).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from offloadd import __version__
-from offloadd.endpoint import EndpointRefused, bind_ipc
+from offloadd.endpoint import EndpointRefused, bind_ipc, is_loopback
 from offloadd.settings import UNIX_PREFIX, parse_address
 from protocol.messages import DaemonStats
 
@@ -232,7 +233,7 @@ class Metrics:
         address: str,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
-        socket_mode: str = "0660",
+        socket_mode: str = "0600",
         socket_group: str = "",
     ) -> None:
         """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port, see ``address``), or
@@ -267,6 +268,13 @@ class Metrics:
         )
         self._thread.start()
         logger.info("metrics on http://%s/metrics", self.address)
+        if not is_loopback(f"tcp://{address}"):
+            logger.warning(
+                "metrics on %s are reachable from other hosts: whoever reaches the port reads "
+                "every tenant's engine ids and counters (metrics.address; firewall it, or use "
+                '"auto", a unix socket only the daemon\'s user reads)',
+                address,
+            )
 
     def _handler(self) -> type[MetricsHandler]:
         """The HTTP handler: /metrics, /healthz, /readyz, 404 elsewhere."""
@@ -484,7 +492,9 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         "offloadd_stores_refused_keys",
         "Keys a store or reservation could not place, by reason: full (nothing evictable), "
         "ack (its room waited on a mirror's acknowledgement), budget (beyond the engine's "
-        "protected share), draining (asked while the daemon was stopping)",
+        "protected share), tenant (beyond its user's protected share), expired (reserved but "
+        "not stored within limits.reservation_seconds), draining (asked while the daemon was "
+        "stopping)",
         labels=["reason"],
     )
     evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")

@@ -64,6 +64,7 @@ def preflight(
     open, which comes next and before any pre-faulting, checks its file and room itself, and
     says more: who owns a file it refuses); ``copy_engine=False``: the caller brings its own."""
     checks = []
+    settings = settings.exposed()
     endpoint = settings.endpoint()
     if not (claimed and ipc_path(endpoint) is not None):
         checks.append(_endpoint_check("server.endpoint", endpoint, settings))

@@ -27,6 +27,8 @@ says where a subscriber connects for a dp index (the daemon tells its clients).
 
 An ``ipc://`` endpoint is bound like the control socket: in a directory only the daemon's
 user can change, with ``socket_mode`` and ``socket_group`` (who may subscribe and replay).
+A ``tcp://`` endpoint off loopback is bound, and logged as a warning: whoever reaches it
+reads every tenant's block hashes.
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from offloadd.endpoint import bind_ipc, connectable, ipc_path, offset_endpoint_port
+from offloadd.endpoint import (
+    bind_ipc,
+    connectable,
+    ipc_path,
+    is_loopback,
+    offset_endpoint_port,
+)
 from offloadd.logs import LogLimiter
 from offloadd.settings import EventSettings
 from protocol.events import END_SEQ, KVEventBatch, encode_batch
@@ -58,18 +66,19 @@ class EventBindError(Exception):
     """A publisher socket cannot bind its endpoint; the message names the setting."""
 
 
-def topic_for(template: str, *, pod: str, model: str, engine_id: str, dp: int) -> str:
-    """Fill a topic template such as ``kv@{pod}@{model}``.
+def topic_for(template: str, *, pod: str, tenant: str, model: str, engine_id: str, dp: int) -> str:
+    """Fill a topic template such as ``kv@{pod}/{tenant}@{model}``.
 
-    Placeholders: ``{pod}``, ``{model}``, ``{engine_id}``, ``{dp}``. Raises ValueError on
-    any other placeholder or a malformed template.
+    Placeholders: ``{pod}``, ``{tenant}`` (``offloadd.server.tenancy``), ``{model}``,
+    ``{engine_id}``, ``{dp}``. Raises ValueError on any other placeholder or a malformed
+    template.
     """
     try:
-        return template.format(pod=pod, model=model, engine_id=engine_id, dp=dp)
+        return template.format(pod=pod, tenant=tenant, model=model, engine_id=engine_id, dp=dp)
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(
             f"bad topic template {template!r} ({exc!r}); placeholders are "
-            "{pod} {model} {engine_id} {dp}"
+            "{pod} {tenant} {model} {engine_id} {dp}"
         ) from None
 
 
@@ -171,6 +180,14 @@ class EventPublisher:
         """Bind; an ipc socket gets the control socket's mode and group (who may read the
         events, and ask for replays). A bind that fails names the setting."""
         path = ipc_path(endpoint)
+        if endpoint.startswith("tcp://") and not is_loopback(endpoint):
+            logger.warning(
+                "%s %s is reachable from other hosts: whoever reaches the port reads every "
+                "tenant's block hashes and topics (an ipc:// endpoint keeps them to the socket "
+                "group)",
+                setting,
+                endpoint,
+            )
         try:
             if path is None:
                 sock.bind(endpoint)

@@ -16,6 +16,14 @@ Pure logic, no I/O. Contract:
   namespace (which engines' bytes are interchangeable) is fixed then, because it covers
   every rank's geometry.
 - ``remove(session_id)`` forgets a session; an engine with no sessions left is dropped.
+- ``cluster_tenants`` (``MooncakeSettings.cluster_tenants``: local tenant -> cluster tenant)
+  names a tenant in its namespaces by its cluster name when it has one, so that its engines
+  on every node of the cluster (where its uid may differ) name their chunks alike, and the
+  local tenants one cluster tenant names share a cache here too.
+- ``tenant_of_namespace(name)``: the local tenant whose engines made namespace ``name``
+  (the cluster tier's ``tenant_of``), remembered after they leave (their chunks stay, their
+  writes to the tiers may still be queued) for the last ``NAMESPACE_TENANTS`` namespaces
+  besides those in use. Called from the tiers' threads: one dict read, written on the loop.
 - ``EngineOwners`` (the one part with I/O) remembers across restarts which tenant each engine
   id belongs to, so that after a restart nobody who read the ids from the metrics takes one
   by saying Hello first: ``owner(engine_id)``, ``bind(engine_id, tenant)``. Its file lies in
@@ -30,7 +38,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -45,6 +53,7 @@ from protocol.messages import EngineState, Hello, Role
 
 EngineKey = tuple[str, int]
 OWNED_PER_TENANT = 4096
+NAMESPACE_TENANTS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +125,9 @@ class Namespace:
     # group id (what keys name) -> position in the config's groups
     group_positions: dict[int, int] = field(default_factory=dict)
     engines: set[EngineKey] = field(default_factory=set)
+    # vLLM's canonical layout: each chunk is one shard (the canonical chunk) that this many
+    # ranks of the engine fill together, each with its fragments; 0 for one shard per rank.
+    writers: int = 0
 
     def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
         """Shard sizes of the chunk ``key`` names (its group is the key's last 4 bytes)."""
@@ -220,10 +232,12 @@ def group_of_key(key: bytes) -> int:
 class Registry:
     """Sessions and engines; see the module docstring for the contract."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cluster_tenants: Mapping[str, str] | None = None) -> None:
         self._sessions: dict[str, Session] = {}
         self._engines: dict[EngineKey, Engine] = {}
         self._namespaces: dict[str, Namespace] = {}
+        self._cluster_tenants = dict(cluster_tenants or {})
+        self._namespace_tenants: dict[str, str] = {}
 
     def session(self, session_id: str) -> Session | None:
         """The live session ``session_id``, if any."""
@@ -244,6 +258,10 @@ class Registry:
     def namespaces(self) -> list[Namespace]:
         """Namespaces of ready engines."""
         return list(self._namespaces.values())
+
+    def tenant_of_namespace(self, name: str) -> str | None:
+        """The local tenant of namespace ``name``, if known (see the module docstring)."""
+        return self._namespace_tenants.get(name)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -355,7 +373,8 @@ class Registry:
             del self._engines[session.engine_key]
 
     def _join_namespace(self, engine: Engine) -> None:
-        name, shard_sizes = namespace_of(engine)
+        name, shard_sizes = namespace_of(engine, self._cluster_tenants.get(engine.tenant, ""))
+        self._remember_tenant(name, engine.tenant)
         namespace = self._namespaces.get(name)
         if namespace is None:
             namespace = Namespace(
@@ -364,10 +383,19 @@ class Registry:
                 shard_sizes=shard_sizes,
                 replicated=engine.config.replicated_layout,
                 group_positions=engine.group_positions,
+                writers=canonical_writers(engine),
             )
             self._namespaces[name] = namespace
         namespace.engines.add(engine.key)
         engine.namespace = namespace
+
+    def _remember_tenant(self, name: str, tenant: str) -> None:
+        known = self._namespace_tenants
+        known.pop(name, None)
+        known[name] = tenant
+        if len(known) > NAMESPACE_TENANTS + len(self._namespaces):
+            oldest = next(old for old in known if old not in self._namespaces)
+            del known[oldest]
 
     def _leave_namespace(self, engine: Engine) -> None:
         namespace = engine.namespace
@@ -436,7 +464,7 @@ def _check_geometry(hello: Hello) -> list[GroupLayout]:
     config = hello.config
     regions = hello.regions
     for index, region in enumerate(regions):
-        problem = region_problem(region)
+        problem = region_problem(region) or _canonical_problem(config, region)
         if problem:
             raise RegistrationError(ErrorCode.BAD_GEOMETRY, f"region {index}: {problem}")
     if len({region.num_blocks for region in regions}) > 1:
@@ -474,6 +502,25 @@ def _check_geometry(hello: Hello) -> list[GroupLayout]:
                     ErrorCode.BAD_GEOMETRY, f"no region holds a layer of group {index}"
                 )
     return layouts
+
+
+def _canonical_problem(config: OffloadingConfig, region: KVRegion) -> str | None:
+    """Why ``region`` does not fit the config's layout (direct or vLLM's canonical)."""
+    canonical = region.canonical
+    if not config.canonical_layout:
+        return None if canonical is None else "a canonical page in a direct-layout engine"
+    if canonical is None:
+        return "no canonical page, but the engine is in vLLM's canonical layout"
+    if config.parallel.pp_size > 1:
+        return "the canonical layout under pipeline parallelism is not supported"
+    if canonical.writers > 1 and not config.replicated_layout:
+        # Ranks taking turns per block (KV heads replicated over TP) are not planned.
+        return f"{canonical.writers} ranks hold the same canonical bytes (not supported)"
+    return None
+
+
+def _canonical_pages(regions: Sequence[KVRegion]) -> list[int]:
+    return [region.canonical.page_size if region.canonical else 0 for region in regions]
 
 
 def _geometry(session: Session) -> list[tuple[int, tuple[str, ...]]]:
@@ -515,7 +562,9 @@ def _check_agreement(engine: Engine, peers: list[Session], hello: Hello) -> None
                 f"{hello.config.worker_kv_bytes_per_block}",
             )
         theirs = [(region.page_size, region.layer_names) for region in hello.regions]
-        if _geometry(first) != theirs:
+        if _geometry(first) != theirs or _canonical_pages(first.regions) != _canonical_pages(
+            hello.regions
+        ):
             raise RegistrationError(
                 ErrorCode.CONFIG_MISMATCH,
                 f"geometry: rank {first.rank} has regions {_geometry(first)}, "
@@ -523,14 +572,18 @@ def _check_agreement(engine: Engine, peers: list[Session], hello: Hello) -> None
             )
 
 
-def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
+def namespace_of(engine: Engine, cluster_tenant: str = "") -> tuple[str, list[tuple[int, ...]]]:
     """The engine's namespace name and per-group shard sizes (engine must be ready).
 
     Engines share chunks when their bytes are interchangeable: same model, dtype, groups,
-    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt,
+    hashing, chunking, parallel layout, per-rank geometry, KV layout and namespace salt
+    (in vLLM's canonical layout with parallelism-free pages, the canonical geometry instead
+    of the parallel layout and the per-rank geometry: engines of any TP size share keys),
     and only inside one tenant (the kernel's identity of its peers, never a claim of theirs):
-    a user cannot plant chunks another user's engines would load. ``extra_config
-    ["private_cache"]`` opts an engine out by adding its identity and rank 0's uid.
+    a user cannot plant chunks another user's engines would load. A tenant the operator
+    named in the cluster (``cluster_tenant``) is hashed by that name, the same on every
+    node. ``extra_config["private_cache"]`` opts an engine out by adding its identity and
+    rank 0's uid.
     """
     ranks = [engine.workers[r] for r in range(engine.world_size)]
     # Rank 0's config, not the engine's (whoever said Hello first): under pipeline parallelism
@@ -538,37 +591,69 @@ def namespace_of(engine: Engine) -> tuple[str, list[tuple[int, ...]]]:
     config = ranks[0].config
     bpc = config.cache.blocks_per_chunk
     extra: dict[str, Any] = dict(config.extra_config)
+    writers = canonical_writers(engine)
+    shared_across_parallelism = writers > 0 and all(
+        region.canonical is not None and region.canonical.agnostic
+        for session in ranks
+        for region in session.regions
+    )
+    parallel: list[Any] = [
+        config.parallel.tp_size,
+        config.parallel.pp_size,
+        config.parallel.pcp_size,
+        config.parallel.dcp_size,
+        config.parallel.world_size,
+    ]
+    geometry: list[Any] = [_geometry(session) for session in ranks]
+    if shared_across_parallelism:
+        # Rank 0's canonical pages stand for every rank's (vLLM verified that the ranks'
+        # fragments tile each canonical page once; registration checked they agree).
+        parallel = ["canonical"]
+        geometry = [
+            [(r.canonical.page_size if r.canonical else 0, r.layer_names) for r in ranks[0].regions]
+        ]
+    elif writers:
+        parallel.append("canonical")
     identity: list[Any] = [
         config.model.name,
         config.model.dtype,
         [(g.tokens_per_block, list(g.layer_names)) for g in config.groups],
         config.cache.tokens_per_hash,
         bpc,
-        [
-            config.parallel.tp_size,
-            config.parallel.pp_size,
-            config.parallel.pcp_size,
-            config.parallel.dcp_size,
-            config.parallel.world_size,
-        ],
+        parallel,
         config.replicated_layout,
-        [_geometry(session) for session in ranks],
+        geometry,
         str(config.kv_cache_layout or extra.get("kv_cache_layout", "")),
         str(extra.get(NAMESPACE_SALT_KEY, "")),
     ]
-    if engine.tenant:
+    if cluster_tenant:
+        identity.append(["cluster tenant", cluster_tenant])
+    elif engine.tenant:
         identity.append(["tenant", engine.tenant])
     if extra.get(PRIVATE_CACHE_KEY):
         identity.append(list(engine.key))
         identity.append(["uid", ranks[0].uid])
     digest = hashlib.sha256(msgspec.msgpack.encode(identity)).hexdigest()[:16]
     name = f"{config.model.name}@{digest}"
-    writers = ranks[:1] if config.replicated_layout else ranks
+    if writers:
+        # One shard: the canonical chunk, the same size on every rank.
+        return name, [
+            (ranks[0].layouts[group].shard_bytes(bpc),) for group in range(len(config.groups))
+        ]
+    shard_ranks = ranks[:1] if config.replicated_layout else ranks
     shard_sizes = [
-        tuple(session.layouts[group].shard_bytes(bpc) for session in writers)
+        tuple(session.layouts[group].shard_bytes(bpc) for session in shard_ranks)
         for group in range(len(config.groups))
     ]
     return name, shard_sizes
+
+
+def canonical_writers(engine: Engine) -> int:
+    """How many ranks fill each canonical chunk together (1 when replicated: rank 0), or 0
+    when the engine is not in vLLM's canonical layout (one shard per rank)."""
+    if not engine.config.canonical_layout:
+        return 0
+    return 1 if engine.config.replicated_layout else engine.world_size
 
 
 class EngineOwners:

@@ -9,7 +9,8 @@ Contract of ``CacheRequests`` (the event loop's thread only; each call handles o
 completion, raising ``Refused`` for one the daemon answers with an Error):
 - ``lookup``: the leading committed keys and the pending ones, pinned for a lease on request
   (the lease cut to ``limits.max_lease_seconds``; a hit is pinned only within the engine's
-  share of the capacity, which the cache counts with the engine as the pins' account). With
+  share of the capacity and its tenant's, which the cache counts with the engine and its
+  tenant as the pins' accounts). With
   tiers below the arena (``offloadd.server.tiers``), keys after the hits that a tier
   holds are promoted and reported pending; a tier that answers off the loop (the cluster)
   defers the reply (``reply`` is kept, ``offloadd.server.dispatch``'s DEFERRED mode), sent
@@ -19,7 +20,10 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   the rank's files are as large as when it registered (a file that shrank is refused here,
   never met by a copy); block ids checked against the rank's regions. A Store's refused keys
   come back in ``JobDone.failed_keys``; a Load of a missing key fails whole. The copies reach
-  the rank's unmapped files through their descriptors (``Copies(state.windows)``).
+  the rank's unmapped files through their descriptors (``Copies(state.windows)``). A Store of
+  reserved keys whose room waits on another mirror's acknowledgement waits for it
+  (``offloadd.server.waiting``): answered ``JobAccepted`` now, started when the keys are
+  placed (the engine still ready, the files not shrunk), else its ``JobDone`` says why not.
 - ``step_jobs``: each Store and Load of a rank's step handled as above, in order, none
   answered ``JobAccepted``; a job refused (or failing inside the daemon) gets its ``JobDone``
   with the code and the next job still runs; the message is answered ``Ok(jobs started)``.
@@ -44,6 +48,7 @@ from offloadd.server.registry import Engine, Namespace, Registry, group_of_key
 from offloadd.server.schedulers import acker
 from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.server.tiers import Tiers
+from offloadd.server.waiting import WaitingStores
 from offloadd.settings import Settings
 from offloadd.transfer.copies import ChunkRuns, Copies
 from offloadd.transfer.guarded import shrunk
@@ -52,6 +57,7 @@ from offloadd.transfer.types import Direction, Span
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Clear,
+    JobAccepted,
     Load,
     Lookup,
     LookupResult,
@@ -95,6 +101,7 @@ class CacheRequests:
         self._jobs = jobs
         self._announce = announce
         self.metrics = metrics
+        self.waiting = WaitingStores(cache, jobs)
 
     def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
         """Which leading keys are committed, which are pending; pin the hits if asked."""
@@ -111,6 +118,7 @@ class CacheRequests:
             pin_owner=owner if request.pin else None,
             lease=lease if request.pin else 0.0,
             account=engine.key,  # pins within the engine's budget (limits.protected_fraction)
+            tenant=engine.tenant,  # and its tenant's (limits.tenant_protected_fraction)
         )
         pinned = outcome.pinned
         pending = outcome.pending
@@ -219,6 +227,54 @@ class CacheRequests:
         if namespace.replicated and session.rank != 0:
             # Replicated layout: rank 0's shard is every rank's; the others ack at once.
             return self._jobs.accept_without_copy(state, request.request_id, job)
+        if request.reserved and self.waiting.park(
+            job,
+            namespace.name,
+            request.keys,
+            lambda: self._start_waiting(state, request, job, ranges, namespace),
+        ):
+            return Accepted(JobAccepted(request.request_id, job.job_id))
+        return self._start_store(state, request, job, ranges, namespace)
+
+    def _start_waiting(
+        self,
+        state: SessionState,
+        request: Store,
+        job: Job,
+        ranges: list[tuple[int, int]],
+        namespace: Namespace,
+    ) -> None:
+        """Start a store that waited for its room; a refusal is its JobDone."""
+        try:
+            ready_engine(self.registry, state.session)
+            problem = shrunk(state.unsealed)
+            if problem:
+                raise Refused(ErrorCode.HANDLE_OPEN_FAILED, problem)
+            accepted = self._start_store(state, request, job, ranges, namespace)
+        except Refused as refused:
+            job.failed_keys = list(job.keys)
+            self._jobs.complete(job, ok=False, seconds=0.0, error=str(refused))
+            return
+        except Exception:
+            logger.exception("internal error starting job %d", job.job_id)
+            job.failed_keys = list(job.keys)
+            self._jobs.complete(job, ok=False, seconds=0.0, error="internal error")
+            return
+        if accepted.then is not None:
+            accepted.then()
+
+    def _start_store(
+        self,
+        state: SessionState,
+        request: Store,
+        job: Job,
+        ranges: list[tuple[int, int]],
+        namespace: Namespace,
+    ) -> Accepted:
+        session = state.session
+        bpc = namespace.blocks_per_chunk
+        # Canonical layout: one shard, the canonical chunk, that the engine's ranks (its
+        # ``writers``) fill together, each its own fragments; it commits when all have.
         shard = 0 if namespace.replicated else session.rank
         cache = self._cache
         reservation = cache.begin_store(
@@ -227,6 +283,7 @@ class CacheRequests:
             shard,
             namespace.shard_sizes_for_key,
             allocate=not request.reserved,
+            writers=namespace.writers,
         )
         self._announce.chunks_removed(reservation.evicted)
         job.failed_keys = [request.keys[i] for i in reservation.refused]
@@ -283,7 +340,7 @@ class CacheRequests:
                 state, request.request_id, job, "keys not in cache"
             )
         job.entries = reservation.entries
-        shard = 0 if namespace.replicated else session.rank
+        shard = 0 if namespace.replicated or namespace.writers else session.rank
         arena_address = self._arena.address
         moves = Copies(state.windows)  # as in store
         runs = ChunkRuns(moves, load=True)  # chunks alike are planned together

@@ -11,8 +11,10 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
 - ``reserve``: apply the request's hold changes and ack, then reserve the new keys' shards
   (evicting if needed, the evictions announced), answer ``Reserved``. Only the leading keys
   that fit the engine's share of the capacity (``limits.protected_fraction``, counted by the
-  cache with pins and holds, the engine as their account) are reserved; the rest are not (the
-  ranks skip them: those chunks are simply not cached).
+  cache with pins and holds, the engine as their account) and its tenant's
+  (``limits.tenant_protected_fraction``, all the tenant's engines together) are reserved; the
+  rest are not (the ranks skip them: those chunks are simply not cached). A reservation the
+  ranks do not store within ``limits.reservation_seconds`` is dropped by the cache.
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
 - ``ack``: the scheduler's mirror applied every change up to ``seq``.
@@ -101,7 +103,8 @@ class Schedulers:
             owner,
             namespace.shard_sizes_for_key,
             acker=acker(self._mirrors, state),
-            account=engine.key,  # the leading keys within the engine's budget only
+            account=engine.key,  # the leading keys within the engine's budget only,
+            tenant=engine.tenant,  # and its tenant's (all its engines together)
         )
         self._announce.chunks_removed(reservation.evicted)
         return Reserved(request.request_id, reservation.reserved)
@@ -137,8 +140,15 @@ class Schedulers:
             cache.release_hold(owner, item.token, item.keys)
         held, missing = 0, []
         for item in hold:
-            # Missing keys, then those beyond the engine's budget (limits.protected_fraction).
-            lost = cache.hold(namespace.name, owner, item.token, item.keys, account=engine.key)
+            # Missing keys, then those beyond the engine's or its tenant's budget.
+            lost = cache.hold(
+                namespace.name,
+                owner,
+                item.token,
+                item.keys,
+                account=engine.key,
+                tenant=engine.tenant,
+            )
             held += len(item.keys) - len(lost)
             missing.extend(lost)
         if missing:

@@ -246,14 +246,15 @@ class Sessions:
             raise Refused(ErrorCode.TOO_LARGE, problem)
         config = hello.config
         owner = self._owners.owner(config.engine_id) if self._owners is not None else None
-        if owner is not None and owner != self._tenancy.tenant_of(registration.peer):
+        tenant = self._tenancy.tenant_of(registration.peer)
+        if owner is not None and owner != tenant:
             raise Refused(
                 ErrorCode.NOT_PERMITTED,
                 f"engine {config.engine_id} belongs to another user (engine ids are per node "
                 "and kept across restarts: pick another)",
             )
         derived = self._announce_topic(
-            config.model.name, config.engine_id, config.parallel.data_parallel_index
+            config.model.name, config.engine_id, config.parallel.data_parallel_index, tenant
         )
         problem = self._tenancy.topic_problem(hello.kv_events_topic, derived)
         if problem:
@@ -368,7 +369,9 @@ class Sessions:
                 except HandleError as exc:
                     raise Refused(ErrorCode.HANDLE_OPEN_FAILED, f"region {index}: {exc}") from None
             # After the opens (their refusals say more); a refusal here unmaps at once.
-            problem = _region_files_problem(hello, registration)
+            problem = _region_files_problem(hello, registration) or self._mapped_problem(
+                registration, imports
+            )
             if problem:
                 raise Refused(ErrorCode.TOO_LARGE, problem)
             # One rank, one GPU: a job's copies run on that device's streams.
@@ -378,6 +381,18 @@ class Sessions:
             self._jobs.release_imports(imports)  # whatever failed (a mapping, a bug): leak nothing
             raise
         return imports
+
+    def _mapped_problem(self, registration: Registration, imports: list[Import]) -> str:
+        """Why the host region files of the uid's live sessions and these ``imports`` are
+        too many bytes to map (``limits.mapped_bytes_per_uid``); a file counts once."""
+        if all(imported.device >= 0 for imported in imports):
+            return ""  # GPU memory (on the import thread: the sessions are the loop's)
+        uid, own = registration.peer.uid, registration.identity.hex()
+        extents = dict(imported.extent for imported in imports if imported.device < 0)
+        for session_id, state in self._states.items():
+            if state.peer.uid == uid and session_id != own:
+                extents.update(i.extent for i in state.imports if i.device < 0)
+        return self._limits.mapped_problem(sum(extents.values()))
 
     def _engine_became_ready(self, engine: Engine) -> None:
         assert engine.namespace is not None

@@ -65,6 +65,8 @@ class Job:
     writes: list[ShardWrite] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)
     abandoned: bool = False
+    # A store waiting for its room (offloadd.server.waiting): the end of its wait.
+    waiting: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)

@@ -4,8 +4,9 @@ Contract of ``Stats`` (the event loop's thread only, once the daemon is wired):
 - ``all()``: every counter and engine (metrics, admins).
 - ``get_stats(identity, state, request)``: the GetStats handler (NOW, no session needed):
   ``all()`` as this sender may see it (``offloadd.server.tenancy``): its session's or its
-  registration's user decides; an unknown sender sees aggregate counters only. A token
-  brought here is used up.
+  registration's user decides which engines it sees; only root and the daemon's user see
+  the node-wide counters; a sender with neither sees what is no tenant's (version, capacity,
+  where events are) and no engine. A token brought here is used up.
 """
 
 from __future__ import annotations

@@ -13,15 +13,21 @@ seconds to minutes.
   chunks of an arena that is not kept) and return None.
 - ``open_copy_engine(arena, cuda=)``: the cuda engine over the arena's pinned pieces, or the
   cpu engine.
-- ``tier_slots(settings, arena)``: the tiers below the arena the settings turn on (disk,
-  then the cluster); a cluster that cannot open is left off, logged.
+- ``tier_slots(settings, arena, tenant_of=)``: the tiers below the arena the settings turn
+  on (disk, then the cluster); a cluster that cannot open is left off, logged. ``tenant_of``
+  names a namespace's local tenant (``Registry.tenant_of_namespace``, called on the
+  cluster tier's thread): the cluster tier takes only chunks of tenants ``mooncake.tenants``
+  names; without it no chunk has one. ``cluster_tenant_problems(settings)``: names there
+  that can never apply (logged when the cluster opens).
 """
 
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
+from collections.abc import Callable
 
 import msgspec
 
@@ -39,6 +45,7 @@ from protocol.events import MEDIUM_DISK
 
 __all__ = [
     "PIN_PIECE",
+    "cluster_tenant_problems",
     "open_arena",
     "open_copy_engine",
     "open_journal",
@@ -122,7 +129,9 @@ def open_copy_engine(arena: Arena, *, cuda: bool) -> CopyEngine:
     return make_engine(host_pieces=HostPieces(arena.address, PIN_PIECE))
 
 
-def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
+def tier_slots(
+    settings: Settings, arena: Arena, *, tenant_of: Callable[[str], str | None] | None = None
+) -> list[TierSlot]:
     """The tiers the settings turn on, in order: disk, then the cluster (none by default)."""
     slots: list[TierSlot] = []
     if settings.disk.path:
@@ -132,20 +141,46 @@ def tier_slots(settings: Settings, arena: Arena) -> list[TierSlot]:
         # Its index is in memory: a lookup asks it on the loop.
         slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
     if settings.mooncake.master:
-        cluster = _open_cluster(settings, arena)
+        cluster = _open_cluster(settings, arena, tenant_of)
         if cluster is not None:
             timeout = settings.mooncake.lookup_timeout
             slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
     return slots
 
 
-def _open_cluster(settings: Settings, arena: Arena) -> Tier | None:
+def cluster_tenant_problems(
+    settings: Settings, gid_of: Callable[[str], int] | None = None
+) -> list[str]:
+    """Entries of ``mooncake.tenants`` that name no local tenant ``offloadd.server.tenancy``
+    can make: a gid whose group is not in ``tenancy.shared_groups`` (its users are ``u<uid>``
+    tenants), or any entry while ``tenancy.share_across_uids`` makes every user ``*``."""
+    names = settings.mooncake.cluster_tenants()
+    if names and settings.tenancy.share_across_uids:
+        return [
+            "tenancy.share_across_uids makes every local user one tenant, which no entry "
+            "names: the cluster tier takes no chunk"
+        ]
+    lookup = gid_of or (lambda name: grp.getgrnam(name).gr_gid)
+    shared = {lookup(name) for name in settings.tenancy.shared_groups}
+    return [
+        f"{name}: gid:{local[1:]} is not one of tenancy.shared_groups, so no tenant is "
+        f"{local} (its users are tenants by uid): this entry names nobody"
+        for local, name in names.items()
+        if local.startswith("g") and int(local[1:]) not in shared
+    ]
+
+
+def _open_cluster(
+    settings: Settings, arena: Arena, tenant_of: Callable[[str], str | None] | None
+) -> Tier | None:
     """The cluster tier, or None (logged) when it cannot open: a node whose master is down,
     or that lacks the ``mooncake`` extra, still serves its host memory and disk."""
+    for problem in cluster_tenant_problems(settings):
+        logger.warning("mooncake.tenants: %s", problem)
     try:
         from offloadd.tiers.mooncake import MooncakeTier
 
-        tier: Tier = MooncakeTier(settings.mooncake, arena)
+        tier: Tier = MooncakeTier(settings.mooncake, arena, tenant_of=tenant_of)
     except Exception as exc:
         logger.error(
             "cluster tier OFF: cannot open Mooncake Store at %s: %s (restart to retry)",

@@ -15,9 +15,11 @@ Pure logic, no I/O (group names are resolved once, when ``Tenancy`` is built). C
 - ``is_admin(peer)``: root and the daemon's own user see every engine in GetStats.
 - ``topic_problem(asked, derived)``: why a Hello's ``kv_events_topic`` is refused ("" when
   it is fine): with ``tenancy.client_topics = false`` only the daemon's own topic (or none).
-- ``visible_stats(stats, viewer)``: ``DaemonStats`` as ``viewer`` may see it: every engine
-  for an admin, the engines of its tenant for a known peer, none for an unknown one
-  (aggregate counters only).
+- ``visible_stats(stats, viewer)``: ``DaemonStats`` as ``viewer`` may see it: everything
+  for an admin; for anyone else what is no tenant's (version, pid, uptime, capacity, arena,
+  copy engine and path, where events are, tiers' names, capacities and health) with the
+  node-wide counters at 0 (``counters = False``: they add up every tenant's work), plus the
+  engines of its tenant for a known peer (none for an unknown one).
 """
 
 from __future__ import annotations
@@ -27,11 +29,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.settings import TenancySettings
-from protocol.messages import DaemonStats, EngineState
+from protocol.messages import DaemonStats, EngineState, TierState
 
 __all__ = ["REMOTE", "Peer", "Tenancy"]
 
@@ -91,7 +91,7 @@ class Tenancy:
     def visible_stats(
         stats: DaemonStats, viewer: Viewer | None, tenant_of_engine: Callable[[EngineState], str]
     ) -> DaemonStats:
-        """``stats`` with only the engines ``viewer`` may see (none when it is unknown)."""
+        """``stats`` as ``viewer`` may see it (see the module docstring)."""
         if viewer is not None and viewer.admin:
             return stats
         engines = (
@@ -99,4 +99,29 @@ class Tenancy:
             if viewer is not None
             else []
         )
-        return msgspec.structs.replace(stats, engines=engines)
+        return DaemonStats(
+            uptime_seconds=stats.uptime_seconds,
+            capacity_bytes=stats.capacity_bytes,
+            used_bytes=0,
+            entries=0,
+            committed_entries=0,
+            lookups=0,
+            hits=0,
+            misses=0,
+            stores_refused=0,
+            evictions=0,
+            bytes_stored=0,
+            bytes_loaded=0,
+            protocol_errors=0,
+            sessions=0,
+            engines=engines,
+            events_endpoint=stats.events_endpoint,
+            events_replay_endpoint=stats.events_replay_endpoint,
+            copy_path=stats.copy_path,
+            tiers=[TierState(t.name, t.capacity, 0, 0, t.healthy) for t in stats.tiers],
+            version=stats.version,
+            pid=stats.pid,
+            arena=stats.arena,
+            copy_engine=stats.copy_engine,
+            counters=False,
+        )

@@ -35,6 +35,7 @@ class _SpanArrays(NamedTuple):
     pages: Table
     parts: Table
     page_sum: int
+    steps: Table
 
 
 class Copies(Sequence[Triple]):
@@ -201,13 +202,15 @@ def _span_arrays(spans: Sequence[Span]) -> _SpanArrays:
     hit = _cache.get(id(spans))
     if hit is not None and hit[0] is spans:
         return hit[1]
-    columns = np.array([tuple(span) for span in spans], np.int64).reshape(-1, 4)
+    columns = np.array([tuple(span) for span in spans], np.int64).reshape(-1, 5)
+    pages = columns[:, 2].copy()
     arrays = _SpanArrays(
         columns[:, 0].copy(),
         columns[:, 1].copy(),
-        columns[:, 2].copy(),
+        pages,
         columns[:, 3].copy(),
-        int(columns[:, 2].sum()),
+        int(pages.sum()),
+        np.where(columns[:, 4] > 0, columns[:, 4], pages),
     )
     if len(_cache) >= _SPAN_CACHE:
         _cache.pop(next(iter(_cache)))
@@ -225,7 +228,7 @@ def _shard_template(arrays: _SpanArrays, count: int, first: int) -> tuple[Table,
     hit = _templates.get(key)
     if hit is not None and hit[0] is arrays:
         return hit[1], hit[2]
-    offsets = np.multiply.outer(arrays.pages, np.arange(first, first + count))
+    offsets = np.multiply.outer(arrays.steps, np.arange(first, first + count))
     offsets += arrays.parts[:, None]
     sizes = np.repeat(arrays.pages, count)
     sizes.flags.writeable = False

@@ -112,6 +112,11 @@ class Import:
         return self._mapping.window
 
     @property
+    def extent(self) -> tuple[tuple[object, ...], int]:
+        """The whole mapping behind it, as ``(key, bytes)``: imports of one file share it."""
+        return self._mapping.key, self._mapping.size
+
+    @property
     def sealed(self) -> bool:
         """A memfd sealed against shrinking: no need to check its size before a job."""
         return self._mapping.sealed

@@ -5,7 +5,11 @@ A rank registers KV regions; each KV-cache group uses the regions that hold its 
 out as in vLLM's host slots: for each of the group's regions in registration order,
 ``blocks_per_chunk`` pages back to back, sub-block ``j`` at ``j * page_size`` inside that
 region's part. Only the unpadded page is moved; blocks sit ``block_stride`` apart in the rank's
-region.
+region. In vLLM's canonical layout the shard is the whole chunk in canonical pages (each
+region's part holds ``blocks_per_chunk`` canonical pages), shared by every rank of the engine:
+each rank's page lands in its fragments of the canonical page (``KVRegion.canonical``'s runs),
+so the ranks' stores together write every byte once, and engines of any parallel size read
+the same bytes.
 
 What the daemon runs, per request (``server.requests``): ``chunk_ranges`` says which
 sub-blocks of each key's chunk the request's block ids fill, and ``block_id_problem`` refuses
@@ -38,14 +42,20 @@ from protocol.handles import KVRegion
 
 
 class GroupLayout(NamedTuple):
-    """The regions (indices into the rank's regions) that hold one group's layers."""
+    """The regions (indices into the rank's regions) that hold one group's layers.
+
+    ``canonical`` (vLLM's canonical layout) holds each region's canonical page size: the
+    shard is then the whole canonical chunk, of which this rank writes and reads only its
+    fragments (``group_spans``).
+    """
 
     regions: tuple[int, ...]
     pages: tuple[int, ...]
+    canonical: tuple[int, ...] = ()
 
     def shard_bytes(self, blocks_per_chunk: int) -> int:
-        """Bytes of this rank's shard of one chunk of the group."""
-        return sum(self.pages) * blocks_per_chunk
+        """Bytes of this rank's shard of one chunk of the group (canonical: the chunk's)."""
+        return sum(self.canonical or self.pages) * blocks_per_chunk
 
 
 def group_layouts(
@@ -56,7 +66,14 @@ def group_layouts(
     for group in groups:
         names = set(group.layer_names)
         members = [i for i, region in enumerate(regions) if names.intersection(region.layer_names)]
-        layouts.append(GroupLayout(tuple(members), tuple(regions[i].page_size for i in members)))
+        pages = tuple(regions[i].page_size for i in members)
+        canonical = [regions[i].canonical for i in members]
+        if all(page is not None for page in canonical) and canonical:
+            layouts.append(
+                GroupLayout(tuple(members), pages, tuple(c.page_size for c in canonical if c))
+            )
+        else:
+            layouts.append(GroupLayout(tuple(members), pages))
     return layouts
 
 
@@ -131,13 +148,29 @@ def group_spans(
     Checked once here instead of per copy: every block id below ``num_blocks`` then stays
     inside its mapping. Raises ValueError otherwise.
     """
-    spans = []
+    spans: list[Span] = []
     part = 0
     for index, page in zip(layout.regions, layout.pages, strict=True):
         region = regions[index]
         address, size = mappings[index]
         if region.num_blocks and (region.num_blocks - 1) * region.block_stride + page > size:
             raise ValueError(f"region {index}: {region.num_blocks} blocks exceed its mapping")
+        canonical = region.canonical
+        if layout.canonical and canonical is not None:
+            # One span per fragment: sub-block j of the chunk is canonical page j.
+            for lo, co, size, count, lstride, cstride in canonical.runs:
+                spans.extend(
+                    Span(
+                        address + lo + i * lstride,
+                        region.block_stride,
+                        size,
+                        part + co + i * cstride,
+                        canonical.page_size,
+                    )
+                    for i in range(count)
+                )
+            part += canonical.page_size * blocks_per_chunk
+            continue
         spans.append(Span(address, region.block_stride, page, part))
         part += page * blocks_per_chunk
     return tuple(spans)
@@ -166,17 +199,18 @@ def chunk_copies(
     count = len(block_ids)
     runs = _runs(block_ids)
     total = 0
-    for base, stride, page, part in spans:
-        dst = shard_address + part + first_sub_block * page
+    for base, stride, page, part, step in spans:
+        step = step or page
+        dst = shard_address + part + first_sub_block * step
         total += page * count
-        if runs is not None and stride == page:
+        if runs is not None and stride == page == step:
             for first, length in runs:
                 src, size = base + first * stride, length * page
                 out.append((dst, src, size) if load else (src, dst, size))
                 dst += size
             continue
         sources = [base + block * stride for block in block_ids]
-        targets = range(dst, dst + count * page, page)
+        targets = range(dst, dst + count * step, step)
         sizes = repeat(page, count)
         if load:
             out.extend(zip(targets, sources, sizes, strict=False))

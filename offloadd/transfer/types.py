@@ -35,12 +35,15 @@ class FileWindow(NamedTuple):
 
 class Span(NamedTuple):
     """One region's part of a group's shard, resolved for one session: ``base`` is the
-    address of block 0 in the daemon's mapping, ``part`` the part's offset in the shard."""
+    address of block 0 in the daemon's mapping, ``part`` the part's offset in the shard.
+    Sub-block ``j`` of the chunk lies at ``part + j * step`` (``step`` 0: ``page``, pages
+    back to back); a canonical layout's fragments are spans with the canonical page as step."""
 
     base: int
     stride: int
     page: int
     part: int
+    step: int = 0
 
 
 class MoveArrays(NamedTuple):

@@ -4,8 +4,9 @@ vLLM hands a worker its KV caches as canonical tensors (``tensors[i].tensor`` is
 ``(num_blocks, page)`` view whose ``stride(0)`` is the block stride) and, per offloaded group,
 one ``CanonicalKVCacheRef(tensor_idx, page_size_bytes)`` per layer in the group's layer order
 (a packed layout gives one ref per group). There are no layer names inside; they come from the
-offloading config's groups. A ref's canonical page mapping only matters to the canonical
-layout, which the spec refuses, so it is not read. One region is registered per (tensor,
+offloading config's groups. In vLLM's canonical layout each ref's ``CanonicalPageMapping``
+(copy runs into the parallelism-free page) goes with its region as ``KVRegion.canonical``;
+otherwise it is not read. One region is registered per (tensor,
 unpadded page size) with the names of every layer that uses it, so aliased layers are copied
 once and a tensor shared by groups with different page sizes becomes one region per size.
 
@@ -25,8 +26,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from protocol.config import OffloadingGroupConfig
-from protocol.handles import KVRegion, ShmHandle, region_problem
+from protocol.handles import CanonicalPage, KVRegion, ShmHandle, region_problem
 
 __all__ = ["NotShareable", "kv_regions", "open_region_files", "shared_file_of"]
 
@@ -117,8 +120,11 @@ def open_region_files(regions: Sequence[KVRegion], maps: str | None = None) -> d
     return opened
 
 
-def kv_regions(kv_caches: Any, groups: Sequence[OffloadingGroupConfig]) -> list[KVRegion]:
-    """The rank's regions: one per (canonical tensor, unpadded page size) that a group uses."""
+def kv_regions(
+    kv_caches: Any, groups: Sequence[OffloadingGroupConfig], *, canonical: bool = False
+) -> list[KVRegion]:
+    """The rank's regions: one per (canonical tensor, unpadded page size) that a group uses;
+    with ``canonical``, each with its refs' canonical page mapping (all must agree)."""
     refs_per_group = kv_caches.group_data_refs
     if len(refs_per_group) != len(groups):
         raise ValueError(
@@ -126,22 +132,57 @@ def kv_regions(kv_caches: Any, groups: Sequence[OffloadingGroupConfig]) -> list[
             f"{len(groups)}"
         )
     layers: dict[tuple[int, int], list[str]] = {}
+    pages: dict[tuple[int, int], set[CanonicalPage | None]] = {}
     for group, refs in zip(groups, refs_per_group, strict=True):
         names = list(group.layer_names)
         # One ref per layer, or one ref standing for the whole group (packed layout).
         per_ref = [[name] for name in names] if len(refs) == len(names) else [names] * len(refs)
         for ref, ref_names in zip(refs, per_ref, strict=True):
-            found = layers.setdefault((ref.tensor_idx, ref.page_size_bytes), [])
+            where = (ref.tensor_idx, ref.page_size_bytes)
+            found = layers.setdefault(where, [])
             found.extend(name for name in ref_names if name not in found)
-    regions = [
-        _region(kv_caches.tensors[tensor_idx].tensor, page, names)
-        for (tensor_idx, page), names in layers.items()
-    ]
+            if canonical:
+                pages.setdefault(where, set()).add(canonical_page(ref.mapping))
+    regions = []
+    for where, names in layers.items():
+        region = _region(kv_caches.tensors[where[0]].tensor, where[1], names)
+        if canonical:
+            (page, *others) = pages[where]
+            if others or page is None:
+                raise ValueError(
+                    f"KV region of layers {names}: vLLM gave no canonical page mapping, or "
+                    "different ones for layers sharing the region; the canonical layout "
+                    "needs one"
+                )
+            region = msgspec.structs.replace(region, canonical=page)
+        regions.append(region)
     for region in regions:
         problem = region_problem(region)
         if problem:
             raise ValueError(f"KV region of layers {region.layer_names}: {problem}")
     return regions
+
+
+def canonical_page(mapping: Any) -> CanonicalPage | None:
+    """vLLM's ``CanonicalPageMapping`` (or None) as the wire's ``CanonicalPage``."""
+    if mapping is None:
+        return None
+    return CanonicalPage(
+        page_size=int(mapping.canonical_page_size_bytes),
+        runs=tuple(
+            (
+                int(run.local_offset),
+                int(run.canonical_offset),
+                int(run.fragment_size),
+                int(run.num_fragments),
+                int(run.local_stride),
+                int(run.canonical_stride),
+            )
+            for run in mapping.runs
+        ),
+        writers=int(mapping.num_writers),
+        agnostic=bool(mapping.parallelism_agnostic),
+    )
 
 
 def _region(tensor: Any, page_size: int, layer_names: Sequence[str]) -> KVRegion:

@@ -13,7 +13,9 @@ process: the scheduler asks it for a manager, each rank for a worker. Keys read 
 - ``offloadd_load_timeout``: seconds after which a load still not finished fails loudly
   (default 60).
 ``block_size`` / ``blocks_per_chunk``, ``namespace`` and ``private_cache`` are read by vLLM and
-the daemon as usual.
+the daemon as usual; ``canonical_layout: true`` (vLLM's parallelism-free host layout) makes each
+rank send its canonical page mappings with its regions, and engines of the same model in that
+layout share chunks whatever their TP size (``docs/design.md``, "What is shared across what").
 
 The spec declares the series and info labels vLLM's ``vllm:kv_offload_*`` metrics read from its
 manager (``offloadd.vllm.stats``): the CPU spec's, so its dashboards work unchanged.
@@ -58,11 +60,6 @@ class OffloaddSpec(OffloadingSpec):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        if config.canonical_layout:
-            raise ValueError(
-                "offloadd does not support the canonical KV layout yet: remove "
-                '"canonical_layout" from kv_connector_extra_config'
-            )
         # Exactly the config vLLM built, converted field by field for the daemon.
         self.offloadd_config = from_vllm_offloading_config(config)
         extra = self.extra_config

@@ -129,7 +129,9 @@ class OffloaddWorker(OffloadingWorker):
         self._endpoint = endpoint
         self._bpc = config.cache.blocks_per_chunk
         self._group_ids = config.group_ids()
-        self._regions: list[KVRegion] = kv_regions(kv_caches, config.groups)
+        self._regions: list[KVRegion] = kv_regions(
+            kv_caches, config.groups, canonical=config.canonical_layout
+        )
         # CPU tensors: their files, opened here (the rank owns them) and passed to the daemon
         # as descriptors; kept for a reconnect.
         self._files = open_region_files(self._regions)

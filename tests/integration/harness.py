@@ -244,13 +244,21 @@ class ServeProcess:
 
     The journal and its key go in ``<workdir>/state``. ``start(runner=[...])`` runs another
     module in place of ``-m offloadd`` (e.g. one that injects journal faults); with
-    ``log=True`` the daemon's stderr goes to ``log_path`` (appended across restarts).
+    ``log=True`` the daemon's stderr goes to ``log_path`` (appended across restarts);
+    ``config``: a TOML settings file it reads (``--config``).
     """
 
     def __init__(
-        self, workdir: str, arena: str, capacity: str = "64MiB", *, persist: bool = True
+        self,
+        workdir: str,
+        arena: str,
+        capacity: str = "64MiB",
+        *,
+        persist: bool = True,
+        config: str = "",
     ) -> None:
         self.persist = persist
+        self.config = config
         self.endpoint = f"ipc://{workdir}/d.sock"
         self.events_endpoint = f"ipc://{workdir}/ev.sock"
         self.replay_endpoint = f"ipc://{workdir}/replay.sock"
@@ -274,6 +282,8 @@ class ServeProcess:
         ]  # fmt: skip
         if not self.persist:
             command.append("--no-persist")
+        if self.config:
+            command += ["--config", self.config]
         if log:
             with open(self.log_path, "ab") as stderr:
                 self.process = subprocess.Popen(command, stderr=stderr)

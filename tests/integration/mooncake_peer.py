@@ -25,23 +25,53 @@ ARENA = 8 << 20
 SHARDS = (64 << 10, 100_000, 4096)  # one chunk: three shards of uneven sizes
 
 
-def settings(master: MooncakeMaster) -> MooncakeSettings:
-    return MooncakeSettings(
-        master=master.address,
-        metadata=master.metadata,
-        segment=32 << 20,
-        local_buffer=8 << 20,
-        local_hostname="127.0.0.1",
-    )
+TENANT = "u1000"  # every namespace's local tenant, named "alice" in the cluster
+# One cluster key for every node of a test run (written 0600 where only this user reads it).
+KEY_FILE = os.path.join(
+    os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"offloadd-test-cluster-{os.getuid()}.key"
+)
+
+
+def cluster_key_file() -> str:
+    """The shared cluster key's path, created once (0600, 32 random bytes)."""
+    if not os.path.exists(KEY_FILE):
+        temporary = f"{KEY_FILE}.{os.getpid()}.{uuid.uuid4().hex}"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, os.urandom(32))
+        finally:
+            os.close(fd)
+        os.replace(temporary, KEY_FILE)
+    return KEY_FILE
+
+
+def settings(master: MooncakeMaster, **overrides: object) -> MooncakeSettings:
+    fields: dict[str, object] = {
+        "master": master.address,
+        "metadata": master.metadata,
+        "segment": 32 << 20,
+        "local_buffer": 8 << 20,
+        "local_hostname": "127.0.0.1",
+        "key_file": cluster_key_file(),
+        "tenants": {"alice": ["uid:1000"], "bob": ["uid:1001"]},
+    }
+    fields.update(overrides)
+    return MooncakeSettings(**fields)  # type: ignore[arg-type]
 
 
 class Node:
     """One daemon's share: an arena and a tier over it."""
 
-    def __init__(self, master: MooncakeMaster) -> None:
+    def __init__(self, master: MooncakeMaster, tenant: str | None = TENANT) -> None:
         self.arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", ARENA)
         try:
-            self.tier = MooncakeTier(settings(master), self.arena, backoff=0.5, backoff_max=2.0)
+            self.tier = MooncakeTier(
+                settings(master),
+                self.arena,
+                tenant_of=lambda namespace: tenant,
+                backoff=0.5,
+                backoff_max=2.0,
+            )
         except BaseException:
             self.arena.close()
             raise

@@ -1,5 +1,6 @@
-"""Who may talk to the daemon: socket permissions and directories, CURVE on tcp, loopback
-events, metrics on a unix socket, engine ids and client strings in logs."""
+"""Who may talk to the daemon: socket permissions and directories, CURVE on tcp, events and
+metrics beside the control socket (tcp off loopback warned), engine ids and client strings
+in logs."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import shutil
 import socket
 import stat
 import tempfile
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq.auth
 
@@ -24,6 +27,7 @@ from offloadd.safety import engine_id_problem
 from offloadd.server.metrics import Metrics, MetricsError
 from offloadd.settings import (
     EventSettings,
+    MetricsSettings,
     Settings,
     SettingsError,
     TenancySettings,
@@ -160,11 +164,12 @@ def test_events_ipc_sockets_get_the_control_sockets_mode_and_group() -> None:
         daemon.stop()
 
 
-def _scrape_unix(path: str) -> str:
+def _scrape_unix(path: str, target: str = "/metrics") -> str:
+    """The HTTP answer to a GET of ``target`` on the unix socket ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(10)
         conn.connect(path)
-        conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        conn.sendall(f"GET {target} HTTP/1.0\r\n\r\n".encode())
         chunks = []
         while chunk := conn.recv(65536):
             chunks.append(chunk)
@@ -242,10 +247,76 @@ def test_client_strings_are_escaped_in_the_daemons_log(
     assert repr(name) in lines[0] and repr(topic) in lines[0]
 
 
-def test_events_bind_loopback_by_default() -> None:
-    settings = EventSettings()
-    assert settings.endpoint.startswith("tcp://127.0.0.1:")
-    assert settings.replay_endpoint.startswith("tcp://127.0.0.1:")
+def _beside_the_control_socket(daemon: DaemonThread, **metrics: str) -> DaemonThread:
+    """``daemon`` with its events and metrics at their defaults ("auto")."""
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        events=EventSettings(pod="test-pod"),
+        metrics=MetricsSettings(**metrics),
+    )
+    return daemon.start()
+
+
+def test_events_and_metrics_default_to_sockets_beside_the_control_socket() -> None:
+    daemon = _beside_the_control_socket(DaemonThread())
+    control = daemon.endpoint[len("ipc://") :]
+    try:
+        # Events and replay: the control socket's mode and group (the ranks' and routers').
+        for suffix in (".events", ".replay"):
+            assert stat.S_IMODE(os.stat(control + suffix).st_mode) == 0o660, suffix
+        # Metrics name every tenant's engines: the daemon's user (and root) only.
+        metrics = control + ".metrics"
+        assert stat.S_IMODE(os.stat(metrics).st_mode) == 0o600
+        for target in ("/metrics", "/healthz", "/readyz"):
+            assert _scrape_unix(metrics, target).startswith("HTTP/1.0 200"), target
+        assert "offloadd_build_info" in _scrape_unix(metrics, "/metrics")
+        with OffloadClient(daemon.endpoint, heartbeat=0) as client:
+            stats = client.stats()
+        assert stats.events_endpoint == f"ipc://{control}.events"
+        assert stats.events_replay_endpoint == f"ipc://{control}.replay"
+    finally:
+        daemon.stop()
+
+
+def test_a_metrics_socket_group_may_be_given() -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    daemon = _beside_the_control_socket(DaemonThread(), socket_mode="0640", socket_group=group)
+    try:
+        info = os.stat(daemon.endpoint[len("ipc://") :] + ".metrics")
+        assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o640, os.getgid())
+    finally:
+        daemon.stop()
+
+
+def test_events_and_metrics_off_loopback_are_logged_as_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    daemon = DaemonThread()
+    events = EventSettings(endpoint="tcp://0.0.0.0:*", replay_endpoint="", pod="test-pod")
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings, events=events, metrics=MetricsSettings(address="0.0.0.0:0")
+    )
+    caplog.set_level(logging.WARNING, logger="offloadd")
+    daemon.start()
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("events.endpoint tcp://0.0.0.0:*" in line for line in warned), warned
+        assert any("metrics on 0.0.0.0:0 are reachable" in line for line in warned), warned
+        # Still served: the operator asked for it (Kubernetes' Prometheus scrapes the pod).
+        assert daemon.daemon is not None
+        port = daemon.daemon.metrics.address.rpartition(":")[2]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            assert answer.status == 200
+    finally:
+        daemon.stop()
+    caplog.clear()
+    on_loopback = DaemonThread()
+    on_loopback.settings = msgspec.structs.replace(
+        on_loopback.settings, metrics=MetricsSettings(address="127.0.0.1:0")
+    )
+    on_loopback.start()
+    on_loopback.stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -93,7 +94,7 @@ def _hashes(keys: list[bytes]) -> list[int | bytes]:
     return [hash_for_wire(key[:-4]) for key in keys]
 
 
-TOPIC_A = "kv@test-pod@test/model"
+TOPIC_A = f"kv@test-pod/u{os.geteuid()}@test/model"  # the tenant: this test's uid
 
 
 @pytest.mark.asyncio

@@ -689,6 +689,7 @@ def test_connectable_makes_wildcards_loopback(endpoint: str, expected: str) -> N
         ("tcp://127.0.0.1:65535", ""),
         ("tcp://host:*", ""),
         ("ipc:///tmp/ev.sock", ""),
+        ("ipc:///run/offloadd/offloadd.sock.events", "ipc:///run/offloadd/offloadd.sock.replay"),
     ],
 )
 def test_replay_beside(endpoint: str, expected: str) -> None:
@@ -762,12 +763,16 @@ async def test_a_taken_endpoint_is_one_clear_error(
 
 
 def test_topic_for() -> None:
-    assert topic_for("kv@{pod}@{model}", pod="n1", model="m", engine_id="e", dp=2) == "kv@n1@m"
-    assert topic_for("{engine_id}/{dp}", pod="", model="", engine_id="e7", dp=2) == "e7/2"
+    def fill(template: str, engine_id: str = "e") -> str:
+        return topic_for(template, pod="n1", tenant="u1001", model="m", engine_id=engine_id, dp=2)
+
+    assert fill(EventSettings().topic_template) == "kv@n1/u1001@m"  # three @-parts, as vLLM's
+    assert fill("kv@{pod}@{model}") == "kv@n1@m"
+    assert fill("{engine_id}/{dp}", "e7") == "e7/2"
     with pytest.raises(ValueError, match="placeholders"):
-        topic_for("kv@{node}", pod="n1", model="m", engine_id="e", dp=0)
+        fill("kv@{node}")
     with pytest.raises(ValueError, match="placeholders"):
-        topic_for("kv@{pod", pod="n1", model="m", engine_id="e", dp=0)
+        fill("kv@{pod")
 
 
 # --- Output formats and the CLI --------------------------------------------------------

@@ -5,6 +5,7 @@ again."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -17,15 +18,16 @@ from typing import Any
 import pytest
 
 from offloadd.cache.arena import Arena
+from offloadd.checksum import checksum
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import (
+    ClusterKeys,
     MooncakeTier,
     MooncakeUnavailable,
-    encode_companion,
-    object_names,
+    sealed_size,
 )
-from tests.integration.mooncake_peer import SHARDS, Node
+from tests.integration.mooncake_peer import SHARDS, Node, cluster_key_file, settings
 from tests.mooncake_master import MooncakeMaster, free_port, require_mooncake
 
 require_mooncake()
@@ -69,6 +71,13 @@ def moved(chunks: list[ChunkAddress], base: int) -> list[ChunkAddress]:
 def raw(tier: MooncakeTier) -> Any:
     """The tier's Mooncake client, to tamper with objects behind its back."""
     return tier._client
+
+
+def object_names(namespace: str, key: bytes) -> tuple[str, str]:
+    """A chunk's object names as the test nodes' tier (tenant alice) names them."""
+    with open(cluster_key_file(), "rb") as handle:
+        keys = ClusterKeys(handle.read())
+    return keys.space("alice", namespace).names(key)
 
 
 def test_put_on_one_node_get_on_another(nodes: list[Node]) -> None:
@@ -131,7 +140,7 @@ def test_corrupted_objects_are_never_served(nodes: list[Node], target: str) -> N
     elif target == "data-size":
         assert client.upsert(data, a.read(chunk)[:-1]) == 0
     elif target == "companion":
-        size = len(encode_companion(data, SHARDS, [0] * len(SHARDS)))
+        size = len(client.get(companion))
         assert client.upsert(companion, os.urandom(size)) == 0
     else:  # bytes without a companion: an unfinished put is invisible
         assert client.remove(companion, True) == 0
@@ -148,7 +157,11 @@ def test_corrupted_objects_are_never_served(nodes: list[Node], target: str) -> N
 def test_open_fails_fast_without_a_master() -> None:
     arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", 1 << 20)
     try:
-        dead = MooncakeSettings(master=f"127.0.0.1:{free_port()}", local_hostname="127.0.0.1")
+        dead = MooncakeSettings(
+            master=f"127.0.0.1:{free_port()}",
+            local_hostname="127.0.0.1",
+            key_file=cluster_key_file(),
+        )
         started = time.monotonic()
         with pytest.raises(MooncakeUnavailable, match="does not answer"):
             MooncakeTier(dead, arena)
@@ -261,3 +274,92 @@ def test_a_peer_that_was_killed(master: MooncakeMaster, nodes: list[Node]) -> No
             assert b.read(target) == bytes.fromhex(data)
     assert b.tier.contains(namespace, [c.key for c in chunks]) == found
     assert b.tier.healthy
+
+
+def test_a_forged_object_with_right_checksums_is_a_miss(nodes: list[Node]) -> None:
+    """An attacker without the key plants data and a companion (written with Mooncake's own
+    client) whose shard sizes and xxh3 checksums are right, under the victim's names: a miss,
+    counted, dropped."""
+    a, b = nodes
+    namespace = f"model-{uuid.uuid4().hex}"
+    [chunk] = a.chunks(namespace, 1)
+    data, companion = object_names(namespace, chunk.key)
+    planted = a.read(chunk) + bytes(16 * len(SHARDS))  # plaintext where ciphertext goes
+    assert len(planted) == sealed_size(chunk)
+    at = 0
+    sums = []
+    buffer = bytearray(planted)
+    address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    for size in SHARDS:
+        sums.append(checksum(address + at, size + 16))
+        at += size + 16
+    forger = ClusterKeys(os.urandom(32))  # the companion format, under another key
+    forged = forger.encode_companion(data, SHARDS, sums, [os.urandom(12)] * len(SHARDS))
+    client = raw(a.tier)
+    assert client.upsert(data, bytes(planted)) == 0
+    assert client.upsert(companion, forged) == 0
+    errors = b.tier.stats().errors
+    [target] = moved([chunk], base=4 << 20)
+    assert b.tier.get([target], b.arena) == [False]
+    assert b.tier.stats().errors == errors + 1
+    assert client.batch_is_exist([data, companion]) == [0, 0]  # dropped
+
+
+def test_the_pool_holds_no_plaintext(nodes: list[Node]) -> None:
+    a, b = nodes
+    namespace = f"model-{uuid.uuid4().hex}"
+    [chunk] = a.chunks(namespace, 1)
+    assert a.tier.put([chunk], a.arena).stored == [True]
+    data, companion = object_names(namespace, chunk.key)
+    stored = raw(b.tier).get(data)
+    assert len(stored) == sealed_size(chunk)
+    plain = a.read(chunk)
+    for offset, size in ((0, SHARDS[0]), (SHARDS[0], SHARDS[1])):
+        assert plain[offset : offset + 64] not in stored
+        assert plain[offset + size - 64 : offset + size] not in stored
+    assert namespace.encode() not in companion.encode() + data.encode()
+    [target] = moved([chunk], base=4 << 20)
+    assert b.tier.get([target], b.arena) == [True]
+    assert b.read(target) == plain
+
+
+def test_an_unmapped_tenant_does_not_use_the_cluster(
+    master: MooncakeMaster, nodes: list[Node]
+) -> None:
+    a, _ = nodes
+    stranger = Node(master, tenant="u4242")
+    other = Node(master, tenant="u1001")  # bob: a named tenant, but not alice
+    try:
+        namespace = f"model-{uuid.uuid4().hex}"
+        chunks = a.chunks(namespace, 2)
+        assert a.tier.put(chunks[:1], a.arena).stored == [True]
+        key = chunks[0].key
+        [target] = moved(chunks[:1], base=4 << 20)
+        assert stranger.tier.contains(namespace, [key]) == [False]
+        assert stranger.tier.get([target], stranger.arena) == [False]
+        assert other.tier.contains(namespace, [key]) == [False]
+        assert other.tier.get([target], other.arena) == [False]
+        assert stranger.tier.put(chunks[1:], a.arena).stored == [False]
+        assert stranger.tier.stats().errors == 0 and stranger.tier.stats().chunks == 0
+        assert a.tier.contains(namespace, [chunks[1].key]) == [False]
+        assert a.tier.contains(namespace, [key]) == [True]
+    finally:
+        other.close()
+        stranger.close()
+
+
+@pytest.mark.parametrize("problem", ["missing", "unset", "0644", "short"])
+def test_the_tier_refuses_to_open_without_a_good_key(
+    master: MooncakeMaster, tmp_path: Any, problem: str
+) -> None:
+    path = str(tmp_path / "cluster.key")
+    if problem != "missing":
+        with open(path, "wb") as handle:
+            handle.write(os.urandom(31 if problem == "short" else 32))
+        os.chmod(path, 0o644 if problem == "0644" else 0o600)
+    arena = Arena(f"/dev/shm/offloadd-test-mooncake-{uuid.uuid4().hex}", 1 << 20)
+    try:
+        with pytest.raises(MooncakeUnavailable, match=r"mooncake\.key_file"):
+            MooncakeTier(settings(master, key_file="" if problem == "unset" else path), arena)
+    finally:
+        arena.close()

@@ -229,6 +229,111 @@ def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
         d.stop()
 
 
+class Shared:
+    """Engines "a" and "b" on a 4-key arena that "a" filled and "b"'s mirror shows; "a" has
+    reserved a fifth key whose room waits for "b"'s acknowledgement."""
+
+    def __init__(self) -> None:
+        self.d = DaemonThread(
+            capacity=4 * KEY_FOOTPRINT, limits=LimitsSettings(protected_fraction=1.0)
+        ).start()
+        self.ra = rank(self.d.endpoint, seed=5, engine_id="a")
+        self.rb = rank(self.d.endpoint, seed=5, engine_id="b")
+        self.sa = scheduler(self.d.endpoint, engine_id="a")
+        self.sb = scheduler(self.d.endpoint, engine_id="b")
+        self.seen_b: list[KeysChanged] = []
+        self.keys = chain_keys(5, b"w")
+        self.sa.wait_ready()
+        self.sb.wait_ready()
+        assert self.sa.reserve(self.keys[:4]) == [0, 1, 2, 3]
+        store_reserved(self.ra, 1, self.keys[:4], [0, 1, 2, 3])
+        wait_for(lambda: self.mirror_b() == set(self.keys[:4]), self.sb)
+        assert self.sa.reserve(self.keys[4:]) == [0]
+        stats = self.stats()
+        # Reserved, without extents yet: two victims' room ("b" still shows them) is in use.
+        assert (stats.entries, stats.committed_entries) == (3, 2)
+        assert stats.used_bytes == 4 * KEY_FOOTPRINT
+
+    def stats(self) -> Any:
+        assert self.d.daemon is not None
+        return self.d.daemon.stats()
+
+    def mirror_b(self) -> set[bytes]:
+        self.seen_b.extend(self.sb.take_notices())
+        return mirror_of(self.sb, self.seen_b)
+
+    def ack_b(self) -> None:
+        wait_for(lambda: self.keys[0] not in self.mirror_b(), self.sb)
+        self.sb.ack(max(n.seq for n in self.seen_b))
+
+    def close(self) -> None:
+        for client in (self.sa, self.sb):
+            client.close()
+        for r in (self.ra, self.rb):
+            r.close()
+        self.d.stop()
+
+
+def test_a_store_waits_for_the_room_another_mirror_must_acknowledge() -> None:
+    s = Shared()
+    try:
+        assert s.ra.client is not None
+        s.ra.client.store(2, s.keys[4:], chunk_block_ids([4], BPC), reserved=True)
+        # Accepted, but nothing is copied before "b" acknowledges: the store waits.
+        s.ra.client.poll(0.2)
+        stats = s.stats()
+        assert stats.jobs_in_flight == 1 and stats.committed_entries == 2
+        assert stats.stores_refused_by_reason == {}
+        s.ack_b()
+        (done,) = s.ra.client.wait([2])
+        assert done.ok and done.failed_keys == []
+        stats = s.stats()
+        assert stats.committed_entries == 3 and stats.used_bytes == 3 * KEY_FOOTPRINT
+        assert stats.stores_refused_by_reason == {}
+        s.ra.client.load(3, s.keys[4:], chunk_block_ids([8], BPC))
+        s.ra.client.wait([3])
+        for got, want in zip(
+            s.ra.pages(chunk_block_ids([8], BPC)),
+            s.ra.pages(chunk_block_ids([4], BPC)),
+            strict=True,
+        ):
+            assert got.equal(want)
+    finally:
+        s.close()
+
+
+def test_a_waiting_store_of_a_rank_that_leaves_never_starts() -> None:
+    s = Shared()
+    try:
+        assert s.ra.client is not None
+        s.ra.client.store(2, s.keys[4:], chunk_block_ids([4], BPC), reserved=True)
+        wait_for(lambda: s.stats().jobs_in_flight == 1, s.sb)
+        s.ra.close()
+        wait_for(lambda: s.stats().jobs_in_flight == 0, s.sb)  # unbooked with its session
+        s.ack_b()
+        # The reservation got its room, but no copy ever began: still pending, nothing refused.
+        wait_for(lambda: s.stats().used_bytes == 3 * KEY_FOOTPRINT, s.sb)
+        stats = s.stats()
+        assert (stats.entries, stats.committed_entries) == (3, 2)
+        assert stats.stores_refused_by_reason == {}
+    finally:
+        s.close()
+
+
+def test_a_store_whose_room_is_never_acknowledged_stops_waiting() -> None:
+    s = Shared()
+    try:
+        assert s.ra.client is not None
+        s.ra.client.store(2, s.keys[4:], chunk_block_ids([4], BPC), reserved=True)
+        (done,) = s.ra.client.wait([2], timeout=10.0)  # bounded: "b" never acknowledges
+        assert done.ok  # the key is dropped, as when a store finds no room
+        stats = s.stats()
+        assert stats.committed_entries == 2 and stats.jobs_in_flight == 0
+        assert stats.stores_refused_by_reason == {"ack": 1}
+    finally:
+        s.close()
+
+
 def test_a_scheduler_that_leaves_frees_its_reservations_and_holds(daemon: DaemonThread) -> None:
     r = rank(daemon.endpoint)
     sched = scheduler(daemon.endpoint)

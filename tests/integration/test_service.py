@@ -322,7 +322,8 @@ def test_a_malformed_value_stops_serve_with_one_line() -> None:
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "offloadd: events.endpoint: expected tcp://HOST:PORT (a port up to 65535), got "
-        "'tcp://127.0.0.1'; or \"\" for no events (from --events-endpoint)"
+        '\'tcp://127.0.0.1\'; "auto" for beside the control socket, or "" for no events '
+        "(from --events-endpoint)"
     ]
 
 

@@ -1,5 +1,6 @@
 """offloadd.bench.tiers runs end to end (small): the disk tier's hit rate against the arena
-alone, and publish / promote through two daemons on a real mooncake_master against raw."""
+alone, publish / promote through two daemons on a real mooncake_master against raw, and the
+cluster tier's sealing and opening against the plain checksum."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 import pytest
 
-from offloadd.bench import _util, tiers
+from offloadd.bench import _util, mooncake, tiers
 from tests.mooncake_master import require_mooncake
 
 
@@ -54,5 +55,24 @@ def test_the_cluster_rows_compare_daemons_with_raw_clients(
         for result in results:
             assert result.unit == "GiB/s" and result.value > 0 and result.baseline > 0
             assert result.params["chunks"] == 16 and result.params["chunk_bytes"] == 256 << 10
+    finally:
+        scratch.close()
+
+
+def test_the_aead_rows_seal_and_open_against_the_plain_checksum() -> None:
+    require_mooncake()
+    scratch = _util.Scratch()
+    try:
+        ctx = _util.Context(True, scratch, _util.Progress(), ["mooncake_seal_*", "mooncake_open_*"])
+        results = mooncake.run_aead(ctx)
+        assert [r.name for r in results] == [
+            "mooncake_seal_256KiB",
+            "mooncake_open_256KiB",
+            "mooncake_seal_4MiB",
+            "mooncake_open_4MiB",
+        ]
+        for result in results:
+            assert result.unit == "GiB/s" and result.value > 0 and result.baseline > 0
+            assert result.params["reps"] == 3
     finally:
         scratch.close()

@@ -49,7 +49,13 @@ from offloadd.errors import (
     RequestFailed,
 )
 from offloadd.peer import register
-from offloadd.settings import DiskSettings, LimitsSettings, TenancySettings
+from offloadd.settings import (
+    DiskSettings,
+    EventSettings,
+    LimitsSettings,
+    MetricsSettings,
+    TenancySettings,
+)
 from offloadd.shm import SharedKVTensor
 from offloadd.tiers import chunkfile
 from offloadd.tiers.base import ChunkAddress
@@ -534,14 +540,15 @@ def test_getstats_shows_each_peer_what_it_may_see(
         assert run_as(b, daemon.endpoint, "--stats")["engines"] == ["b-engine"]
         assert run_as(a, daemon.endpoint, "--stats")["engines"] == ["a-engine"]
         assert _admin_stats(daemon.endpoint) == ["a-engine", "b-engine"]  # root
-        # Without a session or a registration: aggregate counters, no engine.
+        # Without a session or a registration: no engine, and no tenant's counters.
         peer = RawPeer(daemon.endpoint)
         try:
             reply = peer.ask(GetStats(7))
         finally:
             peer.close()
         assert isinstance(reply, StatsResult)
-        assert reply.stats.engines == [] and reply.stats.sessions == 2
+        assert reply.stats.engines == [] and reply.stats.sessions == 0
+        assert reply.stats.counters is False
 
 
 def test_private_cache_is_private_per_user_too(
@@ -585,10 +592,10 @@ def test_events_go_out_under_the_daemons_topics(daemon_factory: DaemonFactory) -
         OffloadClient.connect(
             daemon.endpoint, config, role="scheduler", events_topic=elsewhere, heartbeat=0
         )
-    # The topic the template gives is fine to name; with tenancy.client_topics, any.
-    with OffloadClient.connect(
-        daemon.endpoint, config, role="scheduler", events_topic="kv@test-pod@test/model"
-    ):
+    # The topic the template gives (the tenant in it) is fine to name; with
+    # tenancy.client_topics, any.
+    own = f"kv@test-pod/u{os.geteuid()}@test/model"
+    with OffloadClient.connect(daemon.endpoint, config, role="scheduler", events_topic=own):
         pass
     free = daemon_factory(tenancy=TenancySettings(client_topics=True))
     with OffloadClient.connect(
@@ -1242,3 +1249,337 @@ def test_an_engine_id_stays_its_users_across_a_restart(
         if serve.process is not None:
             serve.stop()
         serve.cleanup()
+
+
+# ---------------------------------------------------------------- round two: who sees what
+
+
+@pytest.fixture
+def exposed_daemon(shared_dir: str) -> Iterator[DaemonThread]:
+    """A daemon (as root) whose sockets SHARED_GROUP may use, with its KV events and metrics
+    at their defaults: beside the control socket, in the 0750 directory only that group
+    enters."""
+    daemon = DaemonThread(endpoint=f"ipc://{shared_dir}/d.sock", socket_group=SHARED_GROUP)
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        events=msgspec.structs.replace(EventSettings(), pod="test-pod"),
+        metrics=MetricsSettings(),
+    )
+    daemon.start()
+    yield daemon
+    daemon.stop()
+
+
+_PEEK = """
+import json, os, socket, sys, uuid
+import zmq
+from offloadd.peer import register
+from protocol.messages import GetStats, decode_reply, encode
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+path = endpoint[len("ipc://"):]
+out = {}
+for name in ("events", "replay", "metrics"):
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(f"{path}.{name}")
+        out[name] = "connected"
+    except OSError as exc:
+        out[name] = exc.strerror
+    probe.close()
+if out["events"] == "connected":
+    identity = uuid.uuid4().bytes
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    registered = register(endpoint, identity, []).token
+    for label, token in (("sessionless", b""), ("registered", registered)):
+        sock.send(encode(GetStats(len(out), token)))
+        assert sock.poll(30_000), "no answer"
+        stats = decode_reply(sock.recv()).stats
+        out[label] = {
+            "engines": [e.engine_id for e in stats.engines], "counters": stats.counters,
+            "sessions": stats.sessions, "lookups": stats.lookups, "used": stats.used_bytes,
+            "stored": stats.bytes_stored, "version": stats.version,
+            "capacity": stats.capacity_bytes, "events": stats.events_endpoint,
+        }
+print(json.dumps(out))
+"""
+
+
+def test_who_reads_the_events_the_metrics_and_the_stats(
+    users: dict[str, User], exposed_daemon: DaemonThread
+) -> None:
+    daemon = exposed_daemon
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    control = daemon.endpoint[len("ipc://") :]
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        seen = _attack(_PEEK, daemon, b, shared)
+        # A group member may subscribe to the events (routers do) but not read the metrics,
+        # which name every tenant's engines and count their bytes.
+        assert seen["events"] == seen["replay"] == "connected", seen
+        assert seen["metrics"] == "Permission denied", seen
+        # GetStats, with or without a registration: B's own engines (none) and nothing a
+        # tenant did; what is no tenant's stays (a rank needs the capacity and the events).
+        for label in ("sessionless", "registered"):
+            view = seen[label]
+            assert view["engines"] == [] and view["counters"] is False, view
+            assert view["sessions"] == view["lookups"] == view["used"] == view["stored"] == 0
+            assert view["version"] and view["capacity"] == daemon.settings.cache.capacity
+            assert view["events"] == f"ipc://{control}.events"
+        # Outside the group (nobody): not even the directory opens.
+        entry = pwd.getpwnam("nobody")
+        nobody = User("nobody", entry.pw_uid, entry.pw_gid)
+        outside = _attack(_PEEK, daemon, nobody, entry.pw_gid)
+        assert {outside[name] for name in ("events", "replay", "metrics")} == {
+            "Permission denied"
+        }, outside
+        # Root (an admin) sees A's engine and every counter; the daemon's user reads metrics.
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            stats = admin.stats()
+        assert [e.engine_id for e in stats.engines] == ["victim"] and stats.counters
+        assert stats.bytes_stored > 0 and stats.sessions == 1
+        assert stat.S_IMODE(os.stat(control + ".metrics").st_mode) == 0o600
+
+
+_TOPICS = """
+import json, os, sys
+from offloadd.client import OffloadClient
+from offloadd.errors import NotPermitted
+from tests.integration.harness import make_config, make_rank
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+other = os.environ["OD_OTHER_TOPIC"]
+out = {}
+config = make_config(engine_id=f"e{uid}", tp=1, events=True)
+try:
+    OffloadClient.connect(endpoint, config, role="scheduler", events_topic=other, heartbeat=0)
+    out["other_topic"] = "accepted"
+except NotPermitted as exc:
+    out["other_topic"] = str(exc)
+rank = make_rank(endpoint, tp=1, engine_id=f"e{uid}", events=True)
+try:
+    out["cleared"] = rank.client.clear()
+finally:
+    rank.close()
+print(json.dumps(out))
+"""
+
+
+def _replayed_topics(replay: str) -> list[tuple[str, list[str]]]:
+    """Every batch the replay socket holds: its topic and its events' types."""
+    from protocol.events import END_SEQ, decode_batch
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(replay)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches: list[tuple[str, list[str]]] = []
+        while True:
+            assert sock.poll(10_000), "no end of the replay"
+            _, topic, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                return batches
+            kinds = [type(event).__name__ for event in decode_batch(payload).events]
+            batches.append((topic.decode(), kinds))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_each_tenants_events_carry_its_own_topic(
+    users: dict[str, User], exposed_daemon: DaemonThread
+) -> None:
+    daemon = exposed_daemon
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    topic = {user.uid: f"kv@test-pod/u{user.uid}@test/model" for user in (a, b)}
+    for user, other in ((a, b), (b, a)):
+        env = {**_ATTACK_ENV, "OD_OTHER_TOPIC": topic[other.uid]}
+        attack = subprocess.run(
+            _attack_command(_TOPICS, daemon, user, shared),
+            env=env, cwd="/tmp", capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert attack.returncode == 0, attack.stderr
+        report = json.loads(attack.stdout.strip().splitlines()[-1])
+        # Naming the other tenant's topic is refused; its own engine clears as usual.
+        assert "its own topics" in report["other_topic"], report
+        assert report["cleared"] == 0, report
+    assert daemon.daemon is not None
+    replay = daemon.daemon.settings.events.replay_endpoint  # "auto", placed beside d.sock
+    assert replay == daemon.endpoint + ".replay"
+    batches = _replayed_topics(replay)
+    assert batches == [
+        (topic[a.uid], ["AllBlocksCleared"]),
+        (topic[b.uid], ["AllBlocksCleared"]),
+    ], batches
+
+
+# Finding 4, pins and reservations: chunks of 2 blocks of 3 layers of a page (24 KiB), files
+# of 16 blocks (8 chunks) per rank, as peer_process makes them.
+_RANK_FILES = """
+import json, os, sys, uuid
+from offloadd.client import OffloadClient
+from protocol.handles import KVRegion, ShmHandle
+from tests.integration.configs import LAYERS, chain_keys, chunk_block_ids, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+PAGE, BLOCKS = 4096, 16
+CHUNKS = range(BLOCKS // 2)
+
+def files():
+    fds, regions = [], []
+    for layer in LAYERS:
+        path = f"/dev/shm/od-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        os.ftruncate(fd, BLOCKS * PAGE)
+        fds.append(fd)
+        regions.append(KVRegion(ShmHandle(f"/proc/self/fd/{fd}", 0, BLOCKS * PAGE, fd=len(fds) - 1),
+                                BLOCKS, PAGE, PAGE, (layer,)))
+    return fds, regions
+
+def connect(engine, role="worker"):
+    config = make_config(engine_id=engine, tp=1, bytes_per_block=PAGE * len(LAYERS))
+    fds, regions = files() if role == "worker" else ([], [])
+    client = OffloadClient.connect(endpoint, config, regions if role == "worker" else (),
+                                   role=role, heartbeat=0)
+    client.wait_ready(10)
+    return client, fds
+
+def store(client, keys, job):
+    for at in range(0, len(keys), len(CHUNKS)):
+        batch = keys[at:at + len(CHUNKS)]
+        client.store(job + at, batch, chunk_block_ids(range(len(batch)), 2))
+        client.wait([job + at], 10)
+"""
+
+_GREEDY_TENANT = (
+    _RANK_FILES
+    + """
+w1, _ = connect("greedy-1")
+s1, _ = connect("greedy-1", "scheduler")
+w2, _ = connect("greedy-2")
+s2, _ = connect("greedy-2", "scheduler")
+mine = chain_keys(48, b"greedy")
+store(w1, mine, 100)
+out = {"stored": w1.lookup(mine).hits}
+# Reservations that are never stored, pins with the longest lease, from two engines.
+out["reserved_1"] = len(s1.reserve(chain_keys(8, b"never-1")))
+out["pinned_1"] = w1.lookup(mine, pin=True, lease=1e9).pinned
+out["reserved_2"] = len(s2.reserve(chain_keys(96, b"never-2")))
+out["pinned_2"] = w2.lookup(mine, pin=True, lease=1e9).pinned
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+)
+
+_PATIENT_TENANT = (
+    _RANK_FILES
+    + """
+rank, fds = connect("patient")
+keys = chain_keys(24, b"patient")
+written = {}
+for at in range(0, 24, 8):  # each round's chunks get bytes of their own
+    for fd in fds:
+        os.pwrite(fd, os.urandom(BLOCKS * PAGE), 0)
+    for i in CHUNKS:
+        written[keys[at + i]] = [os.pread(fd, 2 * PAGE, 2 * PAGE * i) for fd in fds]
+    store(rank, keys[at:at + 8], 10 + at)
+print(json.dumps({"stored": rank.lookup(keys).hits}), flush=True)
+sys.stdin.readline()  # the other user attacks meanwhile
+out = {"hits": rank.lookup(keys).hits, "wrong": 0}
+for at in range(0, out["hits"] - out["hits"] % 8, 8):
+    for fd in fds:
+        os.pwrite(fd, bytes(BLOCKS * PAGE), 0)
+    rank.load(50 + at, keys[at:at + 8], chunk_block_ids(CHUNKS, 2))
+    rank.wait([50 + at], 10)
+    for i in CHUNKS:
+        got = [os.pread(fd, 2 * PAGE, 2 * PAGE * i) for fd in fds]
+        out["wrong"] += got != written[keys[at + i]]
+fresh = chain_keys(24, b"patient-later")
+store(rank, fresh, 200)
+out["stored"] = rank.lookup(fresh).hits
+print(json.dumps(out), flush=True)
+"""
+)
+
+
+def test_one_users_engines_cannot_pin_and_reserve_another_user_out(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    chunk = 2 * PAGE * 3
+    # protected_fraction and tenant_protected_fraction by default: 48 of the 96 chunks per
+    # engine, and per user; a reservation lasts limits.reservation_seconds.
+    daemon = shared_daemon(capacity=96 * chunk, limits=LimitsSettings(reservation_seconds=3.0))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+
+    def start(script: str, user: User) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            _attack_command(script, daemon, user, shared),
+            env=_ATTACK_ENV, cwd="/tmp", text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    def report(process: subprocess.Popen[str]) -> dict[str, Any]:
+        assert process.stdout is not None and process.stderr is not None
+        line = process.stdout.readline()
+        assert line, process.stderr.read()
+        found: dict[str, Any] = json.loads(line)
+        return found
+
+    victim, attacker = start(_PATIENT_TENANT, a), None
+    try:
+        assert report(victim) == {"stored": 24}
+        attacker = start(_GREEDY_TENANT, b)
+        greedy = report(attacker)
+        # Its first engine reserved 8 and pinned 40: the user's share; its second engine got
+        # nothing (it had 48 chunks of its own engine budget: the victim's 24 were evicted
+        # for its reservations and every later store was refused, before).
+        assert greedy == {
+            "stored": 48, "reserved_1": 8, "pinned_1": 40, "reserved_2": 0, "pinned_2": 0
+        }, greedy  # fmt: skip
+        assert victim.stdin is not None
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        after = report(victim)
+        # The victim's hits, loads (every byte its own) and stores all still work.
+        assert after == {"hits": 24, "wrong": 0, "stored": 24}, after
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            assert admin.stats().stores_refused_by_reason.get("tenant") == 96
+            # The 8 reservations never stored are dropped when their lease ends.
+            _until(lambda: admin.stats().stores_refused_by_reason.get("expired") == 8, "expiry")
+            assert admin.stats().stores_refused_by_reason.get("full", 0) == 0
+    finally:
+        victim.kill()
+        victim.communicate(timeout=60)
+        if attacker is not None:
+            attacker.communicate(timeout=60)
+
+
+def test_the_bytes_one_users_sessions_map_are_bounded(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    rank_files = 3 * 16 * PAGE  # what one peer_process rank maps: three files of 16 pages
+    daemon = shared_daemon(limits=LimitsSettings(mapped_bytes_per_uid=2 * rank_files + PAGE))
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    endpoint = daemon.endpoint
+    with (
+        held_as(b, endpoint, "--engine", "map-1") as first,
+        held_as(b, endpoint, "--engine", "map-2") as second,
+    ):
+        assert first.get("connected") and second.get("connected"), (first, second)
+        third = run_as(b, endpoint, "--engine", "map-3")
+        assert "limits.mapped_bytes_per_uid" in str(third["error"]), third
+        # Another user's sessions are not counted against it.
+        victim = run_as(a, endpoint, "--engine", "victim", "--store", "mine")
+        assert victim.get("connected") and victim["stored"] == 4, victim
+    # Sessions that ended map nothing any more.
+    again = run_as(b, endpoint, "--engine", "map-3", "--store", "again")
+    assert again.get("connected") and again["stored"] == 4, again

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offloadd.cache.index import ChunkCache, Entry
-from offloadd.server.announce import Announcer
+from offloadd.server.announce import Announcer, topic_warnings
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Registry
 from offloadd.settings import EventSettings
@@ -110,3 +110,12 @@ def test_a_ready_engine_is_sent_what_its_namespace_holds_and_closing_stops_it() 
     announcer.chunks_committed(namespace, committed)
     assert len(publishers.batches) == 1 and journal.removed_keys == []
     assert announcer.endpoints_for(0) == ("", "")
+
+
+def test_topics_that_could_name_another_tenant_are_warned_about() -> None:
+    assert topic_warnings(EventSettings().topic_template, client_topics=False) == []
+    assert topic_warnings("kv@{pod}@{engine_id}", client_topics=False) == []  # ids are per tenant
+    (shared,) = topic_warnings("kv@{pod}@{model}", client_topics=False)  # vLLM's own shape
+    assert "neither {tenant} nor {engine_id}" in shared
+    (chosen,) = topic_warnings(EventSettings().topic_template, client_topics=True)
+    assert "tenancy.client_topics" in chosen

@@ -309,3 +309,92 @@ def test_clear_ends_the_namespace_reservations() -> None:
     assert cache.reserve(NS, [key(2), key(3)], "other", sizes).reserved == [0, 1]
     assert cache.release_reservations("sched") == 0
     assert cache.get(NS, key(2)) is not None and cache.get(NS, key(3)) is not None
+
+
+def watched_full_cache(slots: int) -> tuple[ChunkCache, list[int]]:
+    """A cache of ``slots`` committed keys that mirrors "a" and "b" show; the list counts
+    ``on_placed`` calls."""
+    cache = ChunkCache(slots * SIZE)
+    cache.watch(NS, "a")
+    cache.watch(NS, "b")
+    commit(cache, [key(i) for i in range(slots)])
+    calls: list[int] = []
+    cache.on_placed(lambda: calls.append(1))
+    return cache, calls
+
+
+def test_a_key_whose_room_waits_on_another_mirror_is_placed_when_it_acks() -> None:
+    cache, calls = watched_full_cache(4)
+    res = cache.reserve(NS, [key(10)], "a", sizes, acker="a")
+    assert res.reserved == [0] and cache.stats().unplaced == 1
+    assert cache.unplaced(NS, [key(10), key(11), key(0)]) == 1  # only the reserved one waits
+    assert calls == []
+    cache.ack("b", cache.seq)
+    assert calls == [1]
+    assert cache.unplaced(NS, [key(10)]) == 0 and cache.stats().unplaced == 0
+    store = cache.begin_store(NS, [key(10)], 0, sizes, allocate=False)
+    assert [w.index for w in store.writes] == [0]
+    assert [e.key for e in cache.finish_store(store.writes, ok=True)] == [key(10)]
+    assert cache.stats().refused == {}
+
+
+def test_a_store_that_meets_a_key_still_unplaced_drops_it_as_refused_for_ack() -> None:
+    cache, calls = watched_full_cache(4)
+    cache.reserve(NS, [key(10)], "a", sizes, acker="a")
+    store = cache.begin_store(NS, [key(10)], 0, sizes, allocate=False)
+    assert store.writes == [] and store.skipped == [0]
+    assert cache.stats().refused == {"ack": 1}
+    assert cache.get(NS, key(10)) is None and cache.stats().unplaced == 0
+    cache.ack("b", cache.seq)
+    assert calls == []  # nothing waited any more
+
+
+def test_unplaced_places_a_key_whose_room_is_free_already() -> None:
+    cache, calls = watched_full_cache(4)
+    cache.reserve(NS, [key(10)], "a", sizes, acker="a")
+    cache.remove(NS, [key(2)])  # "a" and "b" must acknowledge this one too
+    cache.unwatch("b")  # ... but "a" alone is left, and it has not
+    cache.ack("a", cache.seq)
+    assert calls == [1] and cache.unplaced(NS, [key(10)]) == 0
+
+
+def test_a_key_waiting_on_held_room_is_placed_when_the_hold_ends() -> None:
+    cache, calls = watched_full_cache(2)
+    assert cache.reserve(NS, [key(10)], "a", sizes, acker="a").reserved == [0]
+    # "b" still shows both victims and holds them: its acknowledgement frees nothing yet.
+    assert cache.hold(NS, "b", "req", [key(0), key(1)]) == []
+    cache.ack("b", cache.seq)
+    assert calls == [] and cache.unplaced(NS, [key(10)]) == 1
+    cache.release_hold("b", "req", [key(1)])
+    assert calls == [1] and cache.unplaced(NS, [key(10)]) == 0
+
+
+def test_a_key_waiting_on_read_room_is_placed_when_the_read_ends() -> None:
+    cache, calls = watched_full_cache(2)
+    assert cache.reserve(NS, [key(10)], "a", sizes, acker="a").reserved == [0]
+    assert cache.hold(NS, "b", "req", [key(0), key(1)]) == []
+    reads = cache.begin_load_held("b", "req", [key(0), key(1)])
+    cache.release_hold("b", "req", [key(0), key(1)])  # the reads alone keep the room now
+    cache.ack("b", cache.seq)
+    assert calls == [] and cache.unplaced(NS, [key(10)]) == 1
+    cache.finish_load(reads.entries)
+    assert calls == [1] and cache.unplaced(NS, [key(10)]) == 0
+
+
+def test_a_key_waiting_for_room_is_placed_when_a_dead_write_ends() -> None:
+    cache = ChunkCache(3 * SIZE)
+    cache.watch(NS, "a")
+    cache.watch(NS, "b")
+    commit(cache, [key(0), key(1)])
+    writing = cache.begin_store(NS, [key(2)], 0, sizes)  # a rank's copy in flight
+    calls: list[int] = []
+    cache.on_placed(lambda: calls.append(1))
+    assert cache.reserve(NS, [key(10)], "a", sizes, acker="a").reserved == [0]
+    assert cache.hold(NS, "b", "req", [key(0), key(1)]) == []
+    cache.ack("b", cache.seq)  # the victims' room is held still
+    assert calls == [] and cache.unplaced(NS, [key(10)]) == 1
+    cache.remove(NS, [key(2)])  # dead, but its copy runs: its room frees when that ends
+    assert cache.unplaced(NS, [key(10)]) == 1
+    assert cache.finish_store(writing.writes, ok=True) == []
+    assert calls == [1] and cache.unplaced(NS, [key(10)]) == 0
+    assert cache.stats().used_bytes == 3 * SIZE  # two held victims and key(10)

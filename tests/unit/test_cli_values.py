@@ -221,11 +221,13 @@ EMPTY_MEANS_SOMETHING = {
     ("events", "topic_template"),  # the topic ""
     ("events", "pod"),  # the host name
     ("metrics", "address"),  # no metrics server
+    ("metrics", "socket_group"),  # the group the metrics socket is created with
     ("disk", "path"),  # no disk tier
     ("mooncake", "master"),  # no cluster tier
     ("mooncake", "metadata"),  # the master's host, port 8080
     ("mooncake", "rdma_devices"),  # every device
     ("mooncake", "local_hostname"),  # the host name
+    ("mooncake", "key_file"),  # no cluster key: the cluster tier does not open
 }
 # Lists for which no entry is a documented meaning: "" (from the environment) and [] are ().
 EMPTY_LIST_MEANS_NONE = {("tenancy", "shared_groups")}  # no group shares across its users

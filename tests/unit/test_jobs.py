@@ -163,6 +163,22 @@ async def test_a_failed_copy_fails_every_key_and_is_counted(rig: Rig) -> None:
 
 
 @pytest.mark.asyncio
+async def test_copy_failures_are_logged_rate_limited(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One client's broken copies must not flood the log: one line per interval, the rest
+    # counted (in the next line and in offloadd_jobs_total{outcome="failed"}).
+    caplog.set_level(logging.ERROR, logger="offloadd.server.jobs")
+    for job_id in range(1, 51):
+        rig.submit(job_id, Direction.LOAD)
+        rig.copies.futures[-1].set_exception(OSError("bus error"))
+    await settle(lambda: rig.jobs.in_flight == 0)
+    assert len(rig.replies(JobDone)) == 50 and rig.counters.jobs_failed == 50
+    failed = [r for r in caplog.records if "copy failed" in r.getMessage()]
+    assert len(failed) == 1, [r.getMessage() for r in failed]
+
+
+@pytest.mark.asyncio
 async def test_wait_answers_at_once_refuses_unknown_ids_and_times_out(rig: Rig) -> None:
     with pytest.raises(Refused, match=r"unknown job ids \[5\]") as refused:
         rig.wait(Wait(1, [5], timeout=1.0))

@@ -17,14 +17,33 @@ from offloadd.checksum import checksum
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import (
+    ClusterKeys,
     MooncakeTier,
     MooncakeUnavailable,
     companion_size,
-    decode_companion,
     default_metadata,
-    encode_companion,
-    object_names,
 )
+
+KEY = bytes(range(32))
+TENANTS = {"alice": ["uid:1000"]}
+
+
+@pytest.fixture(autouse=True)
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.getbasetemp() / "cluster.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, KEY)
+    os.close(fd)
+    return path
+
+
+def settings(key_file: str, master: str = "") -> MooncakeSettings:
+    return MooncakeSettings(key_file=key_file, tenants=TENANTS, master=master)
+
+
+def object_names(namespace: str, key: bytes) -> tuple[str, str]:
+    return ClusterKeys(KEY).space("alice", namespace).names(key)
+
 
 RPC_FAIL = -900
 
@@ -125,8 +144,14 @@ def store() -> FakeStore:
 
 
 @pytest.fixture
-def tier(arena: Arena, store: FakeStore) -> Iterator[MooncakeTier]:
-    made = MooncakeTier(MooncakeSettings(master="fake:1"), arena, client=store, backoff=60.0)
+def tier(arena: Arena, store: FakeStore, key_file: str) -> Iterator[MooncakeTier]:
+    made = MooncakeTier(
+        settings(key_file, master="fake:1"),
+        arena,
+        tenant_of=lambda namespace: "u1000",
+        client=store,
+        backoff=60.0,
+    )
     yield made
     made.close()
 
@@ -152,27 +177,38 @@ def read(arena: Arena, chunk: ChunkAddress) -> bytes:
 
 
 def test_names_and_companions() -> None:
+    keys = ClusterKeys(KEY)
     data, companion = object_names("ns/a b", b"\x01\x02")
-    assert (data, companion) == ("offloadd/v2/ns%2Fa%20b/0102", "offloadd/v2/ns%2Fa%20b/0102.sum")
-    raw = encode_companion(data, [10, 20], [0xDEADBEEF_0BADF00D, 7])
+    assert data.startswith("offloadd/v3/") and data.endswith("/0102")
+    assert companion == data + ".sum" and "ns" not in data
+    assert keys.space("bob", "ns/a b").names(b"\x01\x02")[0] != data  # tenants apart
+    nonces = [b"n" * 12, b"m" * 12]
+    raw = keys.encode_companion(data, [10, 20], [0xDEADBEEF_0BADF00D, 7], nonces)
     assert len(raw) == companion_size(2)
-    assert decode_companion(data, raw, [10, 20]) == (0xDEADBEEF_0BADF00D, 7)
-    assert decode_companion(data, raw, [10, 21]) is None
-    assert decode_companion(data, raw, [10]) is None
-    assert decode_companion(data + "x", raw, [10, 20]) is None  # another chunk's companion
-    assert decode_companion(data, raw[:-1], [10, 20]) is None
-    assert decode_companion(data, b"XXXX" + raw[4:], [10, 20]) is None
-    assert decode_companion(data, raw[:4] + b"\x01\x00" + raw[6:], [10, 20]) is None  # v1
+    assert keys.decode_companion(data, raw, [10, 20]) == [
+        (0xDEADBEEF_0BADF00D, nonces[0]),
+        (7, nonces[1]),
+    ]
+    assert keys.decode_companion(data, raw, [10, 21]) is None
+    assert keys.decode_companion(data, raw, [10]) is None
+    assert keys.decode_companion(data + "x", raw, [10, 20]) is None  # another chunk's companion
+    assert keys.decode_companion(data, raw[:-1], [10, 20]) is None
+    flipped = bytearray(raw)
+    flipped[20] ^= 1  # a checksum changed: the MAC no longer matches
+    assert keys.decode_companion(data, bytes(flipped), [10, 20]) is None
+    assert ClusterKeys(bytes(32)).decode_companion(data, raw, [10, 20]) is None  # another key
     assert default_metadata("10.0.0.7:50051") == "http://10.0.0.7:8080/metadata"
     assert default_metadata("master") == "http://master:8080/metadata"
 
 
-def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch, arena: Arena) -> None:
+def test_missing_package_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, arena: Arena, key_file: str
+) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails
     with pytest.raises(MooncakeUnavailable, match=r"offloadd\[mooncake\].*libibverbs1"):
-        MooncakeTier(MooncakeSettings(master="127.0.0.1:1"), arena)
+        MooncakeTier(settings(key_file, master="127.0.0.1:1"), arena)
     with pytest.raises(MooncakeUnavailable, match="master is empty"):
-        MooncakeTier(MooncakeSettings(), arena)
+        MooncakeTier(settings(key_file), arena)
 
 
 def test_round_trip_and_namespaces(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
@@ -191,13 +227,19 @@ def test_round_trip_and_namespaces(tier: MooncakeTier, arena: Arena, store: Fake
     assert store.objects == {} and tier.stats().chunks == 0
 
 
-def test_sums_are_the_journals(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
+def test_sums_cover_the_sealed_bytes(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
     [chunk] = fill(arena, "a", 1)
     tier.put([chunk], arena)
     data, companion = object_names("a", chunk.key)
     sizes = [size for _, size in chunk.extents]
-    sums = tuple(checksum(arena.address + offset, size) for offset, size in chunk.extents)
-    assert decode_companion(data, store.objects[companion], sizes) == sums
+    sealed = ctypes.create_string_buffer(store.objects[data], len(store.objects[data]))
+    sums, at = [], 0
+    for size in sizes:
+        sums.append(checksum(ctypes.addressof(sealed) + at, size + 16))
+        at += size + 16
+    shards = ClusterKeys(KEY).decode_companion(data, store.objects[companion], sizes)
+    assert shards is not None and [total for total, _ in shards] == sums
+    assert read(arena, chunk) not in store.objects[data]
 
 
 def test_torn_data_is_dropped(tier: MooncakeTier, arena: Arena, store: FakeStore) -> None:
@@ -270,8 +312,8 @@ def test_unreachable_master_backs_off(tier: MooncakeTier, arena: Arena, store: F
     assert tier.get(moved(chunks, 1 << 19), arena) == [True, True]
 
 
-def test_closed_tier_answers_false(arena: Arena, store: FakeStore) -> None:
-    tier = MooncakeTier(MooncakeSettings(master="fake:1"), arena, client=store)
+def test_closed_tier_answers_false(arena: Arena, store: FakeStore, key_file: str) -> None:
+    tier = MooncakeTier(settings(key_file, master="fake:1"), arena, client=store)
     tier.close()
     tier.close()
     chunks = fill(arena, "a", 1)

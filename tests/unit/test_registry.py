@@ -624,6 +624,54 @@ def test_pipeline_namespace_does_not_depend_on_arrival_order() -> None:
     assert _namespace(reg, "engine-a") == _namespace(reg, "engine-b")
 
 
+def _tenant_engine(reg: Registry, engine_id: str, tenant: str, **overrides: Any) -> str:
+    """A two-rank engine of ``tenant`` (as the kernel says): its namespace."""
+    for rank in range(2):
+        message = hello(engine_id=engine_id, rank=rank, **overrides)
+        reg.hello(f"{engine_id}-{rank}", message, tenant=tenant, uid=int(tenant[1:]))
+    return _namespace(reg, engine_id)
+
+
+def test_a_cluster_tenant_names_its_namespaces_alike_on_every_node() -> None:
+    # alice is uid 1000 on one node and uid 1005 on another; bob is uid 1000 elsewhere.
+    node_a = Registry(cluster_tenants={"u1000": "alice", "u1001": "bob"})
+    node_b = Registry(cluster_tenants={"u1005": "alice"})
+    node_c = Registry(cluster_tenants={"u1000": "bob"})
+    unnamed = Registry()
+    alice_a = _tenant_engine(node_a, "engine-a", "u1000")
+    assert _tenant_engine(node_b, "engine-b", "u1005") == alice_a
+    bob_c = _tenant_engine(node_c, "engine-c", "u1000")
+    assert bob_c != alice_a
+    assert _tenant_engine(node_a, "engine-e", "u1001") == bob_c
+    plain = _tenant_engine(unnamed, "engine-d", "u1000")
+    assert plain not in (alice_a, bob_c)
+    # An unnamed tenant on a node with names keeps the namespace it has without them.
+    assert _tenant_engine(node_b, "engine-f", "u1000") == plain
+    assert node_a.tenant_of_namespace(alice_a) == "u1000"
+    assert node_b.tenant_of_namespace(alice_a) == "u1005"
+
+
+def test_the_tenant_of_a_namespace_outlives_its_engines_within_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("offloadd.server.registry.NAMESPACE_TENANTS", 2)
+    reg = Registry()
+    assert reg.tenant_of_namespace("model@0000000000000000") is None
+    kept = _tenant_engine(reg, "engine-kept", "u1000", extra={"namespace": "kept"})
+    left = []
+    for index in range(4):
+        engine_id = f"engine-{index}"
+        left.append(
+            _tenant_engine(reg, engine_id, f"u{2000 + index}", extra={"namespace": engine_id})
+        )
+        reg.remove(f"{engine_id}-0")
+        reg.remove(f"{engine_id}-1")
+        assert reg.namespace(left[-1]) is None  # its engine left; its chunks would stay
+    # The namespace in use is never forgotten; of those left, the last two are remembered.
+    assert reg.tenant_of_namespace(kept) == "u1000"
+    assert [reg.tenant_of_namespace(name) for name in left] == [None, None, "u2002", "u2003"]
+
+
 def test_namespace_survives_a_rank_restart() -> None:
     reg = Registry()
     register_engine(reg)

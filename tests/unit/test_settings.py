@@ -19,6 +19,7 @@ from offloadd.server.preflight import PreflightError, preflight, raise_on_failur
 from offloadd.settings import (
     CacheSettings,
     LogSettings,
+    ServerSettings,
     Settings,
     SettingsError,
     configure_logging,
@@ -140,7 +141,43 @@ def test_lists_in_toml(toml: Path) -> None:
 def test_metrics_can_be_turned_off() -> None:
     settings = load_settings(environ={"OFFLOADD_METRICS__ADDRESS": ""})
     assert settings.metrics.address == ""
-    assert Settings().metrics.address == "127.0.0.1:9464"
+    assert Settings().metrics.address == "auto"
+
+
+def test_events_and_metrics_default_to_sockets_beside_the_control_socket() -> None:
+    settings = Settings(server=ServerSettings(endpoint="ipc:///run/x/d.sock")).exposed()
+    assert settings.events.endpoint == "ipc:///run/x/d.sock.events"
+    assert settings.events.replay_endpoint == "ipc:///run/x/d.sock.replay"
+    assert settings.metrics.address == "unix:/run/x/d.sock.metrics"
+    # Only the daemon's user (and root) read the metrics: they name every tenant's engines.
+    assert (settings.metrics.socket_mode, settings.metrics.socket_group) == ("0600", "")
+    assert "{tenant}" in settings.events.topic_template
+    # tcp is an explicit setting; "auto" replay beside it is its next port, as vLLM's.
+    tcp = load_settings(
+        environ={
+            "OFFLOADD_SERVER__ENDPOINT": "ipc:///run/x/d.sock",
+            "OFFLOADD_EVENTS__ENDPOINT": "tcp://0.0.0.0:6000",
+            "OFFLOADD_METRICS__ADDRESS": "0.0.0.0:9464",
+        }
+    ).exposed()
+    assert tcp.events.replay_endpoint == "tcp://0.0.0.0:6001"
+    assert tcp.metrics.address == "0.0.0.0:9464"
+    # Off stays off; a tcp control endpoint puts them beside the default ipc one.
+    off = load_settings(
+        environ={"OFFLOADD_EVENTS__REPLAY_ENDPOINT": "", "OFFLOADD_METRICS__ADDRESS": ""}
+    )
+    assert off.exposed().events.replay_endpoint == "" and off.exposed().metrics.address == ""
+    remote = Settings(server=ServerSettings(endpoint="tcp://127.0.0.1:7000")).exposed()
+    assert remote.events.endpoint.startswith("ipc://") and remote.events.endpoint.endswith(
+        "offloadd.sock.events"
+    )
+
+
+def test_a_control_path_leaves_room_for_the_sockets_beside_it() -> None:
+    path = "/tmp/" + "p" * (107 - len("/tmp/") - len(".metrics"))
+    assert load_settings(environ={"OFFLOADD_SERVER__ENDPOINT": f"ipc://{path}"})
+    with pytest.raises(SettingsError, match=r"PATH\.metrics"):
+        load_settings(environ={"OFFLOADD_SERVER__ENDPOINT": f"ipc://{path}x"})
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -150,6 +187,18 @@ def error_of(path: str | None = None, env: dict[str, str] | None = None, **flags
     with pytest.raises(SettingsError) as caught:
         load_settings(path, environ=env or NO_ENV, overrides=flags or None)  # type: ignore[arg-type]
     return str(caught.value)
+
+
+def test_the_per_tenant_limits_are_checked() -> None:
+    message = error_of(env={"OFFLOADD_LIMITS__TENANT_PROTECTED_FRACTION": "1.5"})
+    assert message.startswith("limits.tenant_protected_fraction: expected a fraction")
+    message = error_of(env={"OFFLOADD_LIMITS__RESERVATION_SECONDS": "0"})
+    assert message.startswith("limits.reservation_seconds: expected a number above 0")
+    message = error_of(env={"OFFLOADD_LIMITS__MAPPED_BYTES_PER_UID": "-1"})
+    assert message.startswith("limits.mapped_bytes_per_uid: expected a number at least 0")
+    # 0: the engine's fraction again, per tenant; the host's memory per uid.
+    limits = load_settings(None, environ={"OFFLOADD_LIMITS__TENANT_PROTECTED_FRACTION": "0"}).limits
+    assert limits.tenant_protected_fraction == 0 and limits.mapped_bytes_per_uid == 0
 
 
 def test_unknown_key_in_env_names_key_and_variable() -> None:
@@ -332,7 +381,8 @@ def test_check_config_prints_the_effective_settings(toml: Path) -> None:
     printed = tomllib.loads(result.stdout)
     assert printed["cache"]["capacity"] == 2 << 30
     assert printed["cache"]["policy"] == "arc"
-    assert printed["metrics"]["address"] == "127.0.0.1:9464"
+    assert printed["metrics"]["address"] == "auto"
+    assert "unix:" in result.stdout.split("[metrics]")[1].splitlines()[1]  # where "auto" is
 
     as_json = check_config("--config", path, "--json")
     assert as_json.returncode == 0, as_json.stderr
@@ -450,3 +500,16 @@ def test_a_capacity_above_the_machines_memory_is_refused_by_the_preflight() -> N
     assert "is more than this machine's memory" in arena.problem
     with pytest.raises(PreflightError, match=r"^cache.arena .*more than this machine's memory"):
         raise_on_failure(settings)
+
+
+def test_cluster_tenants_name_local_tenants_by_uid_and_by_group(toml: Path) -> None:
+    text = '[mooncake.tenants]\nalice = ["uid:1000", "gid:2000"]\n"team.b" = ["uid:01001"]\n'
+    settings = load_settings(write(toml, text), environ=NO_ENV)
+    assert settings.mooncake.cluster_tenants() == {
+        "u1000": "alice",
+        "g2000": "alice",
+        "u1001": "team.b",
+    }
+    assert Settings().mooncake.cluster_tenants() == {}
+    # settings_toml writes the mapping back as an inline table.
+    assert load_settings(write(toml, settings_toml(settings)), environ=NO_ENV) == settings

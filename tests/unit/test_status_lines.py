@@ -64,3 +64,15 @@ def test_status_names_the_daemon_its_arena_and_copy_engine() -> None:
         describe(_stats(), "ipc:///x")[1]
         == "  daemon     version unknown, pid unknown, copy engine unknown"
     )
+
+
+def test_status_says_when_the_node_wide_counters_are_withheld() -> None:
+    shown = describe(_stats(), "ipc:///x")
+    assert any(line.startswith("  lookups    4 requests") for line in shown)
+    tier = TierState("disk", 1 << 30, 0, 0, True)
+    lines = describe(_stats(used_bytes=0, lookups=0, counters=False, tiers=[tier]), "ipc:///x")
+    assert "  cache      1.0GiB; node-wide counters shown to root and the daemon's user only" in (
+        lines
+    )
+    # Zeros that only mean "not yours to see" are not printed as counts.
+    assert not [line for line in lines if line.startswith(("  lookups", "  sessions", "  disk"))]

@@ -17,12 +17,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from offloadd.cache.arena import Arena
 from offloadd.server import tiers as coordinator
-from offloadd.server.storage import tier_slots
-from offloadd.settings import DiskSettings, MooncakeSettings, Settings
+from offloadd.server.storage import cluster_tenant_problems, tier_slots
+from offloadd.settings import DiskSettings, MooncakeSettings, Settings, TenancySettings
 from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
 from tests.unit.tier_rig import ARENA, CHUNK, events, keys_named, make_rig, until
 
@@ -249,3 +250,18 @@ def test_a_mirrored_engine_hears_of_promotions_through_its_mirror_only(arena: Ar
         await rig.tiers.drain(5.0)
 
     asyncio.run(main())
+
+
+def test_cluster_names_that_can_never_apply_are_told() -> None:
+    tenants = {"alice": ["uid:1000"], "team": ["gid:2000"], "lab": ["gid:3000"]}
+    groups = {"team": 2000}
+    settings = Settings(
+        tenancy=TenancySettings(shared_groups=("team",)),
+        mooncake=MooncakeSettings(tenants=tenants),
+    )
+    [problem] = cluster_tenant_problems(settings, gid_of=groups.__getitem__)
+    assert problem.startswith("lab: gid:3000 is not one of tenancy.shared_groups")
+    everyone = msgspec.structs.replace(settings, tenancy=TenancySettings(share_across_uids=True))
+    [problem] = cluster_tenant_problems(everyone, gid_of=groups.__getitem__)
+    assert "share_across_uids" in problem
+    assert cluster_tenant_problems(Settings()) == []

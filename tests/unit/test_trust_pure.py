@@ -6,16 +6,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from offloadd.cache.index import ChunkCache
-from offloadd.server.limits import Limits
+from offloadd.server.limits import Limits, cache_bounds
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import RegistrationError, Registry
 from offloadd.server.tenancy import Tenancy, Viewer
 from offloadd.settings import LimitsSettings, TenancySettings
 from protocol.errors import ErrorCode
-from protocol.messages import DaemonStats, EngineState
+from protocol.messages import DaemonStats, EngineState, TierState
 from tests.fakes import Clock
 from tests.helpers import hello
 
@@ -89,7 +90,44 @@ def test_stats_list_the_engines_a_viewer_may_see() -> None:
     assert seen(Viewer("u1002")) == ["b1"]
     assert seen(Viewer("u1003", admin=True)) == ["a1", "a2", "b1"]
     assert seen(None) == []
-    assert Tenancy.visible_stats(stats, None, tenant_of).sessions == 3  # aggregates stay
+
+
+# What anyone who may ask sees: nothing a tenant did (``engines`` are then the asker's own).
+_NO_TENANTS = {
+    "uptime_seconds", "capacity_bytes", "events_endpoint", "events_replay_endpoint",
+    "copy_path", "version", "pid", "arena", "copy_engine", "engines", "tiers", "counters",
+}  # fmt: skip
+
+
+def test_only_admins_see_the_node_wide_counters() -> None:
+    tier = TierState("disk", 100, 50, 5, True, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1.0, 2.0)
+    busy = msgspec.structs.replace(
+        _stats("a1", "b1"),
+        **{
+            info.name: 7
+            for info in msgspec.structs.fields(DaemonStats)
+            if info.type is int and info.name not in _NO_TENANTS
+        },
+        stores_refused_by_reason={"full": 3},
+        tiers=[tier],
+        version="1.2",
+        pid=4242,
+        capacity_bytes=1 << 30,
+    )
+    owners = {"a1": "u1001", "b1": "u1002"}
+    admin = Tenancy.visible_stats(busy, Viewer("u0", admin=True), lambda e: owners[e.engine_id])
+    assert admin == busy and admin.counters
+    for viewer in (Viewer("u1001"), None):
+        seen = Tenancy.visible_stats(busy, viewer, lambda e: owners[e.engine_id])
+        assert not seen.counters
+        assert (seen.version, seen.capacity_bytes, seen.pid) == ("1.2", 1 << 30, 4242)
+        for info in msgspec.structs.fields(DaemonStats):
+            if info.name not in _NO_TENANTS:
+                assert not getattr(seen, info.name), info.name  # a counter of every tenant
+        (shown,) = seen.tiers
+        assert (shown.name, shown.capacity, shown.healthy) == ("disk", 100, True)
+        assert msgspec.structs.astuple(shown)[2:] == (0, 0, True, *[0] * 9, 0.0, 0.0)
+        assert [e.engine_id for e in seen.engines] == (["a1"] if viewer else [])
 
 
 # ---------------------------------------------------------------- limits
@@ -116,6 +154,22 @@ def test_regions_and_sessions_per_user() -> None:
     assert limits.session_problem(2, 1) == ""
     assert "regions_per_session" in limits.session_problem(3, 0)
     assert "sessions_per_uid" in limits.session_problem(1, 2)
+
+
+def test_mapped_bytes_per_user() -> None:
+    assert Limits(LimitsSettings(), memory=1 << 30).mapped_bytes == 1 << 30  # 0: the host's
+    limits = Limits(LimitsSettings(mapped_bytes_per_uid=1 << 20), memory=1 << 30)
+    assert limits.mapped_problem(1 << 20) == ""
+    assert "limits.mapped_bytes_per_uid (1048576)" in limits.mapped_problem((1 << 20) + 1)
+
+
+def test_the_cache_bounds_per_engine_and_per_tenant() -> None:
+    default = cache_bounds(1000, LimitsSettings())
+    assert default == {"budget": 500, "tenant_budget": 500, "reservation_lease": 5.0}
+    tenant = cache_bounds(
+        1000, LimitsSettings(protected_fraction=0.5, tenant_protected_fraction=0.75)
+    )
+    assert (tenant["budget"], tenant["tenant_budget"]) == (500, 750)
 
 
 # ---------------------------------------------------------------- protected bytes

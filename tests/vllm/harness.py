@@ -31,14 +31,16 @@ the layer caches through `register_kv_caches` (the connector builds the
 and `update_from_output`, and the KV event publisher.
 
 What is simulated: the forward pass and the sampler. For token position p of a
-request, every layer l on rank r holds ``token_kv_bytes(prefix[:p+1], l, kv_rank(r))`` in
-its slot (all heads, K and V); the token sampled after a prefix is
-``sampled_token(prefix)``. So the same prefix always gives the same bytes, on
-every engine (DP) and after every recompute, and differs between ranks and
-layers. Before writing, the forward pass checks that every token before the
-scheduled range (whether prefix-cached or loaded) already holds its bytes, on
-every rank and layer -- what attention would read -- and raises
-`KVMismatchError` if not.
+request, every layer l on rank r holds ``token_kv_bytes(prefix[:p+1], l, first_head(r),
+heads, width)`` in its slot: each of the rank's heads (K and V) holds the bytes of its
+*global* head index, so the same prefix always gives the same bytes, on every engine (DP),
+after every recompute and at every TP size (a TP=2 rank holds the half of a TP=1 rank's
+heads that it owns: what the canonical layout's sharing needs), and differs between heads
+and layers (``first_head(r)`` is ``kv_rank(r) * heads``: MLA's one latent head is the same
+on every rank); the token sampled after a prefix is ``sampled_token(prefix)``. Before
+writing, the forward pass checks that every token before the scheduled range (whether
+prefix-cached or loaded) already holds its bytes, on every rank and layer -- what attention
+would read -- and raises `KVMismatchError` if not.
 
 One step (`VllmHarness.step`), in vLLM's order::
 
@@ -286,13 +288,19 @@ def prefix_hashes(tokens: Sequence[int]) -> list[bytes]:
     return out
 
 
-def _slot_bytes(prefix_hash: bytes, layer: int, rank: int, nbytes: int) -> bytes:
-    return hashlib.shake_128(prefix_hash + struct.pack("<II", layer, rank)).digest(nbytes)
+def _slot_bytes(prefix_hash: bytes, layer: int, first_head: int, heads: int, width: int) -> bytes:
+    """One token's slot: ``width`` bytes of each global head ``first_head ...``, in order."""
+    return b"".join(
+        hashlib.shake_128(prefix_hash + struct.pack("<II", layer, head)).digest(width)
+        for head in range(first_head, first_head + heads)
+    )
 
 
-def token_kv_bytes(prefix: Sequence[int], layer: int, rank: int, nbytes: int) -> bytes:
-    """The `nbytes` the forward pass writes for the last token of `prefix`."""
-    return _slot_bytes(prefix_hashes(prefix)[-1], layer, rank, nbytes)
+def token_kv_bytes(
+    prefix: Sequence[int], layer: int, first_head: int, heads: int, width: int
+) -> bytes:
+    """The bytes the forward pass writes for the last token of `prefix` (see the module)."""
+    return _slot_bytes(prefix_hashes(prefix)[-1], layer, first_head, heads, width)
 
 
 def _sample(prefix_hash: bytes) -> int:
@@ -475,8 +483,8 @@ class _RunnerRequest:
     tokens: list[int]
     block_ids: list[list[int]]
     hashes: list[bytes] = field(default_factory=list)
-    # (layer, rank, bytes per token) -> slot bytes of positions 0, 1, ...
-    slot_cache: dict[tuple[int, int, int], bytearray] = field(default_factory=dict)
+    # (layer, first head, heads, bytes per head) -> slot bytes of positions 0, 1, ...
+    slot_cache: dict[tuple[int, int, int, int], bytearray] = field(default_factory=dict)
 
     def hashes_upto(self, n: int) -> list[bytes]:
         if len(self.hashes) < n:
@@ -486,13 +494,18 @@ class _RunnerRequest:
                 self.hashes.append(h)
         return self.hashes[:n]
 
-    def slot_bytes(self, layer: int, rank: int, nbytes: int, start: int, end: int) -> bytes:
-        """The bytes of positions [start, end), each `nbytes` long."""
-        cache = self.slot_cache.setdefault((layer, rank, nbytes), bytearray())
+    def slot_bytes(
+        self, layer: int, first_head: int, heads: int, width: int, start: int, end: int
+    ) -> bytes:
+        """The bytes of positions [start, end), each ``heads * width`` long."""
+        cache = self.slot_cache.setdefault((layer, first_head, heads, width), bytearray())
+        nbytes = heads * width
         have = len(cache) // nbytes
         if have < end:
             hashes = self.hashes_upto(end)
-            cache += b"".join(_slot_bytes(h, layer, rank, nbytes) for h in hashes[have:end])
+            cache += b"".join(
+                _slot_bytes(h, layer, first_head, heads, width) for h in hashes[have:end]
+            )
         return bytes(cache[start * nbytes : end * nbytes])
 
     def set_tokens(self, tokens: list[int]) -> None:
@@ -503,11 +516,25 @@ class _RunnerRequest:
             common += 1
         self.tokens = list(tokens)
         del self.hashes[common:]
-        for (_, _, nbytes), cache in self.slot_cache.items():
-            del cache[common * nbytes :]
+        for (_, _, heads, width), cache in self.slot_cache.items():
+            del cache[common * heads * width :]
 
 
 # ----------------------------------------------------------------------- harness
+
+
+def _spec_blocks(specs: Sequence[GPULoadStoreSpec]) -> list[tuple[int, int, int]]:
+    """(group, block index in the request, GPU block id) of every block of `specs`."""
+    out: list[tuple[int, int, int]] = []
+    for spec in specs:
+        block_ids = [int(b) for b in spec.block_ids]
+        offset = 0
+        for group, (size, first) in enumerate(
+            zip(spec.group_sizes, spec.block_indices, strict=True)
+        ):
+            out.extend((group, first + j, block_ids[offset + j]) for j in range(size))
+            offset += size
+    return out
 
 
 class VllmHarness:
@@ -1105,7 +1132,8 @@ class VllmHarness:
     def _expected_slots(
         self, hashes: Sequence[bytes], layer: int, rank: int, heads: int, width: int
     ) -> torch.Tensor:
-        data = b"".join(_slot_bytes(h, layer, rank, heads * width) for h in hashes)
+        first = self.kv_rank(rank) * heads
+        data = b"".join(_slot_bytes(h, layer, first, heads, width) for h in hashes)
         return self._as_slots(data, heads, width)
 
     def _forward(self, state: RankState, req_id: str, start: int, n: int) -> None:
@@ -1125,7 +1153,7 @@ class VllmHarness:
                     # Attention reads every earlier token it reaches: cached, loaded or
                     # computed (a sliding window's last ``window - 1``, else all of them).
                     blocks, slots = self._slots(req, group, first, start)
-                    data = req.slot_bytes(layer, byte_rank, heads * width, first, start)
+                    data = req.slot_bytes(layer, byte_rank * heads, heads, width, first, start)
                     want = self._as_slots(data, heads, width)
                     got = kv[blocks, :, slots, :]
                     if not torch.equal(got, want):
@@ -1141,7 +1169,7 @@ class VllmHarness:
                             f"before computing tokens [{start}, {end})"
                         )
                 blocks, slots = self._slots(req, group, start, end)
-                data = req.slot_bytes(layer, byte_rank, heads * width, start, end)
+                data = req.slot_bytes(layer, byte_rank * heads, heads, width, start, end)
                 kv[blocks, :, slots, :] = self._as_slots(data, heads, width)
 
     def _sample(self, so: SchedulerOutput) -> dict[str, list[int]]:
@@ -1210,7 +1238,7 @@ class VllmHarness:
         kv = self.ranks[rank].kv_bytes[self.layer_names[layer]]
         _, heads, tokens, width = kv.shape
         hashes = prefix_hashes(prefix_tokens)[-self.block_size :]
-        slots = self._expected_slots(hashes, layer, self.kv_rank(rank), heads, width)
+        slots = self._expected_slots(hashes, layer, rank, heads, width)
         page = torch.zeros(self._page_span(kv), dtype=torch.int8)
         torch.as_strided(page, (heads, tokens, width), kv.stride()[1:]).copy_(
             slots.permute(1, 0, 2)
@@ -1225,16 +1253,12 @@ class VllmHarness:
     def loaded_blocks(self, req_id: str) -> list[tuple[int, int, int]]:
         """(group, block index in the request, GPU block id) of every block
         the connector loaded for `req_id`, in job order."""
-        out: list[tuple[int, int, int]] = []
-        for job in self.load_jobs.get(req_id, []):
-            block_ids = [int(b) for b in job.dst.block_ids]
-            offset = 0
-            for group, (size, first) in enumerate(
-                zip(job.dst.group_sizes, job.dst.block_indices, strict=True)
-            ):
-                out.extend((group, first + j, block_ids[offset + j]) for j in range(size))
-                offset += size
-        return out
+        return _spec_blocks([job.dst for job in self.load_jobs.get(req_id, [])])
+
+    def stored_blocks(self, req_id: str) -> list[tuple[int, int, int]]:
+        """(group, block index in the request, GPU block id) of every block
+        the connector stored for `req_id`, in job order."""
+        return _spec_blocks([job.src for job in self.store_jobs.get(req_id, [])])
 
     def assert_loaded_pages(self, req_id: str) -> int:
         """Check every page the connector loaded for `req_id`, on every rank

@@ -1,0 +1,114 @@
+"""Rank stores that wait for their room: reserved keys placed once another mirror acknowledges.
+
+A scheduler's ``Reserve`` may find room for a key only in removed entries that another
+engine's mirror still shows; the cache reserves such a key *unplaced* and gives it extents
+when that mirror acknowledges the removal (``ChunkCache.unplaced``, ``on_placed``). A rank's
+store of it that arrives first waits here instead of dropping the key, and runs once the
+cache has placed every one of its keys.
+
+Contract of ``WaitingStores`` (the event loop's thread only):
+- ``park(job, namespace, keys, start)``: whether the store ``job`` of ``keys`` waits. It waits
+  when some of its keys are unplaced and fewer than ``most`` stores wait already; it is then
+  booked in its session's jobs (``Jobs.park``: a Wait shows it pending, a drain waits for it)
+  and ``start()`` runs it later on the loop, when the cache has placed all its keys, or after
+  ``seconds`` at most (its keys still unplaced are then refused, reason ``ack``, as they are
+  without waiting). Nothing of it is copied, and nothing is visible, before ``start()``.
+- A waiting store whose session ended (``Jobs.abandon`` unbooks it) never starts; it leaves
+  the queue at the next placement, or when its wait would have ended.
+- ``waiting``: how many stores wait now.
+
+Bounded three ways: ``most`` stores, ``seconds`` each, and each session's
+``limits.jobs_per_session`` (a waiting store counts as in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from offloadd.cache.index import ChunkCache
+from offloadd.server.jobs import Jobs
+from offloadd.server.state import Job
+
+__all__ = ["MOST_WAITING", "WAIT_SECONDS", "WaitingStores"]
+
+logger = logging.getLogger(__name__)
+
+# A mirror acknowledges within a tick of its background thread (offloadd.vllm.manager, 20 ms);
+# one that says nothing this long costs the stores that wait for it their unplaced keys.
+WAIT_SECONDS = 1.0
+MOST_WAITING = 4096
+
+
+class WaitingStores:
+    """Stores waiting for their reserved keys' room; see the module docstring."""
+
+    def __init__(
+        self,
+        cache: ChunkCache,
+        jobs: Jobs,
+        *,
+        seconds: float = WAIT_SECONDS,
+        most: int = MOST_WAITING,
+    ) -> None:
+        self._cache = cache
+        self._jobs = jobs
+        self._seconds = seconds
+        self._most = most
+        # In arrival order: job -> (namespace, keys, start).
+        self._queue: dict[Job, tuple[str, Sequence[bytes], Callable[[], None]]] = {}
+        self._scheduled = False
+        cache.on_placed(self._placed)
+
+    @property
+    def waiting(self) -> int:
+        """Stores waiting now (those of ended sessions left out)."""
+        return sum(not job.abandoned for job in self._queue)
+
+    def park(
+        self, job: Job, namespace: str, keys: Sequence[bytes], start: Callable[[], None]
+    ) -> bool:
+        """Whether ``job`` waits for its unplaced keys; ``start()`` runs it later if so."""
+        if not self._cache.unplaced(namespace, keys):
+            return False
+        for gone in [job for job in self._queue if job.abandoned]:
+            del self._queue[gone]
+        if len(self._queue) >= self._most:
+            return False
+        timer = asyncio.get_running_loop().call_later(self._seconds, self._expired, job)
+        self._jobs.park(job, timer)
+        self._queue[job] = (namespace, keys, start)
+        return True
+
+    def _placed(self) -> None:
+        # Called from inside the cache: run the stores once it has returned.
+        if self._queue and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        self._scheduled = False
+        unplaced = self._cache.unplaced
+        for job, (namespace, keys, start) in list(self._queue.items()):
+            if job.abandoned:
+                del self._queue[job]
+            elif not unplaced(namespace, keys):
+                del self._queue[job]
+                self._start(job, start)
+
+    def _expired(self, job: Job) -> None:
+        entry = self._queue.pop(job, None)
+        if entry is None or job.abandoned:
+            return
+        logger.debug(
+            "%s: job %d waited %.1fs for room other mirrors hold; storing what is placed",
+            job.state.session.describe(),
+            job.job_id,
+            self._seconds,
+        )
+        self._start(job, entry[2])
+
+    def _start(self, job: Job, start: Callable[[], None]) -> None:
+        self._jobs.unpark(job)
+        start()

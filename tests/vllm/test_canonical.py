@@ -1,0 +1,200 @@
+"""vLLM's canonical layout through vLLM 0.33's real scheduler and worker connectors.
+
+With ``canonical_layout: true`` vLLM gives each rank a ``CanonicalPageMapping`` per layer: copy
+runs from the rank's page into a parallelism-free page (all KV heads). The daemon keeps one
+canonical chunk per key, which the engine's ranks fill together (each its own heads) and
+which becomes visible only when every rank has written; its namespace carries no TP size, so
+a TP=1 and a TP=2 engine of the same model share keys and load each other's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
+
+from offloadd.server.daemon import Daemon
+from tests.integration.harness import DaemonThread
+from tests.vllm.harness import NUM_KV_HEADS, NUM_LAYERS, VllmHarness, layer_name
+from tests.vllm.prompts import compute, extra_for, prompt_of, settle
+
+BLOCK = 16
+CHUNK = 32  # tokens per offloaded chunk: 2 GPU blocks
+# Head-major pages (vLLM's default here): a TP=2 rank's page is one contiguous piece of the
+# canonical page. Token-major pages: its heads of each token are a fragment of their own,
+# one canonical token row apart.
+LAYOUTS = pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonThread]:
+    d = DaemonThread(capacity=64 << 20).start()
+    yield d
+    d.stop()
+
+
+def canonical(daemon: DaemonThread) -> dict[str, object]:
+    return extra_for(daemon, block_size=CHUNK, canonical_layout=True)
+
+
+def running(daemon: DaemonThread) -> Daemon:
+    assert daemon.daemon is not None
+    return daemon.daemon
+
+
+def namespace_of(daemon: DaemonThread, engine_id: str) -> str:
+    (engine,) = (e for e in running(daemon).registry.engines() if e.ready and e.key[0] == engine_id)
+    assert engine.namespace is not None
+    return engine.namespace.name
+
+
+def head_slice(h: VllmHarness, rank: int, layer: int, block_id: int) -> torch.Tensor:
+    """The KV of one block of a layer on a rank, as (heads, tokens, bytes)."""
+    return h.ranks[rank].kv_bytes[layer_name(layer)][block_id]
+
+
+@LAYOUTS
+def test_tp2_canonical_chunks_are_one_shard_both_ranks_fill(
+    tmp_path: Path, daemon: DaemonThread, layout: str
+) -> None:
+    prompt = prompt_of(100)
+    with VllmHarness(
+        tmp_path, canonical(daemon), tensor_parallel_size=2, kv_cache_layout=layout
+    ) as h:
+        spec = h.ranks[0].offloading_spec
+        assert spec.config.canonical_layout and spec.offloadd_config.canonical_layout
+        assert spec.config.parallel.is_parallelism_agnostic  # vLLM's own verdict
+        for state in h.ranks:  # each rank's regions carry its fragments of the canonical page
+            regions = state.offloading_worker._regions
+            assert regions and all(r.canonical is not None for r in regions)
+            assert all(r.canonical.page_size == 2 * r.page_size for r in regions)
+            fragments = {run[3] for r in regions for run in r.canonical.runs}
+            assert fragments == ({1} if layout == "LBHNC" else {BLOCK})
+        a = compute(h, prompt)
+        chunks = 100 // CHUNK
+        settle(h, chunks)
+        stats = running(daemon).stats()
+        assert stats.committed_entries == chunks
+        # One canonical chunk per key: both ranks' heads, stored once.
+        chunk_bytes = 2 * spec.config.worker_kv_bytes_per_block * (CHUNK // BLOCK)
+        (engine,) = (e for e in running(daemon).registry.engines() if e.ready)
+        assert engine.namespace is not None
+        assert engine.namespace.shard_sizes == [(chunk_bytes,)]
+        assert engine.namespace.writers == 2
+        assert stats.used_bytes == chunks * chunk_bytes
+        h.reset_prefix_cache()  # zero every rank's KV
+        b = compute(h, prompt[:70] + prompt_of(9, seed=5))
+        assert h.external_tokens(b) == 64
+        # Every rank's every loaded page holds its own heads' bytes.
+        assert h.assert_loaded_pages(b) == 64 // BLOCK * NUM_LAYERS * 2
+        assert h.external_tokens(a) == 0
+
+
+def test_tp1_canonical_round_trip(tmp_path: Path, daemon: DaemonThread) -> None:
+    prompt = prompt_of(100)
+    with VllmHarness(tmp_path, canonical(daemon), tensor_parallel_size=1) as h:
+        compute(h, prompt)
+        settle(h, 3)
+        (engine,) = (e for e in running(daemon).registry.engines() if e.ready)
+        assert engine.namespace is not None and engine.namespace.writers == 1
+        h.reset_prefix_cache()
+        b = compute(h, prompt[:70] + prompt_of(9, seed=5))
+        assert h.external_tokens(b) == 64
+        assert h.assert_loaded_pages(b) == 64 // BLOCK * NUM_LAYERS
+
+
+@LAYOUTS
+@pytest.mark.parametrize(("store_tp", "load_tp"), [(1, 2), (2, 1)])
+def test_canonical_chunks_are_shared_across_tp(
+    tmp_path: Path, daemon: DaemonThread, store_tp: int, load_tp: int, layout: str
+) -> None:
+    prompt = prompt_of(100)
+    with VllmHarness(
+        tmp_path,
+        canonical(daemon),
+        tensor_parallel_size=store_tp,
+        engine_id="a",
+        kv_cache_layout=layout,
+    ) as ha:
+        a = compute(ha, prompt)
+        settle(ha, 3)
+        stored = running(daemon).stats().committed_entries
+        assert stored == 3
+        with VllmHarness(
+            tmp_path,
+            canonical(daemon),
+            tensor_parallel_size=load_tp,
+            engine_id="b",
+            kv_cache_layout=layout,
+        ) as hb:
+            assert namespace_of(daemon, "a") == namespace_of(daemon, "b")
+            settle(hb, 3)  # B's mirror shows A's chunks: one namespace
+            b = compute(hb, prompt[:70] + prompt_of(9, seed=5))
+            # Exactly the shared tokens: two whole chunks of the 70 shared ones.
+            assert hb.external_tokens(b) == 64
+            assert hb.assert_loaded_pages(b) == 64 // BLOCK * NUM_LAYERS * load_tp
+            # Every loaded fragment equals the bytes A computed: B's rank r holds A's heads
+            # [r * heads_b, (r + 1) * heads_b), block by block, in every layer.
+            heads_a, heads_b = NUM_KV_HEADS // store_tp, NUM_KV_HEADS // load_tp
+            loaded = hb.loaded_blocks(b)
+            assert [index for _, index, _ in loaded] == list(range(64 // BLOCK))
+            table_a = {index: block for _, index, block in ha.stored_blocks(a)}
+            for _, index, block_b in loaded:
+                for layer in range(NUM_LAYERS):
+                    whole = torch.cat(
+                        [head_slice(ha, r, layer, table_a[index]) for r in range(store_tp)]
+                    )
+                    assert whole.shape[0] == NUM_KV_HEADS
+                    for r in range(load_tp):
+                        got = head_slice(hb, r, layer, block_b)
+                        want = whole[r * heads_b : (r + 1) * heads_b]
+                        assert torch.equal(got, want), (index, layer, r)
+            assert heads_a * store_tp == heads_b * load_tp
+            # B's 79 tokens hold 2 whole chunks, both A's: it stored nothing new.
+            assert running(daemon).stats().committed_entries == stored
+
+
+def test_canonical_and_direct_layouts_never_share(tmp_path: Path, daemon: DaemonThread) -> None:
+    prompt = prompt_of(100)
+    with VllmHarness(tmp_path, canonical(daemon), engine_id="canon") as h1:
+        compute(h1, prompt)
+        settle(h1, 3)
+        direct = extra_for(daemon, block_size=CHUNK)
+        with VllmHarness(tmp_path, direct, engine_id="direct") as h2:
+            assert namespace_of(daemon, "canon") != namespace_of(daemon, "direct")
+            b = compute(h2, prompt[:70] + prompt_of(9, seed=5))
+            assert h2.external_tokens(b) == 0
+
+
+def test_mla_canonical_is_stored_once_and_shared_across_tp(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """Pure MLA in the canonical layout: vLLM marks it replicated (every rank holds the whole
+    latent page), so rank 0 alone writes the one canonical copy, at TP=2 as at TP=1."""
+    prompt = prompt_of(100)
+    with VllmHarness(
+        tmp_path, canonical(daemon), tensor_parallel_size=2, model="mla", engine_id="a"
+    ) as ha:
+        spec = ha.ranks[0].offloading_spec
+        assert spec.config.canonical_layout and spec.config.replicated_layout
+        compute(ha, prompt)
+        settle(ha, 3)
+        one_copy = spec.config.worker_kv_bytes_per_block * (CHUNK // BLOCK)
+        (engine,) = (e for e in running(daemon).registry.engines() if e.ready)
+        assert engine.namespace is not None
+        assert engine.namespace.shard_sizes == [(one_copy,)]  # one latent copy, not two
+        aligned = -(-one_copy // 4096) * 4096  # the arena's extents are 4 KiB aligned
+        stats = running(daemon).stats()
+        assert (stats.committed_entries, stats.used_bytes) == (3, 3 * aligned)
+        with VllmHarness(
+            tmp_path, canonical(daemon), tensor_parallel_size=1, model="mla", engine_id="b"
+        ) as hb:
+            assert namespace_of(daemon, "a") == namespace_of(daemon, "b")
+            settle(hb, 3)
+            b = compute(hb, prompt[:70] + prompt_of(9, seed=5))
+            assert hb.external_tokens(b) == 64
+            assert hb.assert_loaded_pages(b) == 64 // BLOCK * NUM_LAYERS
