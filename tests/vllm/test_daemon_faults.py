@@ -332,8 +332,8 @@ def test_daemon_frozen_past_the_plugin_timeouts_keeps_only_live_sessions(tmp_pat
                 client = manager._client
                 back = client is not None and client.welcome is not welcome
                 # and the rank asks the daemon again: it skips stores while it thinks the daemon
-                # away, and a skipped store leaves its keys reserved until the scheduler's
-                # session ends (a known gap, docs/vllm-restarts.md)
+                # away, and a skipped store leaves its keys reserved until the reservation
+                # expires (a known gap, docs/vllm-restarts.md)
                 back = back and not worker._away()
                 if back and engine.schedulers == 1 and stats.sessions == 1 + len(h.ranks):
                     break
