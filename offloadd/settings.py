@@ -74,6 +74,10 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # A session whose process the daemon cannot watch (pidfd) is reaped after this long
     # without any message; clients send heartbeats well within it.
     session_timeout: float = 30.0
+    # A scheduler whose key mirror leaves a removal unacknowledged this long (the daemon's
+    # running time) is dropped: removed keys keep their bytes until every mirror acknowledged,
+    # so a silent mirror would block evictions for every engine sharing its namespace.
+    mirror_ack_timeout: float = 5.0
     # "cuda": ranks register CUDA IPC handles, copies run on daemon-owned CUDA streams and
     # the arena is registered as pinned memory (needs a GPU and a CUDA 12.8+ driver).
     # "cpu": ranks register shared-memory files. "auto": cuda where a device and a driver
@@ -826,6 +830,7 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("server", "drain_seconds"): _at_least(0),
     ("server", "recent_jobs"): _at_least(1),
     ("server", "session_timeout"): _at_least(0, above=True),
+    ("server", "mirror_ack_timeout"): _at_least(0, above=True),
     ("server", "socket_mode"): _socket_mode_problem,
     ("server", "socket_group"): _socket_group_problem,
     ("server", "curve_secret_key_file"): _curve_key_problem,

@@ -412,7 +412,8 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # mirror's acknowledgement was to free came after the ranks stored), "budget" (beyond the
     # engine's protected share; not in ``stores_refused``), "tenant" (beyond the share of the
     # engine's tenant, all its engines together; not in it either), "expired" (reserved, not
-    # stored within limits.reservation_seconds, dropped). Empty from a daemon before it.
+    # stored within limits.reservation_seconds, dropped), "draining" (reserved or stored while
+    # the daemon was stopping; not in ``stores_refused``). Empty from a daemon before it.
     stores_refused_by_reason: dict[str, int] = {}
     # False: the node-wide counters (cache fill, lookups, bytes, sessions, tiers' counts) are
     # withheld from this asker and read 0: they add up every tenant's work, so only root and

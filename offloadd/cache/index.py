@@ -1197,6 +1197,10 @@ class ChunkCache:
         """``watcher`` applied every removal up to ``seq``."""
         self._release_leaving(self._watchers.ack(watcher, seq))
 
+    def acked(self, watcher: str) -> int | None:
+        """The last removal ``watcher`` acknowledged (None: it watches nothing)."""
+        return self._watchers.acked(watcher)
+
     def _release_leaving(self, rows: list[int]) -> None:
         state = self._state.v
         for row in rows:

@@ -14,6 +14,7 @@ they are. Entries are the cache's row numbers. Contract of ``Watchers``:
   rows every watcher of their namespace has now acknowledged.
 - ``find(namespace, key)``: the newest waiting row for ``key`` (to hold it for a load).
 - ``unwatch(watcher)``: the watcher is gone; returns the rows nobody waits for any more.
+- ``acked(watcher)``: the sequence number it acknowledged last (None: it watches nothing).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class Watchers:
         acked = self._acked[namespace]
         acked[watcher] = max(acked[watcher], min(seq, self.seq))
         return self._release(namespace)
+
+    def acked(self, watcher: str) -> int | None:
+        """The last sequence number ``watcher`` acknowledged; None when it watches nothing."""
+        namespace = self._namespace_of.get(watcher)
+        return None if namespace is None else self._acked[namespace][watcher]
 
     def find(self, namespace: str, key: bytes) -> int | None:
         """The newest row of ``key`` waiting for acknowledgement, if any."""

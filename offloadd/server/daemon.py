@@ -290,7 +290,7 @@ class Daemon:
             limits=self.limits,
             tiers=tiers,
         )
-        schedulers = Schedulers(registry, cache, mirrors, announce, limits=self.limits)
+        schedulers = Schedulers(registry, cache, mirrors, announce, jobs, limits=self.limits)
         stats = Stats(
             cache,
             registry,
@@ -329,7 +329,7 @@ class Daemon:
             done, _ = await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if receiver in done:
                 receiver.result()  # a crash of the receive loop is a bug: surface it
-            parts.jobs.draining = True
+            parts.sessions.begin_drain()  # no new jobs, holds or Hellos; every mirror misses
             self._notify.stopping(f"draining {parts.jobs.in_flight} jobs")
             logger.info("stopping: no new jobs, draining copies in flight")
             if not await unless_forced(self._drain(parts.jobs), force or asyncio.Event()):

@@ -29,7 +29,9 @@ engine's threads through ``call_soon_threadsafe``):
   becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
   listed as pending), its waiting stores are unbooked and never start.
 - ``in_flight``: jobs booked and not finished; ``drain()`` waits, up to
-  ``server.drain_seconds``, until there are none. ``draining``: no new jobs are taken.
+  ``server.drain_seconds``, until there are none. ``draining``: no new jobs are taken;
+  ``refuse_while_draining(store_keys)`` raises ``Refused(SHUTTING_DOWN)`` then, counting the
+  store keys refused under the reason ``draining`` (reservations and stores call it).
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
 from protocol.messages import JobAccepted, JobDone, Reply, Wait
 
-__all__ = ["Job", "Jobs", "Waiter", "wait_result"]
+__all__ = ["REFUSED_DRAINING", "Job", "Jobs", "Waiter", "wait_result"]
 
 logger = logging.getLogger(__name__)
+
+REFUSED_DRAINING = "draining"  # store keys refused while the daemon stops (GetStats reasons)
 
 
 class Jobs:
@@ -95,6 +99,18 @@ class Jobs:
     def handles_closed(self) -> None:
         """Release nothing more (the daemon closed the handle table: all is unmapped)."""
         self._handles = None
+
+    def refuse_while_draining(self, store_keys: int = 0) -> None:
+        """Refuse a job, reservation or hold while the daemon stops (its store keys counted)."""
+        if not self.draining:
+            return
+        if store_keys:
+            refused = self.counters.refused
+            refused[REFUSED_DRAINING] = refused.get(REFUSED_DRAINING, 0) + store_keys
+        raise Refused(
+            ErrorCode.SHUTTING_DOWN,
+            "the daemon is shutting down: no new jobs, reservations or holds until it is back",
+        )
 
     async def drain(self) -> None:
         """Wait, up to ``server.drain_seconds``, until no job is in flight."""

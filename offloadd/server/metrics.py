@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -106,6 +107,9 @@ class Counters:
     bytes_stored: int = 0
     bytes_loaded: int = 0
     jobs_failed: int = 0
+    # Store keys the daemon refused before the cache saw them, by reason ("draining": asked
+    # to reserve or store while stopping); GetStats adds them to the cache's reasons.
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Metrics:
@@ -489,7 +493,8 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         "Keys a store or reservation could not place, by reason: full (nothing evictable), "
         "ack (its room waited on a mirror's acknowledgement), budget (beyond the engine's "
         "protected share), tenant (beyond its user's protected share), expired (reserved but "
-        "not stored within limits.reservation_seconds)",
+        "not stored within limits.reservation_seconds), draining (asked while the daemon was "
+        "stopping)",
         labels=["reason"],
     )
     evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")

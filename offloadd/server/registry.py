@@ -4,9 +4,11 @@ Pure logic, no I/O. Contract:
 - ``hello(session_id, hello, tenant=, uid=)`` validates a rank's (or scheduler's) Hello
   against itself and against the engine it joins. On success it registers the session,
   replacing any earlier session of the same sender or of the same engine rank, and says
-  whether the engine just became ready. On failure it raises ``RegistrationError`` and
-  changes nothing: an engine that is already registered is never disturbed by a disagreeing
-  rank.
+  whether the engine just became ready. A scheduler is replaced by a scheduler Hello for its
+  engine from the same process (``pid``, the kernel's, not 0) and uid: a scheduler that lost
+  its connection and connects again, never two schedulers at once. On failure it raises
+  ``RegistrationError`` and changes nothing: an engine that is already registered is never
+  disturbed by a disagreeing rank.
 - ``tenant`` and ``uid`` come from the kernel (``offloadd.server.tenancy``), never from the
   Hello. An engine belongs to the tenant of its first session: a Hello of another tenant for it is
   refused (``NOT_PERMITTED``), and a session is only replaced by a Hello of the same uid.
@@ -92,6 +94,7 @@ class Session:
     # Who the kernel says the peer is (offloadd.server.tenancy): its tenant and uid.
     tenant: str = ""
     uid: int = -1
+    peer_pid: int = 0  # the process that registered, as the kernel names it (0: unknown)
 
     @property
     def rank(self) -> int:
@@ -264,15 +267,16 @@ class Registry:
         return len(self._sessions)
 
     def hello(
-        self, session_id: str, hello: Hello, *, tenant: str = "", uid: int = -1
+        self, session_id: str, hello: Hello, *, tenant: str = "", uid: int = -1, pid: int = 0
     ) -> HelloOutcome:
-        """Register ``hello``; raises RegistrationError and changes nothing on bad input."""
+        """Register ``hello``; raises RegistrationError and changes nothing on bad input.
+        ``pid``: the sender's process as the kernel names it (0: unknown)."""
         config = hello.config
         key: EngineKey = (config.engine_id, config.parallel.data_parallel_index)
         layouts = _check_own(hello)
 
         engine = self._engines.get(key)
-        replaced = self._sessions_replaced_by(session_id, hello, engine)
+        replaced = self._sessions_replaced_by(session_id, hello, engine, uid, pid)
         for old in replaced:
             if old.uid != uid:
                 raise RegistrationError(
@@ -312,6 +316,7 @@ class Registry:
             mirror=hello.mirror,
             tenant=tenant,
             uid=uid,
+            peer_pid=pid,
         )
         self._sessions[session_id] = session
         if hello.role == "worker":
@@ -334,7 +339,7 @@ class Registry:
         return RemoveOutcome(session, engine, was_ready, session.engine_key not in self._engines)
 
     def _sessions_replaced_by(
-        self, session_id: str, hello: Hello, engine: Engine | None
+        self, session_id: str, hello: Hello, engine: Engine | None, uid: int, pid: int
     ) -> list[Session]:
         replaced = []
         own = self._sessions.get(session_id)
@@ -344,6 +349,12 @@ class Registry:
             same_rank = engine.workers.get(hello.config.parallel.rank)
             if same_rank is not None and same_rank is not own:
                 replaced.append(same_rank)
+        if engine is not None and hello.role == "scheduler" and pid:
+            replaced += [
+                old
+                for old in engine.schedulers.values()
+                if old is not own and old.peer_pid == pid and old.uid == uid
+            ]
         return replaced
 
     def _forget(self, session: Session) -> None:

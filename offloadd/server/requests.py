@@ -167,8 +167,7 @@ class CacheRequests:
     def _worker_job_checks(
         self, state: SessionState, job_id: int, keys: list[bytes]
     ) -> tuple[Engine, Namespace]:
-        if self._jobs.draining:
-            raise Refused(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        self._jobs.refuse_while_draining()
         if state.session.role != "worker":
             raise Refused(ErrorCode.WRONG_ROLE, "only worker ranks store and load")
         engine, namespace = ready_engine(self.registry, state.session)
@@ -211,6 +210,7 @@ class CacheRequests:
 
     def store(self, state: SessionState, request: Store) -> Accepted:
         """Reserve the rank's shard of each key and copy its blocks into the arena."""
+        self._jobs.refuse_while_draining(len(request.keys))
         _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
         if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
@@ -358,14 +358,16 @@ class CacheRequests:
         return self._jobs.submit(state, request.request_id, job, moves, request.wait_event)
 
     def _begin_held_load(self, engine: Engine, token: str, keys: list[bytes]) -> LoadReservation:
-        """Read the entries a scheduler of ``engine`` holds under ``token``."""
+        """Read the entries a scheduler of ``engine`` holds under ``token``; by key when
+        none does (that scheduler's session ended: replaced, or dropped for a silent mirror),
+        which fails only for keys that are gone."""
         cache = self._cache
-        reservation = LoadReservation([], list(keys))
         for scheduler in engine.schedulers.values():
             reservation = cache.begin_load_held(scheduler.session_id, token, keys)
             if not reservation.missing:
-                break
-        return reservation
+                return reservation
+        assert engine.namespace is not None  # a ready engine's
+        return cache.begin_load(engine.namespace.name, keys)
 
     @staticmethod
     def _chunk_ranges(

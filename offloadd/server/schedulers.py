@@ -18,6 +18,10 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
 - ``ack``: the scheduler's mirror applied every change up to ``seq``.
+- While the daemon stops (``Jobs.draining``), ``reserve`` and ``update_holds`` are refused
+  (``SHUTTING_DOWN``; a Reserve's keys counted refused, reason ``draining``): its mirrors were
+  told that every key misses (``Mirrors.drain``), and a scheduler treats the refusal as the
+  daemon being away. ``ack`` is still taken.
 - ``acker(mirrors, state)``: the requester, when its mirror applies this request's removals
   before any lookup (FIFO on its socket) and it holds everything it has looked up.
 """
@@ -29,6 +33,7 @@ import logging
 from offloadd.cache.index import ChunkCache
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
+from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
@@ -66,10 +71,12 @@ class Schedulers:
         cache: ChunkCache,
         mirrors: Mirrors,
         announce: Announcer,
+        jobs: Jobs,
         *,
         limits: Limits,
     ) -> None:
         self.registry = registry
+        self._jobs = jobs
         self._cache = cache
         self._mirrors = mirrors
         self._announce = announce
@@ -85,6 +92,7 @@ class Schedulers:
         """Reserve room for the keys' shards before the ranks store them."""
         engine, namespace = self._scheduler_checks(state)
         check_keys(request.keys, engine, self._limits)
+        self._jobs.refuse_while_draining(len(request.keys))
         check_offloaded(request.keys, namespace)
         self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
         cache = self._cache
@@ -104,6 +112,7 @@ class Schedulers:
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
         engine, namespace = self._scheduler_checks(state)
+        self._jobs.refuse_while_draining()
         held, missing = self._apply_holds(
             state, engine, namespace, request.hold, request.release, request.ack
         )

@@ -20,6 +20,15 @@ Contract of ``Sessions`` (the event loop's thread only):
   (``end_session``), or when a new Hello replaces it. Ending abandons its jobs (nothing it
   half-wrote becomes visible), answers its waiters, drops its pins, holds, reservations and
   mirror, and releases its imports (copies in flight hold their own references).
+- A scheduler whose key mirror owes the acknowledgement of a removal for
+  ``server.mirror_ack_timeout`` seconds of the daemon's running time is ended the same way
+  (``reap_silent_sessions``; the decision is ``Mirrors.overdue``): the removals it owed stop
+  waiting for it, so evictions go on for everyone. A live scheduler hears ``NOT_REGISTERED``
+  at its next request and says Hello again (a fresh snapshot).
+- A scheduler that says Hello again from the same process (the kernel's pid, the same uid)
+  for the same engine replaces its old session (``Registry.hello``), as a rank does.
+- ``begin_drain()``: the daemon stops: no new Hellos, jobs, reservations or holds
+  (``SHUTTING_DOWN``), and every mirror is told that every key misses (``Mirrors.drain``).
 - ``unwatch_all()`` and ``handles_closed()``: the daemon is closing.
 """
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -137,6 +147,11 @@ class Sessions:
         """Stop watching every session's process (the daemon is closing)."""
         for state in list(self._states.values()):
             self._unwatch_process(state)
+
+    def begin_drain(self) -> None:
+        """The daemon stops: refuse what starts work, tell every mirror that every key misses."""
+        self._jobs.draining = True
+        self._mirrors.drain()
 
     def ping(self, state: SessionState | None, request: Ping) -> Reply:
         """A heartbeat for ``request.session``, else for the sender's own session."""
@@ -279,7 +294,7 @@ class Sessions:
         peer = registration.peer
         try:
             outcome = self.registry.hello(
-                session_id, hello, tenant=self._tenancy.tenant_of(peer), uid=peer.uid
+                session_id, hello, tenant=self._tenancy.tenant_of(peer), uid=peer.uid, pid=peer.pid
             )
         except RegistrationError as exc:
             self._jobs.release_imports(imports)
@@ -428,14 +443,27 @@ class Sessions:
             state.pidfd = None
 
     async def reap_silent_sessions(self) -> None:
-        """End sessions that neither a pidfd watches nor a heartbeat keeps alive."""
+        """End sessions that neither a pidfd watches nor a heartbeat keeps alive, and
+        schedulers whose mirror does not acknowledge removals in time."""
         timeout = self.settings.server.session_timeout
+        ack_timeout = self.settings.server.mirror_ack_timeout
+        period = max(0.05, min(timeout, ack_timeout) / 4)
+        ack_ticks = math.ceil(ack_timeout / period)
         while True:
-            await asyncio.sleep(max(0.05, timeout / 4))
+            await asyncio.sleep(period)
             silent = silent_sessions(self._states.values(), now=time.monotonic(), timeout=timeout)
             for state in silent:
                 if state.alive:  # still, when its turn comes
                     self.end_session(state, f"silent for {timeout:.0f}s")
+            for session_id in self._mirrors.overdue(ack_ticks):
+                late = self._states.get(session_id)
+                if late is not None and late.alive:
+                    logger.warning(
+                        "%s: its key mirror did not acknowledge removals within %gs",
+                        late.session.describe(),
+                        ack_timeout,
+                    )
+                    self.end_session(late, "its mirror stopped acknowledging")
 
     def end_session(self, state: SessionState, reason: str) -> None:
         """Forget the session (Bye, process exit, silence); its engine waits for it again."""

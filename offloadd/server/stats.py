@@ -146,5 +146,14 @@ class Stats:
             pid=os.getpid(),
             arena=self._arena_path,
             copy_engine=self._copy_engine,
-            stores_refused_by_reason=cache.refused,
+            stores_refused_by_reason=_sum_counts(cache.refused, counters.refused),
         )
+
+
+def _sum_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """Counts by reason added up."""
+    total: dict[str, int] = {}
+    for each in counts:
+        for reason, count in each.items():
+            total[reason] = total.get(reason, 0) + count
+    return total

@@ -59,6 +59,8 @@ from protocol.messages import HoldKeys, KeysChanged
 logger = logging.getLogger(__name__)
 
 _SESSION_GONE = frozenset({ErrorCode.NOT_REGISTERED, ErrorCode.ENGINE_NOT_READY})
+# The daemon is stopping (a planned restart): it takes no holds or reservations; as if away.
+_LEAVING = frozenset({ErrorCode.SHUTTING_DOWN})
 
 _PROBE_RESULTS = {
     Probe.PENDING: LookupResult.HIT_PENDING,
@@ -394,13 +396,14 @@ class OffloaddManager(OffloadingManager):
         """Log a failed exchange; the holds it carried are lost. A daemon that is away, or a
         session it no longer knows (``NOT_REGISTERED``) or whose engine waits for its ranks
         (``ENGINE_NOT_READY``), empties the mirror: every lookup misses until the (new)
-        session's snapshot."""
+        session's snapshot. A daemon that is stopping (``SHUTTING_DOWN``) counts as away:
+        the background thread connects again once a daemon takes the Hello."""
         self._holds_lost(holds)
-        if isinstance(exc, RequestFailed) and exc.code not in _SESSION_GONE:
+        if isinstance(exc, RequestFailed) and exc.code not in _SESSION_GONE | _LEAVING:
             logger.warning("offloadd: %s refused: %s", what, exc)
             return
         logger.warning("offloadd: %s failed: %s; every key misses for now", what, exc)
-        if isinstance(exc, RequestFailed):
+        if isinstance(exc, RequestFailed) and exc.code in _SESSION_GONE:
             self._forget_session()
         else:
             self._disconnect()

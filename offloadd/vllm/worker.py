@@ -17,7 +17,9 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   (the new daemon restored its arena; the old session's hold is gone). Only keys that are
   gone by then fail it. No call waits on the daemon longer than ``STEP_TIMEOUT_SECONDS``
   inside a step (``wait`` excepted), and while it is away nothing is asked of it but one
-  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``. A step that sends its jobs
+  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``. A daemon that is stopping
+  (``SHUTTING_DOWN``: a planned restart) counts as away: its refused loads wait for the next
+  one, its refused stores are done (nothing cached). A step that sends its jobs
   pings not: the daemon's answer to the ``StepJobs`` proves the session (a ping goes only
   once an answer is ``RECONNECT_SECONDS`` late, or the daemon said it forgot the session).
 
@@ -45,7 +47,14 @@ from vllm.v1.kv_offload.base import (
 )
 
 from offloadd.client import SESSION_LOST, OffloadClient
-from offloadd.errors import DaemonUnavailable, JobError, NotPermitted, NotReady, OffloaddError
+from offloadd.errors import (
+    DaemonUnavailable,
+    JobError,
+    NotPermitted,
+    NotReady,
+    OffloaddError,
+    RequestFailed,
+)
 from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
@@ -279,8 +288,9 @@ class OffloaddWorker(OffloadingWorker):
         return time.monotonic() < self._away_until
 
     def _note_failure(self, exc: Exception) -> None:
-        """After a daemon that did not answer, ask nothing of it until the next check."""
-        if isinstance(exc, DaemonUnavailable):
+        """After a daemon that did not answer, or is stopping, ask nothing of it until the
+        next check."""
+        if isinstance(exc, DaemonUnavailable) or _stopping(exc):
             self._away_until = time.monotonic() + RECONNECT_SECONDS
             self._checked = time.monotonic()
 
@@ -328,6 +338,11 @@ class OffloaddWorker(OffloadingWorker):
         except (DaemonUnavailable, NotReady, NotPermitted) as exc:
             self._note_failure(exc)
             return
+        except RequestFailed as exc:
+            if not _stopping(exc):  # a stopping daemon refused the Hello: wait for the next
+                raise
+            self._note_failure(exc)
+            return
         self._away_until = 0.0
         self._collect(client)  # the lost session's jobs, recorded failed by the keepalive
         for job_id, job in self._jobs.items():
@@ -341,6 +356,9 @@ class OffloaddWorker(OffloadingWorker):
                 self._note_failure(exc)
                 return
             except OffloaddError as exc:
+                if _stopping(exc):  # sent again to the daemon that comes after it
+                    self._note_failure(exc)
+                    return
                 raise LoadFailed(f"offloadd: load job {job_id} refused again: {exc}") from exc
             job.sent = True
             self.loads_resent += 1
@@ -392,7 +410,9 @@ class OffloaddWorker(OffloadingWorker):
             self._results.append(self._result(job_id, job, done))
 
     def _result(self, job_id: int, job: _Job, done: JobDone) -> TransferResult:
-        if done.code:
+        if done.code == ErrorCode.SHUTTING_DOWN and not job.load:
+            logger.debug("offloadd: store job %d not taken: the daemon is stopping", job_id)
+        elif done.code:
             logger.warning(
                 "offloadd: %s job %d refused: %s",
                 "load" if job.load else "store",
@@ -410,6 +430,15 @@ class OffloaddWorker(OffloadingWorker):
 
 
 def _retry(done: JobDone) -> bool:
-    """A failed load to send again by key: its session was lost, or its engine was not
-    ready (a daemon restarted and not every rank said Hello yet)."""
-    return done.error == SESSION_LOST or done.code == ErrorCode.ENGINE_NOT_READY
+    """A failed load to send again by key: its session was lost, its engine was not ready
+    (a daemon restarted and not every rank said Hello yet), or the daemon is stopping (the
+    next one takes it)."""
+    return done.error == SESSION_LOST or done.code in _RETRIED
+
+
+_RETRIED = frozenset({ErrorCode.ENGINE_NOT_READY, ErrorCode.SHUTTING_DOWN})
+
+
+def _stopping(exc: Exception) -> bool:
+    """The daemon refused because it is stopping (a planned restart): like one away."""
+    return isinstance(exc, RequestFailed) and exc.code == ErrorCode.SHUTTING_DOWN

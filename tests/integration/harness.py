@@ -141,9 +141,13 @@ class DaemonThread:
 
         asyncio.run(main())
 
-    def stop(self) -> None:
+    def begin_stop(self) -> None:
+        """Tell the daemon to stop (as SIGTERM does: it drains), without waiting for it."""
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
+
+    def stop(self) -> None:
+        self.begin_stop()
         self._thread.join(30)
         shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -18,10 +18,11 @@ def test_a_request_that_arrives_while_another_reply_is_sent_is_answered(
     # zmq's file descriptor says "look again" once per change, and a send reads the change:
     # a reply sent from a copy completion (or any other callback) while a request arrives
     # must not leave that request unread until some later message wakes the loop.
-    config = make_config(tp=1)
+    # Two engines: a second scheduler of one engine from this process would replace the first.
+    config_a, config_b = make_config(tp=1, engine_id="a"), make_config(tp=1, engine_id="b")
     with (
-        OffloadClient.connect(daemon.endpoint, config, role="scheduler", heartbeat=0) as a,
-        OffloadClient.connect(daemon.endpoint, config, role="scheduler", heartbeat=0) as b,
+        OffloadClient.connect(daemon.endpoint, config_a, role="scheduler", heartbeat=0) as a,
+        OffloadClient.connect(daemon.endpoint, config_b, role="scheduler", heartbeat=0) as b,
     ):
         running = daemon.daemon
         assert running is not None and daemon._loop is not None

@@ -14,10 +14,12 @@ import msgspec
 import pytest
 
 from offloadd.client import OffloadClient
-from offloadd.errors import InvalidRequest
+from offloadd.errors import InvalidRequest, RequestFailed
 from offloadd.settings import LimitsSettings
 from protocol.config import OffloadingGroupConfig
+from protocol.errors import ErrorCode
 from protocol.messages import HoldKeys, KeysChanged, Segment
+from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     LAYERS,
     DaemonThread,
@@ -418,3 +420,126 @@ def test_two_groups_by_group_id_partial_chunks_and_mid_chunk_loads(daemon: Daemo
         assert layer2.pages([50, 51]).equal(layer2.pages([11, 12]))
     finally:
         r.close()
+
+
+def acking(client: OffloadClient, notices: list[KeysChanged]) -> list[KeysChanged]:
+    """What a live mirror does: read its notices and acknowledge them; all read so far."""
+    client.poll(0)
+    new = client.take_notices()
+    if new:
+        notices.extend(new)
+        client.ack(max(notice.seq for notice in new))
+    return notices
+
+
+def schedulers_of(d: DaemonThread, engine_id: str) -> int:
+    assert d.daemon is not None
+    (engine,) = [e for e in d.daemon.stats().engines if e.engine_id == engine_id]
+    return engine.schedulers
+
+
+def test_a_mirror_that_stops_acknowledging_is_dropped_and_evictions_go_on() -> None:
+    """Removed keys keep their bytes until every mirror acknowledged them: a scheduler that
+    stops acknowledging (wedged, its process alive) is dropped after mirror_ack_timeout, the
+    removals it owed free their room, and it says Hello again at its next request."""
+    d = DaemonThread(
+        capacity=4 * KEY_FOOTPRINT,
+        limits=LimitsSettings(protected_fraction=1.0),
+        mirror_ack_timeout=0.5,
+    ).start()
+    ra, rb = rank(d.endpoint, seed=6, engine_id="a"), rank(d.endpoint, seed=6, engine_id="b")
+    sa, sb = scheduler(d.endpoint, engine_id="a"), scheduler(d.endpoint, engine_id="b")
+    seen_a: list[KeysChanged] = []
+    try:
+        sa.wait_ready()
+        sb.wait_ready()
+        assert d.daemon is not None
+        keys = chain_keys(8, b"s")
+        assert sa.reserve(keys[:4]) == [0, 1, 2, 3]
+        store_reserved(ra, 1, keys[:4], [0, 1, 2, 3])
+        wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
+        # From here on b reads and acknowledges nothing; a does, as a live mirror.
+        assert sa.reserve(keys[4:5]) == [0]  # placed once its room is acknowledged
+        assert d.daemon.stats().used_bytes == 4 * KEY_FOOTPRINT  # the victims wait for b
+
+        def b_dropped() -> bool:
+            acking(sa, seen_a)
+            return schedulers_of(d, "b") == 0
+
+        wait_for(b_dropped, sa)
+        assert schedulers_of(d, "a") == 1  # the mirror that acknowledges stays
+        store_reserved(ra, 2, keys[4:5], [4])  # its room came with b's debts forgiven
+        wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 3, sa)
+        # Evictions go on without b: three more keys fit only by evicting.
+        evictions = d.daemon.stats().evictions
+        assert sa.reserve(keys[5:8]) == [0, 1, 2]
+        store_reserved(ra, 3, keys[5:8], [5, 6, 7])
+        wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
+        assert d.daemon.stats().evictions > evictions
+        assert d.daemon.stats().stores_refused_by_reason == {}
+        # b is alive: its next request is answered NOT_REGISTERED, it says Hello again and
+        # is sent a fresh snapshot of what the namespace holds now.
+        sb.take_notices()
+        assert sb.update_holds([HoldKeys("r", keys[7:8])]).held == 1
+        assert schedulers_of(d, "b") == 1
+        wait_for(lambda: any(n.reset for n in sb._core.notices), sb)
+        snapshot = [n for n in sb.take_notices() if n.reset]
+        assert set(snapshot[-1].stored) == set(keys[4:8])
+    finally:
+        for client in (sa, sb):
+            client.close()
+        for r in (ra, rb):
+            r.close()
+        d.stop()
+
+
+def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservations() -> None:
+    """The drain (SIGTERM, here the daemon's stop event): every mirror is sent an empty
+    snapshot, new reservations, holds and jobs are refused SHUTTING_DOWN (their store keys
+    counted, reason "draining"), the job in flight still finishes, and nothing reaches the
+    mirror after the empty snapshot."""
+    copies = FakeCopyEngine()
+    d = DaemonThread(copy_engine=copies).start()
+    r = rank(d.endpoint, seed=8)
+    sched = scheduler(d.endpoint)
+    notices: list[KeysChanged] = []
+    try:
+        sched.wait_ready()
+        keys = chain_keys(4, b"t")
+        assert sched.reserve(keys[:2]) == [0, 1]
+        store_reserved(r, 1, keys[:2], [0, 1])
+        wait_for(
+            lambda: acking(sched, notices) or mirror_of(sched, notices) == set(keys[:2]), sched
+        )
+        assert sched.update_holds([HoldKeys("before", keys[:1])]).held == 1
+        assert sched.reserve(keys[2:3]) == [0]
+        copies.gate.clear()  # the next store is accepted; its copy waits
+        assert r.client is not None
+        r.client.store(2, keys[2:3], chunk_block_ids([2], BPC), reserved=True)
+        copies.started.acquire(timeout=10)
+        notices.clear()
+        d.begin_stop()
+        wait_for(lambda: any(n.reset for n in acking(sched, notices)), sched)
+        (reset,) = notices
+        assert reset.stored == [] and not reset.more
+        for refused_call in (
+            lambda: sched.reserve(keys[3:]),
+            lambda: sched.update_holds([HoldKeys("during", keys[:1])]),
+            lambda: r.client.store(3, keys[3:], chunk_block_ids([3], BPC)),
+        ):
+            with pytest.raises(RequestFailed) as refused:
+                refused_call()
+            assert refused.value.code == ErrorCode.SHUTTING_DOWN
+        assert d.daemon is not None
+        assert d.daemon.stats().stores_refused_by_reason == {"draining": 2}
+        copies.gate.set()
+        (done,) = r.client.wait([2])  # the drain finished it: committed, journaled
+        assert done.ok and done.nbytes == KEY_BYTES
+        d.stop()
+        sched.poll(0.2)
+        assert sched.take_notices() == []  # its commit reached no mirror
+    finally:
+        copies.gate.set()
+        sched.close()
+        r.close()
+        d.stop()

@@ -831,3 +831,19 @@ def test_hybrid_engines_with_decode_context_parallelism() -> None:
     error = refused(third, "s1", msgspec.structs.replace(base, config=_with_dcp(base.config, 2)))
     assert error.code == ErrorCode.CONFIG_MISMATCH
     assert str(error).startswith("parallel.dcp_size: engine engine-a dp 0 has 1, worker rank 1")
+
+
+def test_a_scheduler_from_the_same_process_replaces_its_old_session() -> None:
+    reg = Registry()
+    message = hello(rank=0, world_size=2, role="scheduler")
+    first = reg.hello("sched-old", message, uid=1000, pid=4242)
+    # Another process of the same user, and a peer whose pid the daemon cannot see (0), do not.
+    assert reg.hello("sched-other", message, uid=1000, pid=4343).replaced == []
+    assert reg.hello("sched-unseen", message, uid=1000, pid=0).replaced == []
+    again = reg.hello("sched-new", message, uid=1000, pid=4242)
+    assert again.replaced == [first.session]
+    assert set(again.engine.schedulers) == {"sched-other", "sched-unseen", "sched-new"}
+    assert reg.session("sched-old") is None
+    # A scheduler of another engine in that process is not its predecessor.
+    other_engine = hello(rank=0, world_size=2, role="scheduler", engine_id="engine-b")
+    assert reg.hello("sched-b", other_engine, uid=1000, pid=4242).replaced == []

@@ -48,6 +48,18 @@ def test_mirror_reset_reports_only_the_difference_and_restarts_seq() -> None:
     assert mirror.take_events() == [(True, [K[0]]), (False, [K[2]])]
 
 
+def test_a_stopping_daemons_empty_snapshot_empties_the_mirror() -> None:
+    mirror = KeyMirror(record_events=True)
+    mirror.apply([KeysChanged(2, [K[0], K[1]], [], reset=True)])
+    mirror.take_events()
+    mirror.apply([KeysChanged(5, [], [], reset=True)])  # what Mirrors.drain sends
+    assert mirror.keys == set() and mirror.seq == 5
+    # vLLM publishes their removal.
+    assert [(removed, sorted(keys)) for removed, keys in mirror.take_events()] == [
+        (True, [K[0], K[1]])
+    ]
+
+
 def test_mirror_without_events_records_none() -> None:
     mirror = KeyMirror(record_events=False)
     mirror.apply([KeysChanged(0, [K[0]], [], reset=True), KeysChanged(1, [], [K[0]])])
