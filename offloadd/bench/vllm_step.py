@@ -154,6 +154,25 @@ class _ScheduleSocket(_CountingSocket):
         return out
 
 
+def _count_in_schedule(manager: Any) -> _ScheduleSocket | None:
+    """Count what offloadd's scheduler sends inside ``schedule()``, on its client's socket
+    and on any client it connects later (a daemon that did not answer in time)."""
+    client = getattr(manager, "_client", None)
+    if client is None:
+        return None
+    counter = _ScheduleSocket(client._sock)
+    client._sock = counter
+    connect = manager._connect
+
+    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+        new = connect(*args, **kwargs)
+        counter._sock, new._sock = new._sock, counter
+        return new
+
+    manager._connect = counted_connect
+    return counter
+
+
 class _Probe:
     """Times the spec worker's calls and counts its messages, per step."""
 
@@ -213,11 +232,7 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
         )
         with h:
             probe = _Probe(h)
-            manager_client = getattr(h.offloading_manager, "_client", None)
-            in_schedule = None
-            if manager_client is not None:
-                in_schedule = _ScheduleSocket(manager_client._sock)
-                manager_client._sock = in_schedule
+            in_schedule = _count_in_schedule(h.offloading_manager)
             stores: dict[int, tuple[float, int]] = {}
             loads: dict[int, tuple[float, int]] = {}
             schedule = h.scheduler.schedule

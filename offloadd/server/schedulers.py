@@ -12,7 +12,8 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
   (evicting if needed, the evictions announced), answer ``Reserved``. Only the leading keys
   that fit the engine's share of the capacity (``limits.protected_fraction``, counted by the
   cache with pins and holds, the engine as their account) are reserved; the rest are not (the
-  ranks skip them: those chunks are simply not cached).
+  ranks skip them: those chunks are simply not cached). The held keys that were not held
+  come back in ``missing``.
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
 - ``ack``: the scheduler's mirror applied every change up to ``seq``.
@@ -84,7 +85,9 @@ class Schedulers:
         engine, namespace = self._scheduler_checks(state)
         check_keys(request.keys, engine, self._limits)
         check_offloaded(request.keys, namespace)
-        self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
+        _held, missing = self._apply_holds(
+            state, engine, namespace, request.holds, request.release, request.ack
+        )
         cache = self._cache
         owner = state.session.session_id
         reservation = cache.reserve(
@@ -96,7 +99,7 @@ class Schedulers:
             account=engine.key,  # the leading keys within the engine's budget only
         )
         self._announce.chunks_removed(reservation.evicted)
-        return Reserved(request.request_id, reservation.reserved)
+        return Reserved(request.request_id, reservation.reserved, missing)
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
