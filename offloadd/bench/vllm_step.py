@@ -13,13 +13,13 @@ module name, at run time) and the rows are skipped elsewhere.
   ``submit_load``, ``get_finished`` and ``wait``) in the step that submits the N stores,
   median over rounds; baseline: the same for the native spec.
 - params: messages the rank sent per step (the most in any step, and in the store step);
-  ``schedule()`` ms, median and p99 over every step of the measured rounds, for both; the
-  scheduler's messages to the daemon sent inside ``schedule()`` (its own thread's, not the
-  background thread's), the most in any step; store latency (the job scheduled, in
-  ``build_connector_meta``, to its result returned by the rank's ``get_finished``) and load
-  latency (the same for the loads of N later requests sharing those prompts, after a GPU
-  prefix-cache reset: what a request's first token waits for) median in ms for both, and
-  the ranges over rounds.
+  ``schedule()`` ms, median and p99 over the steps of the measured rounds that schedule
+  tokens, for both; the scheduler's messages to the daemon sent inside ``schedule()`` (its
+  own thread's, not the background thread's), the most in any step; store latency (the job
+  scheduled, in ``build_connector_meta``, to its result returned by the rank's
+  ``get_finished``) and load latency (the same for the loads of N later requests sharing
+  those prompts, after a GPU prefix-cache reset: what a request's first token waits for)
+  median in ms for both, and the ranges over rounds.
 """
 
 from __future__ import annotations
@@ -248,7 +248,9 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
                     now = time.perf_counter()
                     if in_schedule is not None:
                         in_schedule.inside = None
-                if measuring:
+                if measuring and so.total_num_scheduled_tokens:
+                    # Steps that schedule work only: the empty steps an engine takes while
+                    # transfers finish (has_pending_work) would pull the median down.
                     out["schedule_ms"].append((now - started) * 1e3)
                     if in_schedule is not None:
                         out["schedule_messages"].append(in_schedule.sent)
