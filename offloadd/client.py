@@ -536,10 +536,11 @@ class OffloadClient:
         holds: Sequence[HoldKeys] = (),
         release: Sequence[HoldKeys] = (),
         ack: int = 0,
-    ) -> list[int]:
-        """(Scheduler) Reserve room for ``keys``; the indices of the keys that got it."""
+    ) -> Reserved:
+        """(Scheduler) Reserve room for ``keys``: ``reserved``, the indices of the keys that
+        got it; ``missing``, the held keys that were not held."""
         request = Reserve(self._core.next_id(), list(keys), list(holds), ack, list(release))
-        return self._core.expect(self._request(request), Reserved).reserved
+        return self._core.expect(self._request(request), Reserved)
 
     def update_holds(
         self,
@@ -908,10 +909,10 @@ class AsyncOffloadClient:
         holds: Sequence[HoldKeys] = (),
         release: Sequence[HoldKeys] = (),
         ack: int = 0,
-    ) -> list[int]:
-        """(Scheduler) Reserve room for ``keys``; the indices of the keys that got it."""
+    ) -> Reserved:
+        """(Scheduler) Reserve room for ``keys`` (see ``OffloadClient.reserve``)."""
         request = Reserve(self._core.next_id(), list(keys), list(holds), ack, list(release))
-        return self._core.expect(await self._request(request), Reserved).reserved
+        return self._core.expect(await self._request(request), Reserved)
 
     async def update_holds(
         self,

@@ -189,9 +189,10 @@ class Bye(msgspec.Struct, frozen=True, tag="bye"):
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     """A scheduler reserves room for ``keys`` before its ranks store them (vLLM's
-    ``prepare_store``). Keys already committed or being stored, in this namespace by any
-    engine, are not reserved. ``holds`` and ``release`` are applied first (as in
-    ``UpdateHolds``) and ``ack`` acknowledged."""
+    ``prepare_store``: the plugin sends one per scheduling step, every request's keys in
+    one list). Keys already committed or being stored, in this namespace by any engine, are
+    not reserved. ``holds`` and ``release`` are applied first (as in ``UpdateHolds``) and
+    ``ack`` acknowledged."""
 
     request_id: int
     keys: list[bytes]
@@ -318,10 +319,13 @@ class JobDone(msgspec.Struct, frozen=True, tag="done"):
 
 
 class Reserved(msgspec.Struct, frozen=True, tag="reserved"):
-    """Reply to Reserve: indices of the keys that got room (the ranks now store them)."""
+    """Reply to Reserve: indices of the keys that got room (the ranks now store them);
+    ``missing``: the held keys that were not held (as ``HoldResult.missing``; a daemon
+    before this field sends none)."""
 
     request_id: int
     reserved: list[int]
+    missing: list[bytes] = []
 
 
 class HoldResult(msgspec.Struct, frozen=True, tag="holds_r"):

@@ -7,9 +7,9 @@ Both managers are driven through vLLM 0.33's ``OffloadingManager`` interface exa
 - ``vllm_request_us``: one scheduled request per step (µs per request): ``on_new_request``,
   prefix ``lookup``s until the first miss, ``prepare_load`` of the hits, ``prepare_store`` of
   the rest, ``on_schedule_end``, then ``complete_load`` / ``complete_store``. For offloadd
-  that includes its round trips to a daemon subprocess (a reservation per ``prepare_store``,
-  the holds at the end of the step); a rank stores what was reserved between steps (not
-  timed), as vLLM's workers would.
+  that includes its round trip to a daemon subprocess (one per step, at ``on_schedule_end``:
+  the step's reservation with its holds); a rank stores what was reserved between steps
+  (not timed), as vLLM's workers would.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ def _rank_store(rank: OffloadClient) -> Callable[[list[bytes]], None]:
     return store
 
 
+def _to_store(out: Any) -> list[bytes]:
+    """The keys the ranks store: offloadd's spec skips those its daemon did not reserve."""
+    skipped = getattr(out.store_spec, "skipped", ())
+    return [key for i, key in enumerate(out.keys_to_store) if i not in skipped]
+
+
 def _fill(manager: Any, keys: list[bytes], store: Callable[[list[bytes]], None] | None) -> None:
     from vllm.v1.kv_offload.base import ScheduleEndContext
 
@@ -126,7 +132,7 @@ def _fill(manager: Any, keys: list[bytes], store: Callable[[list[bytes]], None] 
             out = manager.prepare_store(part, ctx)
             manager.on_schedule_end(ScheduleEndContext((), ()))
         if store is not None:
-            store(list(out.keys_to_store))
+            store(_to_store(out))
         with manager.lock:
             manager.complete_store(out.keys_to_store, ctx)
     _settle(manager, keys)
@@ -185,7 +191,7 @@ def _request_us(
             manager.on_schedule_end(ScheduleEndContext((ctx.req_id,), ()))
         elapsed += time.perf_counter() - started
         if store is not None:
-            store(list(out.keys_to_store))
+            store(_to_store(out))
         started = time.perf_counter()
         with manager.lock:
             if hits:

@@ -12,22 +12,28 @@ module name, at run time) and the rows are skipped elsewhere.
 - value: worker ms per step (the time spent in the spec worker's ``submit_store``,
   ``submit_load``, ``get_finished`` and ``wait``) in the step that submits the N stores,
   median over rounds; baseline: the same for the native spec.
-- params: messages the rank sent per step (the most in any step, and in the store step),
-  store latency (the job scheduled, in ``build_connector_meta``, to its result returned by
-  the rank's ``get_finished``) median in ms for both, and the ranges over rounds.
+- params: messages the rank sent per step (the most in any step, and in the store step);
+  ``schedule()`` ms, median and p99 over the steps of the measured rounds that schedule
+  tokens, for both; the scheduler's messages to the daemon sent inside ``schedule()`` (its
+  own thread's, not the background thread's), the most in any step; store latency (the job
+  scheduled, in ``build_connector_meta``, to its result returned by the rank's
+  ``get_finished``) and load latency (the same for the loads of N later requests sharing
+  those prompts, after a GPU prefix-cache reset: what a request's first token waits for)
+  median in ms for both, and the ranges over rounds.
 """
 
 from __future__ import annotations
 
 import importlib
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from offloadd.bench._util import Context, Result, median, ratio
+from offloadd.bench._util import Context, Result, median, percentile, ratio
 from offloadd.bench.datapath import daemon
 
 BLOCK = 16
@@ -71,12 +77,20 @@ def run(ctx: Context) -> list[Result]:
                         "rounds": rounds,
                         "messages_per_rank_step_max": max(ours["messages"]),
                         "messages_in_store_step": max(ours["store_step_messages"]),
+                        "scheduler_messages_in_schedule_max": max(ours["schedule_messages"]),
+                        "schedule_ms": median(ours["schedule_ms"]),
+                        "native_schedule_ms": median(native["schedule_ms"]),
+                        "schedule_ms_p99": percentile(ours["schedule_ms"], 99),
+                        "native_schedule_ms_p99": percentile(native["schedule_ms"], 99),
                         "worker_ms_range": _range(ours["worker_ms"]),
                         "native_worker_ms_range": _range(native["worker_ms"]),
                         "store_latency_ms": median(ours["latency_ms"]),
                         "native_store_latency_ms": median(native["latency_ms"]),
                         "store_latency_ms_range": _range(ours["latency_ms"]),
                         "store_latency_steps": median(ours["latency_steps"]),
+                        "load_latency_ms": median(ours["load_latency_ms"]),
+                        "native_load_latency_ms": median(native["load_latency_ms"]),
+                        "load_latency_ms_range": _range(ours["load_latency_ms"]),
                         "native_store_latency_steps": median(native["latency_steps"]),
                         "harness_step_ms": median(ours["step_ms"]),
                         "native_harness_step_ms": median(native["step_ms"]),
@@ -125,6 +139,40 @@ class _CountingSocket:
         return getattr(self._sock, name)
 
 
+class _ScheduleSocket(_CountingSocket):
+    """The scheduler client's socket, counting only what the thread in ``schedule()`` sends
+    while it is there (the manager's background thread sends acks and keepalives too)."""
+
+    def __init__(self, sock: Any) -> None:
+        super().__init__(sock)
+        self.inside: int | None = None  # the thread in schedule(), while it is there
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._sock.send(*args, **kwargs)
+        if threading.get_ident() == self.inside:
+            self.sent += 1
+        return out
+
+
+def _count_in_schedule(manager: Any) -> _ScheduleSocket | None:
+    """Count what offloadd's scheduler sends inside ``schedule()``, on its client's socket
+    and on any client it connects later (a daemon that did not answer in time)."""
+    client = getattr(manager, "_client", None)
+    if client is None:
+        return None
+    counter = _ScheduleSocket(client._sock)
+    client._sock = counter
+    connect = manager._connect
+
+    def counted_connect(*args: Any, **kwargs: Any) -> Any:
+        new = connect(*args, **kwargs)
+        counter._sock, new._sock = new._sock, counter
+        return new
+
+    manager._connect = counted_connect
+    return counter
+
+
 class _Probe:
     """Times the spec worker's calls and counts its messages, per step."""
 
@@ -170,7 +218,8 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
         "worker_ms": [],
         "messages": [],
         "store_step_messages": [],
-        "latency_ms": [],
+        "schedule_ms": [],
+        "schedule_messages": [0.0],
     }
     with tempfile.TemporaryDirectory(prefix="offloadd-bench-vllm-") as workdir:
         h = harness.VllmHarness(
@@ -183,22 +232,44 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
         )
         with h:
             probe = _Probe(h)
-            scheduled: dict[int, tuple[float, int]] = {}
+            in_schedule = _count_in_schedule(h.offloading_manager)
+            stores: dict[int, tuple[float, int]] = {}
+            loads: dict[int, tuple[float, int]] = {}
             schedule = h.scheduler.schedule
+            measuring = False
 
             def timed_schedule() -> Any:
-                so = schedule()
-                now = time.perf_counter()
-                for job_id in so.kv_connector_metadata.store_jobs:
-                    scheduled.setdefault(job_id, (now, h.step_count))
+                if in_schedule is not None:
+                    in_schedule.sent, in_schedule.inside = 0, threading.get_ident()
+                started = time.perf_counter()
+                try:
+                    so = schedule()
+                finally:
+                    now = time.perf_counter()
+                    if in_schedule is not None:
+                        in_schedule.inside = None
+                if measuring and so.total_num_scheduled_tokens:
+                    # Steps that schedule work only: the empty steps an engine takes while
+                    # transfers finish (has_pending_work) would pull the median down.
+                    out["schedule_ms"].append((now - started) * 1e3)
+                    if in_schedule is not None:
+                        out["schedule_messages"].append(in_schedule.sent)
+                meta = so.kv_connector_metadata
+                for job_id in meta.store_jobs:
+                    stores.setdefault(job_id, (now, h.step_count))
+                for job_id in meta.load_jobs:
+                    loads.setdefault(job_id, (now, h.step_count))
                 return so
 
             h.scheduler.schedule = timed_schedule
             step_ms: list[float] = []
             for index in range(rounds + 1):  # the first round warms up
-                for i in range(n):
-                    h.add_request(_prompt(index * n + i), max_tokens=6)
+                measuring = index > 0
+                prompts = [_prompt(index * n + i) for i in range(n)]
+                for prompt in prompts:
+                    h.add_request(prompt, max_tokens=6)
                 worker_ms: list[float] = []
+                mirrored = _mirrored(h)
                 while h.has_work():
                     probe.seconds, probe.stores, sent = 0.0, 0, probe.sent
                     started = time.perf_counter()
@@ -213,16 +284,47 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
                             out["store_step_messages"].append(messages)
                 if index and worker_ms:
                     out["worker_ms"].append(max(worker_ms))
-            pairs = [
-                (at, probe.reported[job]) for job, at in scheduled.items() if job in probe.reported
-            ]
-            pairs = pairs[len(pairs) // (rounds + 1) :]  # past the warm-up round
-            out["latency_ms"] = [(done[0] - at[0]) * 1e3 for at, done in pairs]
-            out["latency_steps"] = [float(done[1] - at[1]) for at, done in pairs]
+                _settle(h, mirrored + 2 * n)
+                # The loads: N requests sharing the prompts' two chunks, their GPU copies gone.
+                h.reset_prefix_cache(zero_kv=False)
+                for i, prompt in enumerate(prompts):
+                    h.add_request(prompt[: 2 * BLOCK] + _prompt(1_000_000 + index * n + i)[:5], 2)
+                while h.has_work():
+                    h.step()
+            out["latency_ms"], out["latency_steps"] = _latencies(stores, probe, rounds)
+            out["load_latency_ms"], _ = _latencies(loads, probe, rounds)
             out["step_ms"] = step_ms
     if not out["worker_ms"]:
         raise RuntimeError(f"no step submitted {n} stores")
+    if not out["load_latency_ms"]:
+        raise RuntimeError(f"no load reported with {n} requests")
     return out
+
+
+def _latencies(
+    scheduled: dict[int, tuple[float, int]], probe: _Probe, rounds: int
+) -> tuple[list[float], list[float]]:
+    """(ms, steps) from each job's scheduling to the rank's report, past the warm-up round."""
+    pairs = [(at, probe.reported[job]) for job, at in scheduled.items() if job in probe.reported]
+    pairs = pairs[len(pairs) // (rounds + 1) :]
+    return [(done[0] - at[0]) * 1e3 for at, done in pairs], [
+        float(done[1] - at[1]) for at, done in pairs
+    ]
+
+
+def _mirrored(h: Any) -> int:
+    """Keys offloadd's mirror shows (the native spec has none: its stores show at once)."""
+    mirror = getattr(h.offloading_manager, "_mirror", None)
+    return len(mirror.keys) if mirror is not None else 0
+
+
+def _settle(h: Any, chunks: int, seconds: float = 30.0) -> None:
+    """Until offloadd's mirror shows ``chunks`` keys, or ``seconds`` passed."""
+    if getattr(h.offloading_manager, "_mirror", None) is None:
+        return
+    deadline = time.monotonic() + seconds
+    while _mirrored(h) < chunks and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _prompt(seed: int) -> list[int]:

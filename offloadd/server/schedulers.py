@@ -14,7 +14,8 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
   cache with pins and holds, the engine as their account) and its tenant's
   (``limits.tenant_protected_fraction``, all the tenant's engines together) are reserved; the
   rest are not (the ranks skip them: those chunks are simply not cached). A reservation the
-  ranks do not store within ``limits.reservation_seconds`` is dropped by the cache.
+  ranks do not store within ``limits.reservation_seconds`` is dropped by the cache. The held
+  keys that were not held come back in ``missing``.
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
 - ``ack``: the scheduler's mirror applied every change up to ``seq``.
@@ -94,7 +95,9 @@ class Schedulers:
         check_keys(request.keys, engine, self._limits)
         self._jobs.refuse_while_draining(len(request.keys))
         check_offloaded(request.keys, namespace)
-        self._apply_holds(state, engine, namespace, request.holds, request.release, request.ack)
+        _held, missing = self._apply_holds(
+            state, engine, namespace, request.holds, request.release, request.ack
+        )
         cache = self._cache
         owner = state.session.session_id
         reservation = cache.reserve(
@@ -107,7 +110,7 @@ class Schedulers:
             tenant=engine.tenant,  # and its tenant's (all its engines together)
         )
         self._announce.chunks_removed(reservation.evicted)
-        return Reserved(request.request_id, reservation.reserved)
+        return Reserved(request.request_id, reservation.reserved, missing)
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""

@@ -2,19 +2,26 @@
 
 Design (see docs/vllm.md): vLLM calls ``lookup`` once per key inside ``schedule()``,
 so lookups are answered from a local mirror of the namespace's committed keys (``KeyMirror``,
-fed by the daemon's ``KeysChanged``), a set probe. Each step costs at most:
-- one ``Reserve`` round trip per ``prepare_store`` call (vLLM makes one per request), which
-  also carries the step's new holds, due releases and the mirror's acknowledgement;
-- one ``UpdateHolds`` round trip at ``on_schedule_end`` when holds are still unsent (before the
-  ranks see the step's loads) or releases are due.
+fed by the daemon's ``KeysChanged``), a set probe. A step costs at most one message to the
+daemon inside ``schedule()``, whatever the batch, sent at ``on_schedule_end``: vLLM 0.33's
+last manager call of the step, after every ``prepare_store`` and before the step's metadata
+(the store and load specs) leaves the scheduler for the ranks. It is
+- a ``Reserve`` of every key the step's ``prepare_store`` calls chose (answered locally:
+  ``offloadd.vllm.stores``), carrying the step's holds, due releases and the mirror's
+  acknowledgement, its reply awaited for ``STEP_TIMEOUT_SECONDS`` at most; keys the daemon
+  did not reserve (another engine stores them, no room, no answer) are marked skipped in
+  their specs then, so the ranks do not store them: those chunks are just not cached;
+- else an ``UpdateHolds`` (holds to send or releases due), else an ``Ack`` (not awaited).
+``complete_store`` waits for nothing: a key the ranks stored answers ``HIT_PENDING`` until
+its commit reaches the mirror (a second at most).
 A key the mirror shows stays loadable: the daemon keeps a removed key's bytes until this
 scheduler acknowledged the removal, and this scheduler holds every key it hit before that.
 
 A daemon with tiers below its arena (disk, cluster; ``Welcome.tiers``) may hold a key the
 mirror lacks. Such a key answers ``RETRY`` and is asked of the daemon at ``on_schedule_end``
-(one ``Lookup`` per request that has such keys); the daemon promotes what it finds into the
-arena and says which keys are on their way, which then answer ``HIT_PENDING`` until their
-commit reaches the mirror (``offloadd.vllm.probes``).
+(one ``Lookup`` per request that has such keys, beside the step's message); the daemon
+promotes what it finds into the arena and says which keys are on their way, which then
+answer ``HIT_PENDING`` until their commit reaches the mirror (``offloadd.vllm.probes``).
 
 Threads: vLLM calls every method but ``shutdown`` holding ``lock``; a background thread takes
 the same lock to read notices, acknowledge them and keep the session alive while the engine
@@ -51,7 +58,8 @@ from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.probes import Probe, TierProbes
 from offloadd.vllm.stats import ManagerStats
-from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
+from offloadd.vllm.stores import Stores
+from offloadd.vllm.transfer_specs import OffloaddLoadSpec
 from protocol.config import OffloadingConfig
 from protocol.errors import ErrorCode
 from protocol.messages import HoldKeys, KeysChanged
@@ -76,7 +84,6 @@ KEEPALIVE_TIMEOUT_SECONDS = 0.3  # the lock is held meanwhile: keep it short
 # it until the background thread has a new session.
 STEP_TIMEOUT_SECONDS = 0.3
 STEP_BOUND_SECONDS = STEP_TIMEOUT_SECONDS + KEEPALIVE_TIMEOUT_SECONDS
-COMMIT_WAIT_SECONDS = 0.005  # complete_store: how long commit notices may lag the ranks
 
 
 class OffloaddManager(OffloadingManager):
@@ -99,7 +106,7 @@ class OffloaddManager(OffloadingManager):
         self._probes = TierProbes()
         self._stats = ManagerStats(config)
         self._acked = 0
-        self._in_flight: dict[bytes, int] = {}  # keys this scheduler reserved, being stored
+        self._stores = Stores()  # what this scheduler stores, until the mirror shows it
         self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
         # The load specs of those holds: a hold the daemon does not take is a lost hold, and
         # its spec is told so before it leaves the scheduler (the ranks load by key then).
@@ -133,10 +140,11 @@ class OffloaddManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT for a committed key (from the mirror); HIT_PENDING while this engine stores it
-        or the daemon promotes it from a lower tier; RETRY while that is being asked."""
+        (until its commit reaches the mirror) or the daemon promotes it from a lower tier;
+        RETRY while that is being asked."""
         if key in self._mirror.keys:
             return LookupResult.HIT
-        if key in self._in_flight:
+        if self._stores.pending(key):
             return LookupResult.HIT_PENDING
         client = self._client
         if client is None or client.welcome is None or not client.welcome.tiers:
@@ -164,46 +172,21 @@ class OffloaddManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        """Reserve room in the daemon; only keys that got it are returned to store."""
-        candidates = [k for k in keys if k not in self._mirror.keys and k not in self._in_flight]
-        reserved: list[bytes] = []
-        if candidates and self._client is not None:
+        """The keys worth storing, answered here: the step's ``Reserve`` at
+        ``on_schedule_end`` marks those the daemon gives no room skipped in the spec."""
+        candidates: list[bytes] = []
+        if self._client is not None:
+            candidates = self._stores.candidates(keys, self._mirror.keys)
             self._stats.allocated(len(candidates))
-            holds, releases = self._take_holds(), self._take_releases()
-            try:
-                indices = self._client.reserve(
-                    candidates, holds=holds, release=releases, ack=self._mirror.seq
-                )
-            except OffloaddError as exc:
-                self._failed("reserve", exc, holds)
-                indices = []
-            else:
-                self._acked = self._mirror.seq
-                self._holds_taken(holds)
-            self._after_request()
-            reserved = [candidates[i] for i in indices]
-            for key in reserved:
-                self._in_flight[key] = self._in_flight.get(key, 0) + 1
-        return PrepareStoreOutput(
-            cast("list[OffloadKey]", reserved), OffloaddStoreSpec(reserved), []
-        )
+        spec = self._stores.queue(req_context.req_id, candidates)
+        return PrepareStoreOutput(cast("list[OffloadKey]", candidates), spec, [])
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """The ranks stored ``keys``: they show in the mirror once committed."""
-        if self._client is not None:
-            # Read the commit notices first, so a key never looks missing in between. They
-            # were sent before the ranks heard their stores were done, but on another socket.
-            self._poll()
-            if any(key not in self._mirror.keys for key in keys):
-                self._poll(COMMIT_WAIT_SECONDS)
-        for key in keys:
-            count = self._in_flight.get(key, 0)
-            if count > 1:
-                self._in_flight[key] = count - 1
-            else:
-                self._in_flight.pop(key, None)
+        """The ranks stored ``keys``; waits for nothing: each answers HIT_PENDING until its
+        commit reaches the mirror."""
+        self._stores.complete(req_context.req_id, keys, self._mirror.keys)
 
     # -- per step --------------------------------------------------------------------------------
 
@@ -212,10 +195,20 @@ class OffloaddManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send the step's holds before its loads reach the ranks; acknowledge notices; ask
-        the daemon about the step's keys missing from the mirror."""
-        self._flush()
+        """The step's one message: its reservations, holds, releases and acknowledgement,
+        before its specs reach the ranks; then ask the daemon about the step's keys missing
+        from the mirror (tiers)."""
+        if self._stores.queued_keys():
+            self._reserve_step()
+        else:
+            self._flush()
         self._ask_tiers()
+
+    def has_pending_work(self) -> bool:
+        """While stored keys wait for their commit notices (a second at most), vLLM keeps
+        stepping, so their events (``take_events``, called each step) are not held back
+        until the next request."""
+        return self._stores.committing()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The namespace's stored and removed chunks, as vLLM publishes them for this engine."""
@@ -228,7 +221,7 @@ class OffloaddManager(OffloadingManager):
         """Drop every chunk of the engine's namespace in the daemon, and forget what this
         scheduler was storing or asking the tiers: vLLM flushes those jobs, and the daemon's
         Clear ends this scheduler's open reservations, so none of them commits after it."""
-        self._in_flight.clear()
+        self._stores.reset()
         self._probes = TierProbes()
         if self._client is None:
             return
@@ -256,7 +249,7 @@ class OffloaddManager(OffloadingManager):
                 self._failed("stats", exc)
             else:
                 self._after_request()
-        return self._stats.take(storing_chunks=len(self._in_flight))
+        return self._stats.take(storing_chunks=self._stores.storing)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         """``vllm:kv_offload_config_info``: the daemon's capacity in this engine's chunks."""
@@ -285,6 +278,27 @@ class OffloaddManager(OffloadingManager):
         # Asked inside vLLM's steps from now on: a daemon that went away must not stall one.
         client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
         return client
+
+    def _reserve_step(self) -> None:
+        """One ``Reserve`` for every store of the step, with its holds, releases and ack;
+        what it did not reserve (or a daemon that did not answer) is not stored."""
+        keys = self._stores.queued_keys()
+        client = self._client
+        if client is None:
+            skipped = self._stores.settle(())
+            logger.warning("offloadd: no daemon; %d keys of the step not stored", skipped)
+            return
+        holds, releases = self._take_holds(), self._take_releases()
+        try:
+            reply = client.reserve(keys, holds=holds, release=releases, ack=self._mirror.seq)
+        except OffloaddError as exc:
+            self._stores.settle(())
+            self._failed(f"reserve of {len(keys)} keys", exc, holds)
+            return
+        self._acked = self._mirror.seq
+        self._holds_taken(holds, set(reply.missing))
+        self._after_request()  # the notices first: a new session forgets the old one's
+        self._stores.settle(reply.reserved)
 
     def _flush(self) -> None:
         client = self._client
@@ -353,14 +367,6 @@ class OffloaddManager(OffloadingManager):
         self._releases = {}
         return releases
 
-    def _poll(self, timeout: float = 0.0) -> None:
-        assert self._client is not None
-        try:
-            self._client.poll(timeout)
-        except OffloaddError as exc:
-            self._failed("poll", exc)
-        self._after_request()
-
     def _after_request(self) -> None:
         """Apply what arrived with the last exchange (notices come before its reply)."""
         self._last_request = time.monotonic()
@@ -382,12 +388,14 @@ class OffloaddManager(OffloadingManager):
     def _forget_session(self) -> None:
         """Every key misses until the new session's snapshot."""
         self._mirror.clear()
-        self._in_flight.clear()
+        self._stores.forget()
         self._probes = TierProbes()
         self._acked = 0
 
     def _apply(self, notices: list[KeysChanged]) -> None:
         self._mirror.apply(notices)
+        for notice in notices:
+            self._stores.committed(notice.stored)
         if len(self._probes):
             # A key that left the arena may be in a tier now: an earlier miss is stale.
             self._probes.forget(key for notice in notices for key in notice.removed)

@@ -12,13 +12,17 @@ __all__ = ["OffloaddLoadSpec", "OffloaddStoreSpec"]
 
 
 class OffloaddStoreSpec(LoadStoreSpec):
-    """Keys the scheduler reserved room for."""
+    """Keys to store, in vLLM's order; those at the ``skipped`` positions got no room in
+    the daemon (the ranks store the others only). The keys stay as vLLM was told, because
+    the GPU side's blocks follow them by position; the scheduler fills ``skipped`` at the
+    end of its step, before vLLM hands the spec to the ranks."""
 
     def __init__(self, keys: list[bytes]) -> None:
         self.keys = keys
+        self.skipped: set[int] = set()
 
     def __repr__(self) -> str:
-        return f"OffloaddStoreSpec({len(self.keys)} keys)"
+        return f"OffloaddStoreSpec({len(self.keys)} keys, {len(self.skipped)} skipped)"
 
 
 class OffloaddLoadSpec(LoadStoreSpec):

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +112,44 @@ def segments_for(
     return segments
 
 
+def without_skipped(
+    keys: Sequence[bytes],
+    block_ids: Sequence[int],
+    segments: Sequence[Segment],
+    blocks_per_chunk: int,
+    skipped: Collection[int],
+) -> tuple[list[bytes], list[int], list[Segment]]:
+    """A store's keys, block ids and segments without the keys at the ``skipped`` positions
+    (their chunks got no room in the daemon): a segment with a hole splits in two."""
+    out_keys: list[bytes] = []
+    out_blocks: list[int] = []
+    out: list[Segment] = []
+    position = first_block = 0
+    for segment in segments:
+        remaining = segment.blocks
+        run: list[int] | None = None  # [keys, skip, blocks] of the segment being built
+        for index in range(segment.keys):
+            start = segment.skip if index == 0 else 0
+            count = min(blocks_per_chunk - start, remaining)
+            remaining -= count
+            if position + index in skipped:
+                if run is not None:
+                    out.append(Segment(*run))
+                    run = None
+            else:
+                out_keys.append(keys[position + index])
+                out_blocks.extend(block_ids[first_block : first_block + count])
+                if run is None:
+                    run = [0, start, 0]
+                run[0] += 1
+                run[2] += count
+            first_block += count
+        if run is not None:
+            out.append(Segment(*run))
+        position += segment.keys
+    return out_keys, out_blocks, out
+
+
 class OffloaddWorker(OffloadingWorker):
     """vLLM's rank-side worker backed by offloadd; see the module docstring."""
 
@@ -166,16 +204,22 @@ class OffloaddWorker(OffloadingWorker):
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        """Send the store; a store that cannot be sent is reported done (nothing cached)."""
+        """Send the store of the keys the daemon reserved; a store that cannot be sent, or
+        of no such key, is reported done (nothing cached)."""
         assert isinstance(dst_spec, OffloaddStoreSpec)
         client = self._connected()
-        if client is None or not dst_spec.keys or self._away():
+        skipped = dst_spec.skipped
+        if client is None or len(skipped) >= len(dst_spec.keys) or self._away():
             self._results.append(TransferResult(job_id, True))
             return True
         segments = segments_for(dst_spec.keys, src_spec, self._bpc, self._group_ids)
+        keys, block_ids = list(dst_spec.keys), src_spec.block_ids.tolist()
+        if skipped:
+            keys, block_ids, segments = without_skipped(
+                keys, block_ids, segments, self._bpc, skipped
+            )
         job = _Job(load=False, started=time.perf_counter())
         wait_event, job.event = self._record_event()
-        keys, block_ids = list(dst_spec.keys), src_spec.block_ids.tolist()
         self._step.append(Store(0, job_id, keys, block_ids, wait_event, segments, True))
         self._jobs[job_id] = job
         return True

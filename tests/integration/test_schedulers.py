@@ -85,9 +85,9 @@ def test_reserve_store_commit_reaches_the_mirror(daemon: DaemonThread) -> None:
     try:
         sched.wait_ready()
         keys = chain_keys(4, b"a")
-        assert sched.reserve(keys) == [0, 1, 2, 3]
+        assert sched.reserve(keys).reserved == [0, 1, 2, 3]
         # Reserved (pending) keys are not reserved twice, by anyone.
-        assert sched.reserve(keys) == []
+        assert sched.reserve(keys).reserved == []
         store_reserved(r, 1, keys, [0, 1, 2, 3])
         notices: list[KeysChanged] = []
 
@@ -99,7 +99,7 @@ def test_reserve_store_commit_reaches_the_mirror(daemon: DaemonThread) -> None:
         assert notices[0].reset
         assert mirror_of(sched, notices) == set(keys)
         # Committed keys are not reserved again.
-        assert sched.reserve(keys) == []
+        assert sched.reserve(keys).reserved == []
     finally:
         sched.close()
         r.close()
@@ -111,7 +111,7 @@ def test_reserved_store_skips_keys_nobody_reserved(daemon: DaemonThread) -> None
     try:
         sched.wait_ready()
         keys = chain_keys(3, b"b")
-        assert sched.reserve(keys[:1]) == [0]
+        assert sched.reserve(keys[:1]).reserved == [0]
         assert r.client is not None
         r.client.store(7, keys, chunk_block_ids([0, 1, 2], BPC), reserved=True)
         (done,) = r.client.wait([7])
@@ -187,7 +187,7 @@ def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
         sa.wait_ready()
         sb.wait_ready()
         keys = chain_keys(5, b"e")
-        assert sa.reserve(keys[:4]) == [0, 1, 2, 3]
+        assert sa.reserve(keys[:4]).reserved == [0, 1, 2, 3]
         store_reserved(ra, 1, keys[:4], [0, 1, 2, 3])
         wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
         seen_b: list[KeysChanged] = []
@@ -199,7 +199,7 @@ def test_a_removal_waits_for_every_mirror_and_stays_holdable() -> None:
         wait_for(lambda: mirror_b() == set(keys[:4]), sb)
         # B has not acknowledged the removal: A's key is reserved, placed when its room is
         # acknowledged (not refused); the victim waits.
-        assert sa.reserve(keys[4:]) == [0]
+        assert sa.reserve(keys[4:]).reserved == [0]
         assert d.daemon is not None
         stats = d.daemon.stats()
         # One more reservation's worth is evicted ahead (B must acknowledge that too).

@@ -1,4 +1,6 @@
-"""The vLLM plugin's pure parts: the key mirror and finding a CPU tensor's shared file."""
+"""The vLLM plugin's pure parts: the key mirror, the scheduler's stores (skipped keys,
+commits pending), a store spec without its skipped keys, and finding a CPU tensor's shared
+file."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import torch
 from offloadd.transfer.plan import group_layouts
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.regions import NotShareable, kv_regions, open_region_files, shared_file_of
+from offloadd.vllm.stores import Stores
+from offloadd.vllm.worker import without_skipped
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import KVRegion, ShmHandle
-from protocol.messages import KeysChanged
+from protocol.messages import KeysChanged, Segment
 
 K = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(6)]
 
@@ -193,3 +197,96 @@ def test_regions_need_refs_for_every_group() -> None:
     caches = SimpleNamespace(tensors=[], group_data_refs=[[]])
     with pytest.raises(ValueError, match="refs for 1 groups"):
         kv_regions(caches, [_group(("a",)), _group(("b",))])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stores_skip_what_the_daemon_did_not_reserve_by_position() -> None:
+    stores = Stores(clock=_Clock())
+    a = stores.queue("a", stores.candidates([K[0], K[1], K[2]], committed={K[2]}))
+    # K[1] is queued already: another request of the step does not store it twice.
+    b = stores.queue("b", stores.candidates([K[1], K[3], K[4]], committed=set()))
+    assert (a.keys, b.keys) == ([K[0], K[1]], [K[3], K[4]])
+    assert stores.queued_keys() == [K[0], K[1], K[3], K[4]]
+    assert stores.settle([1, 2]) == 2  # the daemon reserved K[1] and K[3]
+    assert (a.skipped, b.skipped) == ({0}, {1})
+    assert stores.queued_keys() == []
+    assert [stores.pending(k) for k in K[:5]] == [False, True, False, True, False]
+    # A skipped key is no one's here: a later step may store it.
+    assert stores.candidates([K[0], K[1]], committed=set()) == [K[0]]
+
+
+def test_stores_with_no_answer_skip_the_whole_step() -> None:
+    stores = Stores(clock=_Clock())
+    spec = stores.queue("a", stores.candidates([K[0], K[1]], committed=set()))
+    assert stores.settle(()) == 2
+    assert spec.skipped == {0, 1}
+    assert not stores.pending(K[0])
+    assert stores.storing == 0
+
+
+def test_a_stored_key_pends_until_its_commit_or_the_wait_runs_out() -> None:
+    clock = _Clock()
+    stores = Stores(clock=clock, commit_wait=1.0)
+    stores.queue("a", stores.candidates([K[0], K[1], K[2]], committed=set()))
+    stores.settle([0, 1])  # K[2] skipped
+    stores.complete("a", [K[0], K[1], K[2]], committed=set())
+    assert stores.storing == 0
+    # Stored, the commit notices not here yet: pending, not a miss.
+    assert stores.pending(K[0]) and stores.pending(K[1])
+    assert not stores.pending(K[2])
+    assert stores.candidates([K[0], K[1]], committed=set()) == []
+    stores.committed([K[0]])
+    assert not stores.pending(K[0])
+    assert stores.committing()
+    clock.now += 1.5  # K[1]'s commit never came (the daemon refused it)
+    assert not stores.committing()
+    assert not stores.pending(K[1])
+    assert stores.candidates([K[1]], committed=set()) == [K[1]]
+
+
+def test_a_skipped_key_completed_leaves_a_later_reservation_in_flight() -> None:
+    stores = Stores(clock=_Clock())
+    stores.queue("a", [K[0]])
+    stores.settle(())  # a's K[0] skipped
+    stores.queue("b", stores.candidates([K[0]], committed=set()))
+    stores.settle([0])  # b's reserved
+    stores.complete("a", [K[0]], committed=set())  # vLLM completes a's job, skipped key too
+    assert stores.storing == 1  # still b's, in flight
+    stores.complete("b", [K[0]], committed={K[0]})  # committed already: not pending
+    assert stores.storing == 0 and not stores.pending(K[0])
+
+
+def test_stores_forget_and_reset() -> None:
+    stores = Stores(clock=_Clock())
+    stores.queue("a", [K[0]])
+    stores.settle([0])
+    queued = stores.queue("b", [K[1]])
+    stores.forget()  # a new session: nothing in flight, the step's queue still settles
+    assert not stores.pending(K[0]) and stores.pending(K[1])
+    stores.reset()
+    assert queued.skipped == {0} and not stores.pending(K[1])
+    assert stores.queued_keys() == []
+
+
+def test_without_skipped_splits_segments_at_the_holes() -> None:
+    bpc = 4
+    keys = [b"k%d" % i for i in range(5)]
+    # Group A: 3 keys, from sub-block 2, 9 blocks (2 + 4 + 3); group B: 2 keys, 8 blocks.
+    segments = [Segment(3, 2, 9), Segment(2, 0, 8)]
+    block_ids = list(range(100, 117))
+    assert without_skipped(keys, block_ids, segments, bpc, set()) == (keys, block_ids, segments)
+    out_keys, out_blocks, out_segments = without_skipped(keys, block_ids, segments, bpc, {1, 3})
+    assert out_keys == [keys[0], keys[2], keys[4]]
+    assert out_segments == [Segment(1, 2, 2), Segment(1, 0, 3), Segment(1, 0, 4)]
+    assert out_blocks == [100, 101, 106, 107, 108, 113, 114, 115, 116]
+    # Skipping the first key of a segment starts the next one at sub-block 0.
+    out_keys, out_blocks, out_segments = without_skipped(keys, block_ids, segments, bpc, {0})
+    assert out_segments == [Segment(2, 0, 7), Segment(2, 0, 8)]
+    assert out_blocks == block_ids[2:]

@@ -1,15 +1,19 @@
-"""A scheduling step costs each rank at most one message to the daemon, whatever the batch.
+"""A scheduling step costs each rank, and the scheduler inside ``schedule()``, at most one
+message to the daemon, whatever the batch.
 
 vLLM's real Scheduler and worker connectors drive ``OffloaddSpec`` against a real daemon: N
 requests prefill in one step, so their N stores reach every rank in the next one; later N
 requests sharing those prompts load them in one step. The messages each rank's client puts
-on its socket are counted per step (not timed), and every loaded page is checked byte for
-byte against the bytes its prefix determines.
+on its socket are counted per step (not timed), and so are those the scheduler's client
+sends from the thread in ``schedule()`` while it is there (its background thread's acks
+and keepalives are not the step's); every loaded page is checked byte for byte against the
+bytes its prefix determines.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +46,27 @@ def daemon() -> Iterator[DaemonThread]:
     d.stop()
 
 
+class _ScheduleSocket:
+    """The scheduler client's socket: counts what the thread in ``schedule()`` sends there."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.inside: int | None = None  # the thread in schedule(), while it is there
+        self.sent = 0
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._sock.send(*args, **kwargs)
+        if threading.get_ident() == self.inside:
+            self.sent += 1
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class _Counts:
-    """Per step and rank: messages sent, stores and loads submitted."""
+    """Per step and rank: messages sent, stores and loads submitted; per step: the
+    scheduler's messages inside ``schedule()``."""
 
     def __init__(self, h: VllmHarness) -> None:
         self.workers: list[OffloaddWorker] = []
@@ -66,12 +89,29 @@ class _Counts:
                 setattr(worker, f"submit_{kind}", counted)
         # (messages, stores, loads) of each rank, one entry per step
         self.steps: list[list[tuple[int, int, int]]] = []
+        self.scheduler: list[int] = []  # the scheduler's messages inside schedule(), per step
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager) and manager._client is not None
+        self._socket = _ScheduleSocket(manager._client._sock)
+        manager._client._sock = self._socket  # type: ignore[assignment]
+        schedule = h.scheduler.schedule
+
+        def counted_schedule(*args: Any, **kwargs: Any) -> Any:
+            self._socket.inside = threading.get_ident()
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                self._socket.inside = None
+
+        setattr(h.scheduler, "schedule", counted_schedule)  # noqa: B010 (an instance's method)
 
     def step(self, h: VllmHarness) -> None:
         before = [self._sent(w) for w in self.workers]
         for jobs in self.jobs:
             jobs["store"] = jobs["load"] = 0
+        self._socket.sent = 0
         h.step()
+        self.scheduler.append(self._socket.sent)
         self.steps.append(
             [
                 (self._sent(w) - b, j["store"], j["load"])
@@ -149,3 +189,7 @@ def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: 
             for index, step in enumerate(counts.steps)
             if any(s > 1 for s, _, _ in step)
         ]
+        # The scheduler: one message inside schedule() in the steps that store or load, at
+        # most one in any step.
+        assert max(counts.scheduler) <= 1, counts.scheduler
+        assert sum(counts.scheduler) >= 2, counts.scheduler
