@@ -245,10 +245,10 @@ class Shared:
         self.keys = chain_keys(5, b"w")
         self.sa.wait_ready()
         self.sb.wait_ready()
-        assert self.sa.reserve(self.keys[:4]) == [0, 1, 2, 3]
+        assert self.sa.reserve(self.keys[:4]).reserved == [0, 1, 2, 3]
         store_reserved(self.ra, 1, self.keys[:4], [0, 1, 2, 3])
         wait_for(lambda: self.mirror_b() == set(self.keys[:4]), self.sb)
-        assert self.sa.reserve(self.keys[4:]) == [0]
+        assert self.sa.reserve(self.keys[4:]).reserved == [0]
         stats = self.stats()
         # Reserved, without extents yet: two victims' room ("b" still shows them) is in use.
         assert (stats.entries, stats.committed_entries) == (3, 2)
@@ -455,11 +455,11 @@ def test_a_mirror_that_stops_acknowledging_is_dropped_and_evictions_go_on() -> N
         sb.wait_ready()
         assert d.daemon is not None
         keys = chain_keys(8, b"s")
-        assert sa.reserve(keys[:4]) == [0, 1, 2, 3]
+        assert sa.reserve(keys[:4]).reserved == [0, 1, 2, 3]
         store_reserved(ra, 1, keys[:4], [0, 1, 2, 3])
         wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
         # From here on b reads and acknowledges nothing; a does, as a live mirror.
-        assert sa.reserve(keys[4:5]) == [0]  # placed once its room is acknowledged
+        assert sa.reserve(keys[4:5]).reserved == [0]  # placed once its room is acknowledged
         assert d.daemon.stats().used_bytes == 4 * KEY_FOOTPRINT  # the victims wait for b
 
         def b_dropped() -> bool:
@@ -472,7 +472,7 @@ def test_a_mirror_that_stops_acknowledging_is_dropped_and_evictions_go_on() -> N
         wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 3, sa)
         # Evictions go on without b: three more keys fit only by evicting.
         evictions = d.daemon.stats().evictions
-        assert sa.reserve(keys[5:8]) == [0, 1, 2]
+        assert sa.reserve(keys[5:8]).reserved == [0, 1, 2]
         store_reserved(ra, 3, keys[5:8], [5, 6, 7])
         wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sa)
         assert d.daemon.stats().evictions > evictions
@@ -506,13 +506,13 @@ def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservation
     try:
         sched.wait_ready()
         keys = chain_keys(4, b"t")
-        assert sched.reserve(keys[:2]) == [0, 1]
+        assert sched.reserve(keys[:2]).reserved == [0, 1]
         store_reserved(r, 1, keys[:2], [0, 1])
         wait_for(
             lambda: acking(sched, notices) or mirror_of(sched, notices) == set(keys[:2]), sched
         )
         assert sched.update_holds([HoldKeys("before", keys[:1])]).held == 1
-        assert sched.reserve(keys[2:3]) == [0]
+        assert sched.reserve(keys[2:3]).reserved == [0]
         copies.gate.clear()  # the next store is accepted; its copy waits
         assert r.client is not None
         r.client.store(2, keys[2:3], chunk_block_ids([2], BPC), reserved=True)

@@ -1470,9 +1470,9 @@ mine = chain_keys(48, b"greedy")
 store(w1, mine, 100)
 out = {"stored": w1.lookup(mine).hits}
 # Reservations that are never stored, pins with the longest lease, from two engines.
-out["reserved_1"] = len(s1.reserve(chain_keys(8, b"never-1")))
+out["reserved_1"] = len(s1.reserve(chain_keys(8, b"never-1")).reserved)
 out["pinned_1"] = w1.lookup(mine, pin=True, lease=1e9).pinned
-out["reserved_2"] = len(s2.reserve(chain_keys(96, b"never-2")))
+out["reserved_2"] = len(s2.reserve(chain_keys(96, b"never-2")).reserved)
 out["pinned_2"] = w2.lookup(mine, pin=True, lease=1e9).pinned
 print(json.dumps(out), flush=True)
 sys.stdin.read()
