@@ -254,22 +254,8 @@ def _measure_aead(ctx: Context, arena: Arena, keys, size: int, reps: int) -> lis
         "reps": reps,
         "baseline": "xxh3_64 of the plaintext shards in place (the plain v2 tier's work)",
     }
-    results = []
-    for kind in ("seal", "open"):
-        name = f"mooncake_{kind}_{label}"
-        if ctx.wanted(name):
-            values, baselines = timings[kind], timings["plain_" + kind]
-            results.append(
-                Result(
-                    name,
-                    median(values),
-                    "GiB/s",
-                    median(baselines),
-                    paired_ratio(values, baselines),
-                    dict(params),
-                )
-            )
-    return results
+    sides = [(kind, timings[kind], timings["plain_" + kind]) for kind in ("seal", "open")]
+    return _rows(ctx, label, sides, params)
 
 
 def _measure(ctx: Context, arenas, tiers, size: int, reps: int) -> list[Result]:
@@ -331,18 +317,25 @@ def _measure(ctx: Context, arenas, tiers, size: int, reps: int) -> list[Result]:
         "protocol": "tcp",
         "baseline": "raw batch_put_from / batch_get_into, same client",
     }
-    results = []
-    for kind, values, baselines in (("put", puts, raw_puts), ("get", gets, raw_gets)):
-        name = f"mooncake_{kind}_{label}"
-        if ctx.wanted(name):
-            results.append(
-                Result(
-                    name,
-                    median(values),
-                    "GiB/s",
-                    median(baselines),
-                    paired_ratio(values, baselines),
-                    dict(params),
-                )
-            )
-    return results
+    return _rows(ctx, label, [("put", puts, raw_puts), ("get", gets, raw_gets)], params)
+
+
+def _rows(
+    ctx: Context,
+    label: str,
+    sides: list[tuple[str, list[float], list[float]]],
+    params: dict[str, object],
+) -> list[Result]:
+    """One ``mooncake_<kind>_<label>`` row (GiB/s, against its baseline) per wanted kind."""
+    return [
+        Result(
+            f"mooncake_{kind}_{label}",
+            median(values),
+            "GiB/s",
+            median(baselines),
+            paired_ratio(values, baselines),
+            dict(params),
+        )
+        for kind, values, baselines in sides
+        if ctx.wanted(f"mooncake_{kind}_{label}")
+    ]
