@@ -48,7 +48,7 @@ from offloadd.server.registry import Engine, Namespace, Registry, group_of_key
 from offloadd.server.schedulers import acker
 from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.server.tiers import Tiers
-from offloadd.server.waiting import WaitingStores
+from offloadd.server.waiting import WaitingStores, wait_bound
 from offloadd.settings import Settings
 from offloadd.transfer.copies import ChunkRuns, Copies
 from offloadd.transfer.guarded import shrunk
@@ -101,7 +101,11 @@ class CacheRequests:
         self._jobs = jobs
         self._announce = announce
         self.metrics = metrics
-        self.waiting = WaitingStores(cache, jobs)
+        # A store waits out a silent mirror: dropped after mirror_ack_timeout (plus up to two
+        # reaper periods), its removals free their room and the store is placed.
+        self.waiting = WaitingStores(
+            cache, jobs, seconds=wait_bound(settings.server.mirror_ack_timeout)
+        )
 
     def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
         """Which leading keys are committed, which are pending; pin the hits if asked."""

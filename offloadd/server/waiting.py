@@ -31,14 +31,22 @@ from offloadd.cache.index import ChunkCache
 from offloadd.server.jobs import Jobs
 from offloadd.server.state import Job
 
-__all__ = ["MOST_WAITING", "WAIT_SECONDS", "WaitingStores"]
+__all__ = ["MOST_WAITING", "WAIT_SECONDS", "WaitingStores", "wait_bound"]
 
 logger = logging.getLogger(__name__)
 
-# A mirror acknowledges within a tick of its background thread (offloadd.vllm.manager, 20 ms);
-# one that says nothing this long costs the stores that wait for it their unplaced keys.
+# A mirror acknowledges within a tick of its background thread (offloadd.vllm.manager, 20 ms).
+# One that says nothing is dropped after ``server.mirror_ack_timeout`` (``Sessions``), which
+# frees the room it held and places the waiting keys; the daemon waits a little longer than
+# that (``wait_bound``), so a store's keys are refused "ack" only if that drop never came.
 WAIT_SECONDS = 1.0
 MOST_WAITING = 4096
+
+
+def wait_bound(mirror_ack_timeout: float) -> float:
+    """How long a store waits for its room: past the drop of a mirror that never acknowledges
+    (the reaper runs every quarter of the bound at most, so it drops it within 1.5x)."""
+    return 1.5 * mirror_ack_timeout + 0.1
 
 
 class WaitingStores:

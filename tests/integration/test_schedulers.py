@@ -233,9 +233,11 @@ class Shared:
     """Engines "a" and "b" on a 4-key arena that "a" filled and "b"'s mirror shows; "a" has
     reserved a fifth key whose room waits for "b"'s acknowledgement."""
 
-    def __init__(self) -> None:
+    def __init__(self, mirror_ack_timeout: float = 5.0) -> None:
         self.d = DaemonThread(
-            capacity=4 * KEY_FOOTPRINT, limits=LimitsSettings(protected_fraction=1.0)
+            capacity=4 * KEY_FOOTPRINT,
+            limits=LimitsSettings(protected_fraction=1.0),
+            mirror_ack_timeout=mirror_ack_timeout,
         ).start()
         self.ra = rank(self.d.endpoint, seed=5, engine_id="a")
         self.rb = rank(self.d.endpoint, seed=5, engine_id="b")
@@ -320,16 +322,19 @@ def test_a_waiting_store_of_a_rank_that_leaves_never_starts() -> None:
         s.close()
 
 
-def test_a_store_whose_room_is_never_acknowledged_stops_waiting() -> None:
-    s = Shared()
+def test_a_store_whose_room_is_never_acknowledged_waits_out_the_silent_mirror() -> None:
+    """ "b" never acknowledges: it is dropped after mirror_ack_timeout, the room it held frees,
+    and the waiting store is placed and commits (nothing refused)."""
+    s = Shared(mirror_ack_timeout=0.5)
     try:
         assert s.ra.client is not None
         s.ra.client.store(2, s.keys[4:], chunk_block_ids([4], BPC), reserved=True)
-        (done,) = s.ra.client.wait([2], timeout=10.0)  # bounded: "b" never acknowledges
-        assert done.ok  # the key is dropped, as when a store finds no room
+        (done,) = s.ra.client.wait([2], timeout=10.0)
+        assert done.ok and done.failed_keys == []
         stats = s.stats()
-        assert stats.committed_entries == 2 and stats.jobs_in_flight == 0
-        assert stats.stores_refused_by_reason == {"ack": 1}
+        assert stats.committed_entries == 3 and stats.jobs_in_flight == 0
+        assert stats.stores_refused_by_reason == {}
+        assert schedulers_of(s.d, "b") == 0  # dropped for its silence
     finally:
         s.close()
 
