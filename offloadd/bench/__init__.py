@@ -9,7 +9,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   the same moves (``shm_store_<size>``, ``shm_load_<size>``, ``..._4ranks``), the ranks'
   memory in /dev/shm files; ``memfd``: the same with sealed memfds (``memfd_store_<size>``...).
 - ``lookup``: lookup round-trip p50/p99 and lookups per second (1 and 8 clients) vs a bare
-  ZeroMQ DEALER/ROUTER echo of the same payload in the same kind of process.
+  ZeroMQ DEALER/ROUTER echo of the same payload in the same kind of process; and the lookup
+  round trip while another rank keeps 4 MiB stores in flight vs the same daemon idle
+  (``lookup_rtt_under_stores``; goal: ratio <= 2).
 - ``handshake``: 8 ranks from first Hello to engine ready vs 8 bare echo round trips.
 - ``index``: ChunkCache lookup/store cost at 10k, 100k, 1M committed keys vs 10k (random
   keys over the whole index, and keys from a 10k hot set), lookup cost vs a plain dict probe
@@ -101,7 +103,7 @@ def _memfd(ctx: Context) -> list[Result]:
 def _lookup(ctx: Context) -> list[Result]:
     from offloadd.bench import control
 
-    return control.run_lookup(ctx)
+    return control.run_lookup(ctx) + control.run_under_stores(ctx)
 
 
 def _handshake(ctx: Context) -> list[Result]:

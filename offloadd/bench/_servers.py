@@ -8,6 +8,9 @@ SIGTERM or when stdin closes.
 - ``echo``: a bare ROUTER that sends every message straight back (the round-trip floor).
 - ``publisher``: an ``EventPublisher`` publishing a fixed KV-event batch (``probe``, ``go N``).
 - ``rawpub``: a bare PUB socket sending same-size payloads with the same frames.
+- ``storer``: a rank (``AsyncOffloadClient``) that, between ``go`` and ``stop``, keeps
+  ``depth`` stores of ``blocks`` blocks each in flight, back to back, fresh keys every job;
+  ``stop`` waits for those in flight and answers ``jobs bytes`` stored since ``go``.
 """
 
 from __future__ import annotations
@@ -176,11 +179,76 @@ async def _rawpub(args: dict[str, Any]) -> None:
         ctx.term()
 
 
+async def _storer(args: dict[str, Any]) -> None:
+    from offloadd.bench._util import chain_keys, one_group_config
+    from offloadd.client import AsyncOffloadClient
+    from protocol.handles import KVRegion
+
+    region = msgspec.convert(args["region"], KVRegion)
+    page, blocks, depth = args["page"], args["blocks"], args["depth"]
+    config = one_group_config(
+        args["engine_id"], model=args["model"], layers=args["layers"], bytes_per_block=page
+    )
+    client = await AsyncOffloadClient.connect(
+        args["endpoint"], config, [region], name="bench storer"
+    )
+    await client.wait_ready(30)
+    state = {"job": 0, "jobs": 0}
+    running: list[asyncio.Task[None]] = []
+    stopping = asyncio.Event()
+
+    async def lane(lane_index: int, accepted: asyncio.Future[None]) -> None:
+        block_ids = list(range(lane_index * blocks, (lane_index + 1) * blocks))
+        try:
+            while not stopping.is_set():
+                state["job"] += 1
+                job = state["job"]
+                await client.store(job, chain_keys(blocks, job.to_bytes(8, "big")), block_ids)
+                if not accepted.done():
+                    accepted.set_result(None)
+                await client.wait([job])
+                state["jobs"] += 1
+        except Exception as exc:
+            if not accepted.done():
+                accepted.set_exception(exc)
+            raise
+
+    async def handle(words: list[str]) -> str:
+        match words:
+            case ["go"]:
+                stopping.clear()
+                state["jobs"] = 0
+                accepted = [asyncio.get_running_loop().create_future() for _ in range(depth)]
+                running[:] = [asyncio.create_task(lane(i, a)) for i, a in enumerate(accepted)]
+                try:
+                    await asyncio.gather(*accepted)  # every lane has a store in flight
+                except Exception as exc:
+                    return f"failed {exc!r}"
+                return "ok"
+            case ["stop"]:
+                stopping.set()
+                outcomes = await asyncio.gather(*running, return_exceptions=True)
+                running.clear()
+                failed = [o for o in outcomes if isinstance(o, BaseException)]
+                if failed:
+                    return f"failed {failed[0]!r}"
+                return f"{state['jobs']} {state['jobs'] * blocks * page}"
+        return "?"
+
+    try:
+        await _serve_commands(handle, [])
+    finally:
+        stopping.set()
+        await asyncio.gather(*running, return_exceptions=True)
+        await client.close()
+
+
 _MODES: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = {
     "daemon": _daemon,
     "echo": _echo,
     "publisher": _publisher,
     "rawpub": _rawpub,
+    "storer": _storer,
 }
 
 

@@ -1,4 +1,5 @@
-"""Control path: lookup round trips, lookups per second, and the 8-rank handshake.
+"""Control path: lookup round trips, lookups per second, the 8-rank handshake, and lookup
+round trips while another rank's large stores run (``lookup_rtt_under_stores``).
 
 The daemon and the baseline echo server are both subprocesses of the same kind (uvloop +
 zmq.asyncio, a ROUTER bound on ipc://), so the only difference is what happens between
@@ -18,12 +19,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import uvloop
 import zmq
 import zmq.asyncio
 
 from offloadd.bench._util import (
     Context,
+    MiB,
     Result,
     ServerProcess,
     median,
@@ -97,22 +100,18 @@ def _kv_files(ctx: Context, count: int) -> Iterator[list[SharedKVTensor]]:
 
 def run_lookup(ctx: Context) -> list[Result]:
     """``lookup_rtt_p50``, ``lookup_rtt_p99``, ``lookups_per_s_1``, ``lookups_per_s_8``."""
+    names = ("lookup_rtt_p50", "lookup_rtt_p99", "lookups_per_s_1", "lookups_per_s_8")
+    if not any(ctx.wanted(n) for n in names):
+        return []
     keys = chunk_keys(LOOKUP_KEYS, b"lookup")
     payload = encode(Lookup(1_000_000, keys))
     results: list[Result] = []
     with _servers(ctx, "lookup") as servers, _kv_files(ctx, 1) as files:
         endpoint, echo = servers.endpoint, servers.echo
         config = small_config("bench-lookup")
-        with OffloadClient.connect(endpoint, config, [files[0].region], name="worker") as worker:
-            worker.wait_ready(30)
-            worker.store(1, keys[:LOOKUP_HITS], list(range(LOOKUP_HITS)))
-            worker.wait([1])
-            with OffloadClient.connect(endpoint, config, role="scheduler") as scheduler:
-                hits = scheduler.lookup(keys).hits
-                if hits != LOOKUP_HITS:
-                    raise RuntimeError(f"lookup found {hits} hits, expected {LOOKUP_HITS}")
-                if any(ctx.wanted(n) for n in ("lookup_rtt_p50", "lookup_rtt_p99")):
-                    results += _rtt(ctx, scheduler, keys, servers, payload)
+        with _cached_lookup(endpoint, files[0].region, "bench-lookup") as (scheduler, _):
+            if any(ctx.wanted(n) for n in ("lookup_rtt_p50", "lookup_rtt_p99")):
+                results += _rtt(ctx, scheduler, keys, servers, payload)
             for clients in (1, 8):
                 if ctx.wanted(f"lookups_per_s_{clients}"):
                     results.append(
@@ -298,6 +297,153 @@ async def _rate(
         "goal": "ratio >= 0.7" if concurrency == 1 else "ratio >= 0.85",
     }
     return Result(name, value, "1/s", base, paired, params)
+
+
+# ------------------------------------------------------------------------- under stores
+
+STORE_PAGE = 256 << 10
+STORE_BLOCKS = 16  # blocks per store job: 4 MiB
+STORE_DEPTH = 4  # store jobs in flight, back to back
+
+
+@contextlib.contextmanager
+def _cached_lookup(
+    endpoint: str, region: KVRegion, engine_id: str
+) -> Iterator[tuple[OffloadClient, list[bytes]]]:
+    """A scheduler whose lookup of ``LOOKUP_KEYS`` keys hits the first ``LOOKUP_HITS``."""
+    keys = chunk_keys(LOOKUP_KEYS, b"lookup")
+    config = small_config(engine_id)
+    with OffloadClient.connect(endpoint, config, [region], name="worker") as worker:
+        worker.wait_ready(30)
+        worker.store(1, keys[:LOOKUP_HITS], list(range(LOOKUP_HITS)))
+        worker.wait([1])
+        with OffloadClient.connect(endpoint, config, role="scheduler") as scheduler:
+            hits = scheduler.lookup(keys).hits
+            if hits != LOOKUP_HITS:
+                raise RuntimeError(f"lookup found {hits} hits, expected {LOOKUP_HITS}")
+            yield scheduler, keys
+
+
+def run_under_stores(ctx: Context) -> list[Result]:
+    """``lookup_rtt_under_stores``: a scheduler's Lookup round trip while another rank keeps
+    ``STORE_DEPTH`` stores of 4 MiB in flight, vs the same lookups on the same daemon idle,
+    block by block in turn."""
+    name = "lookup_rtt_under_stores"
+    if not ctx.wanted(name):
+        return []
+    blocks = 10 if ctx.quick else 40
+    block = 300 if ctx.quick else 500
+    ctx.progress(f"lookups under stores: {blocks} blocks of {block}, busy and idle in turn")
+    store_kv = SharedKVTensor.create(
+        STORE_BLOCKS * STORE_DEPTH, STORE_PAGE, [LAYER], prefix=f"{ctx.scratch.shm_prefix}-st"
+    )
+    try:
+        assert store_kv.tensor is not None
+        store_kv.tensor.fill_(7)  # real pages, not holes of the file
+        with (
+            daemon(ctx, 256 * MiB, "under-stores") as (endpoint, _),
+            _kv_files(ctx, 1) as files,
+            _cached_lookup(endpoint, files[0].region, "bench-under-stores") as (scheduler, keys),
+            ServerProcess(
+                "storer",
+                {
+                    "endpoint": endpoint,
+                    "region": msgspec.to_builtins(store_kv.region),
+                    "engine_id": "bench-under-stores-writer",
+                    "model": "bench/control-stores",
+                    "layers": [LAYER],
+                    "page": STORE_PAGE,
+                    "blocks": STORE_BLOCKS,
+                    "depth": STORE_DEPTH,
+                },
+            ) as storer,
+        ):
+            return [_under_stores(ctx, name, scheduler, keys, storer, blocks, block)]
+    finally:
+        store_kv.close()
+
+
+def _under_stores(
+    ctx: Context,
+    name: str,
+    scheduler: OffloadClient,
+    keys: list[bytes],
+    storer: ServerProcess,
+    blocks: int,
+    block: int,
+) -> Result:
+    clock = time.perf_counter_ns
+    busy: list[float] = []
+    idle: list[float] = []
+    block_p50: list[tuple[float, float]] = []
+    stored = {"jobs": 0, "bytes": 0, "seconds": 0.0}
+    fewest_hits = LOOKUP_HITS
+
+    def lookups(out: list[float]) -> None:
+        nonlocal fewest_hits
+        for _ in range(block):
+            started = clock()
+            hits = scheduler.lookup(keys).hits
+            out.append((clock() - started) / 1e3)
+            fewest_hits = min(fewest_hits, hits)
+
+    def busy_block(out: list[float]) -> None:
+        started = time.perf_counter()
+        reply = storer.command("go")
+        if reply != "ok":
+            raise RuntimeError(f"storer: {reply}")
+        lookups(out)
+        reply = storer.command("stop")
+        if reply.startswith("failed"):
+            raise RuntimeError(f"storer: {reply}")
+        jobs, nbytes = map(int, reply.split())
+        stored["jobs"] += jobs
+        stored["bytes"] += nbytes
+        stored["seconds"] += time.perf_counter() - started
+
+    busy_block([])  # warm-up: the arena's pages faulted, both paths warm
+    lookups([])
+    stored = {"jobs": 0, "bytes": 0, "seconds": 0.0}
+    for index in range(blocks):
+        bb: list[float] = []
+        bi: list[float] = []
+        if index % 2 == 0:
+            busy_block(bb)
+            lookups(bi)
+        else:
+            lookups(bi)
+            busy_block(bb)
+        busy += bb
+        idle += bi
+        block_p50.append((percentile(bb, 50), percentile(bi, 50)))
+    value, base = percentile(busy, 50), percentile(idle, 50)
+    params = {
+        "keys": len(keys),
+        "hits": LOOKUP_HITS,
+        "fewest_hits": fewest_hits,
+        "samples": len(busy),
+        "block": block,
+        "p99_us": percentile(busy, 99),
+        "baseline_p99_us": percentile(idle, 99),
+        "p99_ratio": ratio(percentile(busy, 99), percentile(idle, 99)),
+        "paired_p50_ratio": paired_ratio([b for b, _ in block_p50], [i for _, i in block_p50]),
+        "store_job_bytes": STORE_BLOCKS * STORE_PAGE,
+        "stores_in_flight": STORE_DEPTH,
+        "store_jobs": stored["jobs"],
+        # Over the busy blocks, go to stop: the stores did run while the lookups were timed.
+        "store_GBps": stored["bytes"] / stored["seconds"] / 1e9,
+        "client": "OffloadClient (blocking), role scheduler",
+        "load": "another engine's rank (subprocess, AsyncOffloadClient) storing back to back",
+        "baseline": "the same lookups on the same daemon, no stores, blocks in turn",
+        "ratio": "pooled p50 busy / pooled p50 idle",
+        "goal": "ratio <= 2",
+    }
+    ctx.progress(
+        f"  {name}: p50 {value:.0f} us vs idle {base:.0f} us ({ratio(value, base):.2f}), "
+        f"p99 {params['p99_us']:.0f} vs {params['baseline_p99_us']:.0f} us, "
+        f"stores {params['store_GBps']:.2f} GB/s"
+    )
+    return Result(name, value, "us", base, ratio(value, base), params)
 
 
 # ------------------------------------------------------------------------- handshake
