@@ -78,6 +78,7 @@ def describe(stats: DaemonStats, endpoint: str) -> list[str]:
                 "root and the daemon's user only"
             ]
         ),
+        *(_mirror_lines(stats) if stats.counters else []),
         *_copy_lines(stats),
         *(_tier_lines(stats) if stats.counters else []),
         *([f"  sessions   {stats.sessions}"] if stats.counters else []),
@@ -104,6 +105,19 @@ def _refused(stats: DaemonStats) -> str:
         return f"{stats.stores_refused} keys (no room)"
     parts = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
     return f"{sum(reasons.values())} keys ({parts})"
+
+
+def _mirror_lines(stats: DaemonStats) -> list[str]:
+    """Stores waiting for a mirror's acknowledgement, mirrors dropped; nothing when neither."""
+    parts = []
+    if stats.stores_waiting:
+        parts.append(f"{stats.stores_waiting} stores waiting for room a mirror must free")
+    if stats.mirrors_dropped:
+        parts.append(
+            f"{stats.mirrors_dropped} dropped for not acknowledging removals in time "
+            "(server.mirror_ack_timeout)"
+        )
+    return [f"  mirrors    {'; '.join(parts)}"] if parts else []
 
 
 def _events_line(stats: DaemonStats) -> str:

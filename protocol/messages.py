@@ -423,6 +423,11 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # withheld from this asker and read 0: they add up every tenant's work, so only root and
     # the daemon's user see them. True from a daemon before this field.
     counters: bool = True
+    # Schedulers ended because their key mirror did not acknowledge removals within
+    # server.mirror_ack_timeout (counted since start), and rank stores waiting now for the
+    # room another mirror's acknowledgement frees. Node-wide: 0 where ``counters`` is False.
+    mirrors_dropped: int = 0
+    stores_waiting: int = 0
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

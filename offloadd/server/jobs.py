@@ -24,7 +24,7 @@ engine's threads through ``call_soon_threadsafe``):
   job refused before it started (its ``code`` set), counted as a protocol error.
 - ``park(job, timer)`` / ``unpark(job)``: book a store that waits for its room
   (``offloadd.server.waiting``) before it is started, and take the booking back (cancelling
-  ``timer``, the end of its wait) just before it is.
+  ``timer``, the end of its wait) just before it is; ``parked``: how many are booked so now.
 - ``abandon(state)``: the session is gone: its stores are abandoned (nothing it half-wrote
   becomes visible), its jobs answer nobody, its waiters are answered now (the abandoned jobs
   listed as pending), its waiting stores are unbooked and never start.
@@ -89,6 +89,7 @@ class Jobs:
         self.counters = counters
         self._send = send
         self.in_flight = 0
+        self.parked = 0  # of them, stores waiting for their room (park, unpark)
         self.draining = False
         self._idle = asyncio.Event()
         # One line per failure would let one client's broken copies flood the log (the
@@ -306,6 +307,7 @@ class Jobs:
         job.state.jobs[job.job_id] = job
         job.waiting = timer
         self.in_flight += 1
+        self.parked += 1
 
     def unpark(self, job: Job) -> None:
         """Take back ``park``'s booking of ``job`` (it starts now, or never)."""
@@ -315,6 +317,7 @@ class Jobs:
         job.waiting = None
         job.state.jobs.pop(job.job_id, None)
         self.in_flight -= 1
+        self.parked -= 1
         if self.in_flight == 0:
             self._idle.set()
 

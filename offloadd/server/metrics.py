@@ -13,7 +13,8 @@ The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
 ``Counters`` are the daemon's own counts that ``GetStats`` reports beside the cache's.
 
 Everything else is read when Prometheus scrapes: ``snapshot()`` (the daemon's ``stats``)
-gives the cache fill, entries, lookup keys, refused stores, evictions, sessions, engines and
+gives the cache fill, entries, lookup keys, refused stores, stores waiting for their room,
+evictions, schedulers dropped for a mirror that stopped acknowledging, sessions, engines and
 the copy path (``offloadd_copy_engine_degraded``: 1 when the cuda engine lost batching or
 the pinned arena), the tiers below the arena (``offloadd_tier_*{tier=...}``: fill, hits,
 promotions, demotions, skipped, errors, bytes and seconds for GB/s, healthy), and
@@ -498,6 +499,15 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         labels=["reason"],
     )
     evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")
+    waiting = GaugeMetricFamily(
+        "offloadd_stores_waiting",
+        "Rank stores waiting for the room another engine's mirror must acknowledge freeing",
+    )
+    dropped = CounterMetricFamily(
+        "offloadd_mirrors_dropped",
+        "Schedulers ended because their key mirror did not acknowledge removals within "
+        "server.mirror_ack_timeout",
+    )
     sessions = GaugeMetricFamily(
         "offloadd_sessions",
         "Connected sessions per engine, dp index and role (worker or scheduler)",
@@ -520,6 +530,8 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         else:  # a daemon that does not say why
             refused.add_metric([], stats.stores_refused)
         evictions.add_metric([], stats.evictions)
+        waiting.add_metric([], stats.stores_waiting)
+        dropped.add_metric([], stats.mirrors_dropped)
         for engine in stats.engines:
             dp = str(engine.data_parallel_index)
             sessions.add_metric([engine.engine_id, dp, "worker"], len(engine.ranks_present))
@@ -539,7 +551,8 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         degraded.add_metric([], 0.0 if all(stats.copy_path.values()) else 1.0)
         for feature, ok in sorted(stats.copy_path.items()):
             copy_path.add_metric([feature], 1.0 if ok else 0.0)
-    families += [entries, lookup_keys, lookups, refused, evictions, sessions, ready]
+    families += [entries, lookup_keys, lookups, refused, evictions, waiting, dropped]
+    families += [sessions, ready]
     families += [degraded, copy_path]
     families += _tier_families(stats)
     return families

@@ -24,7 +24,7 @@ Contract of ``Sessions`` (the event loop's thread only):
   ``server.mirror_ack_timeout`` seconds of the daemon's running time is ended the same way
   (``reap_silent_sessions``; the decision is ``Mirrors.overdue``): the removals it owed stop
   waiting for it, so evictions go on for everyone. A live scheduler hears ``NOT_REGISTERED``
-  at its next request and says Hello again (a fresh snapshot).
+  at its next request and says Hello again (a fresh snapshot). ``mirrors_dropped`` counts them.
 - A scheduler that says Hello again from the same process (the kernel's pid, the same uid)
   for the same engine replaces its old session (``Registry.hello``), as a rank does.
 - ``begin_drain()``: the daemon stops: no new Hellos, jobs, reservations or holds
@@ -115,6 +115,7 @@ class Sessions:
         self._limits = limits
         self._announce_topic = announce.derived_topic
         self._states: dict[str, SessionState] = {}
+        self.mirrors_dropped = 0  # schedulers ended for not acknowledging removals in time
         # Which tenant each engine id belongs to, across restarts (with the journal only).
         self._owners = (
             EngineOwners(settings.journal_path() + ".engines") if settings.cache.persist else None
@@ -463,6 +464,7 @@ class Sessions:
                         late.session.describe(),
                         ack_timeout,
                     )
+                    self.mirrors_dropped += 1
                     self.end_session(late, "its mirror stopped acknowledging")
 
     def end_session(self, state: SessionState, reason: str) -> None:

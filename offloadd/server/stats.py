@@ -147,6 +147,8 @@ class Stats:
             arena=self._arena_path,
             copy_engine=self._copy_engine,
             stores_refused_by_reason=_sum_counts(cache.refused, counters.refused),
+            mirrors_dropped=self._sessions.mirrors_dropped,
+            stores_waiting=self._jobs.parked,
         )
 
 

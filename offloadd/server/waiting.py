@@ -15,7 +15,7 @@ Contract of ``WaitingStores`` (the event loop's thread only):
   without waiting). Nothing of it is copied, and nothing is visible, before ``start()``.
 - A waiting store whose session ended (``Jobs.abandon`` unbooks it) never starts; it leaves
   the queue at the next placement, or when its wait would have ended.
-- ``waiting``: how many stores wait now.
+- ``waiting``: how many stores wait now (``Jobs.parked``: an ended session's are unbooked).
 
 Bounded three ways: ``most`` stores, ``seconds`` each, and each session's
 ``limits.jobs_per_session`` (a waiting store counts as in flight).
@@ -72,7 +72,7 @@ class WaitingStores:
     @property
     def waiting(self) -> int:
         """Stores waiting now (those of ended sessions left out)."""
-        return sum(not job.abandoned for job in self._queue)
+        return self._jobs.parked
 
     def park(
         self, job: Job, namespace: str, keys: Sequence[bytes], start: Callable[[], None]

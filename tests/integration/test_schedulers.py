@@ -285,12 +285,14 @@ def test_a_store_waits_for_the_room_another_mirror_must_acknowledge() -> None:
         s.ra.client.poll(0.2)
         stats = s.stats()
         assert stats.jobs_in_flight == 1 and stats.committed_entries == 2
+        assert stats.stores_waiting == 1
         assert stats.stores_refused_by_reason == {}
         s.ack_b()
         (done,) = s.ra.client.wait([2])
         assert done.ok and done.failed_keys == []
         stats = s.stats()
         assert stats.committed_entries == 3 and stats.used_bytes == 3 * KEY_FOOTPRINT
+        assert stats.stores_waiting == 0 and stats.mirrors_dropped == 0
         assert stats.stores_refused_by_reason == {}
         s.ra.client.load(3, s.keys[4:], chunk_block_ids([8], BPC))
         s.ra.client.wait([3])
@@ -312,6 +314,7 @@ def test_a_waiting_store_of_a_rank_that_leaves_never_starts() -> None:
         wait_for(lambda: s.stats().jobs_in_flight == 1, s.sb)
         s.ra.close()
         wait_for(lambda: s.stats().jobs_in_flight == 0, s.sb)  # unbooked with its session
+        assert s.stats().stores_waiting == 0
         s.ack_b()
         # The reservation got its room, but no copy ever began: still pending, nothing refused.
         wait_for(lambda: s.stats().used_bytes == 3 * KEY_FOOTPRINT, s.sb)
@@ -334,7 +337,7 @@ def test_a_store_whose_room_is_never_acknowledged_waits_out_the_silent_mirror() 
         stats = s.stats()
         assert stats.committed_entries == 3 and stats.jobs_in_flight == 0
         assert stats.stores_refused_by_reason == {}
-        assert schedulers_of(s.d, "b") == 0  # dropped for its silence
+        assert schedulers_of(s.d, "b") == 0 and stats.mirrors_dropped == 1  # for its silence
     finally:
         s.close()
 
@@ -473,6 +476,7 @@ def test_a_mirror_that_stops_acknowledging_is_dropped_and_evictions_go_on() -> N
 
         wait_for(b_dropped, sa)
         assert schedulers_of(d, "a") == 1  # the mirror that acknowledges stays
+        assert d.daemon.stats().mirrors_dropped == 1
         store_reserved(ra, 2, keys[4:5], [4])  # its room came with b's debts forgiven
         wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 3, sa)
         # Evictions go on without b: three more keys fit only by evicting.

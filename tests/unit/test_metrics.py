@@ -112,6 +112,13 @@ def test_gauges_and_cache_counters_come_from_the_snapshot() -> None:
     assert value(metrics, "offloadd_engine_ready", engine="engine-a", dp="0") is None
 
 
+def test_waiting_stores_and_dropped_mirrors_come_from_the_snapshot() -> None:
+    metrics = Metrics(lambda: fake_stats(stores_waiting=2, mirrors_dropped=1))
+    assert value(metrics, "offloadd_stores_waiting") == 2
+    assert value(metrics, "offloadd_mirrors_dropped_total") == 1
+    assert value(Metrics(fake_stats), "offloadd_mirrors_dropped_total") == 0
+
+
 def test_a_failing_snapshot_leaves_the_counters() -> None:
     def broken() -> DaemonStats:
         raise AssertionError("daemon not started")

@@ -76,3 +76,13 @@ def test_status_says_when_the_node_wide_counters_are_withheld() -> None:
     )
     # Zeros that only mean "not yours to see" are not printed as counts.
     assert not [line for line in lines if line.startswith(("  lookups", "  sessions", "  disk"))]
+
+
+def test_status_shows_waiting_stores_and_dropped_mirrors_only_when_there_are_some() -> None:
+    assert not any(line.startswith("  mirrors") for line in describe(_stats(), "ipc:///x"))
+    lines = describe(_stats(stores_waiting=3, mirrors_dropped=1), "ipc:///x")
+    assert (
+        "  mirrors    3 stores waiting for room a mirror must free; 1 dropped for not "
+        "acknowledging removals in time (server.mirror_ack_timeout)"
+    ) in lines
+    assert "  mirrors    1 dropped" in "\n".join(describe(_stats(mirrors_dropped=1), "ipc:///x"))
