@@ -83,6 +83,28 @@ def secret_file_problem(path: str, info: os.stat_result | None = None) -> str:
     return ""
 
 
+def read_secret(path: str, size: int) -> bytes | str:
+    """The ``size``-byte secret at ``path`` (opened without following a link, checked by
+    ``secret_file_problem``), or why it cannot be used. ``FileNotFoundError`` propagates, so
+    that a caller may create the secret instead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        return f"{path}: {exc.strerror}"
+    try:
+        problem = secret_file_problem(path, os.fstat(fd))
+        if problem:
+            return problem
+        secret = os.read(fd, size + 1)
+    finally:
+        os.close(fd)
+    if len(secret) != size:
+        return f"{path} is not a {size}-byte key"
+    return secret
+
+
 def owner_name(uid: int) -> str:
     """``uid N (name)`` for messages that name who owns a file."""
     import pwd

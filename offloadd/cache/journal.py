@@ -57,7 +57,7 @@ import msgspec
 
 from offloadd.cache.index import Entry, RestoredChunk, ShardWrite
 from offloadd.checksum import checksum
-from offloadd.safety import private_dir_problem, secret_file_problem
+from offloadd.safety import private_dir_problem, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -163,22 +163,13 @@ def load_key(path: str) -> bytes:
     Refuses (JournalError) a key that group or others can read, or of the wrong size.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        key = read_secret(path, KEY_SIZE)
     except FileNotFoundError:
         return _create_key(path)
-    except OSError as exc:
-        raise JournalError(f"journal key {path}: {exc.strerror}") from None
-    try:
-        problem = secret_file_problem(path, os.fstat(fd))
-        if problem:
-            raise JournalError(f"journal key: {problem}")
-        key = os.read(fd, KEY_SIZE + 1)
-    finally:
-        os.close(fd)
-    if len(key) != KEY_SIZE:
+    if isinstance(key, str):
         raise JournalError(
-            f"journal key {path} is not a {KEY_SIZE}-byte key; remove it (and the journal) to "
-            "start with a new one (the cache then starts cold)"
+            f"journal key: {key}; remove it (and the journal) to start with a new one (the "
+            "cache then starts cold)"
         )
     return key
 

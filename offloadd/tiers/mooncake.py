@@ -71,7 +71,7 @@ from typing import Any
 
 from offloadd.cache.arena import Arena
 from offloadd.checksum import checksum
-from offloadd.safety import secret_file_problem
+from offloadd.safety import read_secret
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress, Tier, TierCounters, TierStats, TierWrite
 
@@ -141,18 +141,11 @@ def load_cluster_key(path: str) -> bytes:
             "head -c 32 /dev/urandom > KEY && chmod 600 KEY)"
         )
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise MooncakeUnavailable(f"mooncake.key_file {path}: {exc.strerror}") from None
-    try:
-        problem = secret_file_problem(path, os.fstat(fd))
-        if problem:
-            raise MooncakeUnavailable(f"mooncake.key_file: {problem}")
-        key = os.read(fd, KEY_SIZE + 1)
-    finally:
-        os.close(fd)
-    if len(key) != KEY_SIZE:
-        raise MooncakeUnavailable(f"mooncake.key_file {path} is not a {KEY_SIZE}-byte key")
+        key = read_secret(path, KEY_SIZE)
+    except FileNotFoundError:
+        key = f"{path}: No such file or directory"
+    if isinstance(key, str):
+        raise MooncakeUnavailable(f"mooncake.key_file: {key}")
     return key
 
 
