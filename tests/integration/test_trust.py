@@ -716,13 +716,15 @@ def test_regions_jobs_sessions_and_registrations_are_bounded(
     )
     with pytest.raises(InvalidRequest, match="regions_per_session"):
         make_rank(few.endpoint, tp=1)  # three regions
-    config = make_config(tp=1)
+    # Three engines: a second scheduler of one engine from this process would replace the
+    # first, not add a session.
+    configs = [make_config(tp=1, engine_id=f"engine-{i}") for i in range(3)]
     with (
-        OffloadClient.connect(few.endpoint, config, role="scheduler", heartbeat=0),
-        OffloadClient.connect(few.endpoint, config, role="scheduler", heartbeat=0),
+        OffloadClient.connect(few.endpoint, configs[0], role="scheduler", heartbeat=0),
+        OffloadClient.connect(few.endpoint, configs[1], role="scheduler", heartbeat=0),
         pytest.raises(InvalidRequest, match="sessions_per_uid"),
     ):
-        OffloadClient.connect(few.endpoint, config, role="scheduler", heartbeat=0)
+        OffloadClient.connect(few.endpoint, configs[2], role="scheduler", heartbeat=0)
     identity = uuid.uuid4().bytes
     for _ in range(2):
         register(few.endpoint, identity)  # tokens never used: they hold what they carry
