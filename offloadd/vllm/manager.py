@@ -207,8 +207,8 @@ class OffloaddManager(OffloadingManager):
     def has_pending_work(self) -> bool:
         """While stored keys wait for their commit notices (a second at most), vLLM keeps
         stepping, so their events (``take_events``, called each step) are not held back
-        until the next request."""
-        return self._stores.committing()
+        until the next request; so do changes the background thread applied meanwhile."""
+        return self._stores.committing() or self._mirror.has_events
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The namespace's stored and removed chunks, as vLLM publishes them for this engine."""

@@ -54,6 +54,11 @@ class KeyMirror:
         self._replace({})
         self._snapshot = None
 
+    @property
+    def has_events(self) -> bool:
+        """Whether changes wait to be taken."""
+        return bool(self._events)
+
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
         """Changes since the last call as ``(removed, keys)`` runs, in the order they
         happened (a key removed and stored again shows in both, in that order)."""
