@@ -91,9 +91,10 @@ class OffloaddSpec(OffloadingSpec):
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         """This rank's worker (one per process)."""
         if self._worker is None:
+            from offloadd.vllm import step_hook
             from offloadd.vllm.worker import OffloaddWorker
 
-            self._worker = OffloaddWorker(
+            worker = OffloaddWorker(
                 self.offloadd_config,
                 kv_caches,
                 endpoint=self.endpoint,
@@ -101,4 +102,8 @@ class OffloaddSpec(OffloadingSpec):
                 load_timeout=self.load_timeout,
                 timeout=self.timeout,
             )
+            # The step's jobs leave once vLLM submitted them all (before the forward pass
+            # where it can), not at get_finished: see step_hook.
+            step_hook.install(self, worker)
+            self._worker = worker
         return self._worker

@@ -2,11 +2,15 @@
 
 Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
 - ``submit_store`` / ``submit_load`` return True (vLLM asserts it) and send nothing: the job
-  joins the step's ``StepJobs``. vLLM submits a step's jobs one call at a time and says
-  nothing when the last one is in, so the step's jobs leave in one message at the next call
-  that needs them sent: ``wait`` (synchronous loads, flushed stores) or ``get_finished``
-  (after the forward pass). One message per rank per step, whatever the batch, and no
-  round trip: the daemon answers each job with its ``JobDone`` notice, read without waiting.
+  joins the step's ``StepJobs``. vLLM submits a step's jobs one call at a time and its
+  interface says nothing when the last one is in, so ``step_hook`` (installed by the spec's
+  ``get_worker``) calls ``send_step`` once they are: after ``handle_preemptions`` in a step
+  without loads (before the forward pass), else after ``start_kv_transfers``. The step's
+  jobs also leave at the next call that needs them sent: ``wait`` (synchronous loads,
+  flushed stores) and ``get_finished`` (after the forward pass; all that is left to send
+  where the hook could not be installed). One message per rank per step, whatever the
+  batch, and no round trip: the daemon answers each job with its ``JobDone`` notice, read
+  without waiting.
 - ``get_finished`` never blocks (a non-blocking poll); ``wait`` blocks until the jobs finish.
 - A store that the daemon could not complete is harmless (the chunk is just not cached), so it
   is reported as done. A load that fails is not: vLLM has no way to recompute it, so the
@@ -248,8 +252,14 @@ class OffloaddWorker(OffloadingWorker):
         self._step.append(Load(0, job_id, keys, block_ids, 0, wait_event, segments, src_spec.hold))
         return True
 
+    def send_step(self) -> None:
+        """vLLM's last submission of the step is in (``step_hook``): send the step's jobs."""
+        client = self._connected()
+        if client is not None:
+            self._flush(client)
+
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call; never blocks. Sends the step's jobs."""
+        """Jobs finished since the last call; never blocks. Sends the step's jobs not sent."""
         client = self._connected()
         if client is not None:
             self._flush(client)

@@ -4,8 +4,10 @@ message to the daemon, whatever the batch.
 vLLM's real Scheduler and worker connectors drive ``OffloaddSpec`` against a real daemon: N
 requests prefill in one step, so their N stores reach every rank in the next one; later N
 requests sharing those prompts load them in one step. The messages each rank's client puts
-on its socket are counted per step (not timed), and so are those the scheduler's client
-sends from the thread in ``schedule()`` while it is there (its background thread's acks
+on its socket are counted per step (not timed), with how many were out when the rank's
+forward pass and its ``get_finished`` began (a step's jobs leave once vLLM submitted them
+all: before the forward pass in a step of stores only), and so are those the scheduler's
+client sends from the thread in ``schedule()`` while it is there (its background thread's acks
 and keepalives are not the step's); every loaded page is checked byte for byte against the
 bytes its prefix determines.
 """
@@ -65,18 +67,30 @@ class _ScheduleSocket:
 
 
 class _Counts:
-    """Per step and rank: messages sent, stores and loads submitted; per step: the
-    scheduler's messages inside ``schedule()``."""
+    """Per step and rank: messages sent, stores and loads submitted, and the messages sent
+    by the rank's first forward pass and by its ``get_finished``; per step: the scheduler's
+    messages inside ``schedule()``."""
 
     def __init__(self, h: VllmHarness) -> None:
         self.workers: list[OffloaddWorker] = []
         self.jobs: list[dict[str, int]] = []
+        self._before: list[int] = []
+        # this step, per rank: messages sent when its forward pass / get_finished began
+        self._at: list[dict[str, int]] = []
+        self.early: list[list[dict[str, int]]] = []  # one entry per step
         for index, state in enumerate(h.ranks):
             worker = state.offloading_worker
             assert isinstance(worker, OffloaddWorker)
             self.workers.append(worker)
             jobs = {"store": 0, "load": 0}
             self.jobs.append(jobs)
+            finished = worker.get_finished
+
+            def get_finished(_f: Any = finished, _i: int = index) -> Any:
+                self._mark(_i, "finished")
+                return _f()
+
+            setattr(worker, "get_finished", get_finished)  # noqa: B010 (an instance's method)
             for kind in ("store", "load"):
                 original = getattr(worker, f"submit_{kind}")
 
@@ -104,13 +118,25 @@ class _Counts:
                 self._socket.inside = None
 
         setattr(h.scheduler, "schedule", counted_schedule)  # noqa: B010 (an instance's method)
+        forward = h._forward
+
+        def marked_forward(state: Any, *args: Any) -> None:
+            self._mark(state.rank, "forward")
+            forward(state, *args)
+
+        setattr(h, "_forward", marked_forward)  # noqa: B010 (an instance's method)
+
+    def _mark(self, rank: int, moment: str) -> None:
+        self._at[rank].setdefault(moment, self._sent(self.workers[rank]) - self._before[rank])
 
     def step(self, h: VllmHarness) -> None:
-        before = [self._sent(w) for w in self.workers]
+        before = self._before = [self._sent(w) for w in self.workers]
+        self._at = [{} for _ in self.workers]
         for jobs in self.jobs:
             jobs["store"] = jobs["load"] = 0
         self._socket.sent = 0
         h.step()
+        self.early.append(self._at)
         self.scheduler.append(self._socket.sent)
         self.steps.append(
             [
@@ -189,6 +215,14 @@ def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: 
             for index, step in enumerate(counts.steps)
             if any(s > 1 for s, _, _ in step)
         ]
+        # A step's jobs leave once vLLM submitted them all, not at get_finished: before the
+        # forward pass in a step of stores only, before get_finished in every step.
+        for index, step in enumerate(counts.steps):
+            for (_, stores, loads), at in zip(step, counts.early[index], strict=True):
+                if stores or loads:
+                    assert at["finished"] == 1, (index, step, counts.early[index])
+                if stores and not loads and "forward" in at:
+                    assert at["forward"] == 1, (index, step, counts.early[index])
         # The scheduler: one message inside schedule() in the steps that store or load, at
         # most one in any step.
         assert max(counts.scheduler) <= 1, counts.scheduler
