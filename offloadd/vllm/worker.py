@@ -5,12 +5,14 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   joins the step's ``StepJobs``. vLLM submits a step's jobs one call at a time and its
   interface says nothing when the last one is in, so ``step_hook`` (installed by the spec's
   ``get_worker``) calls ``send_step`` once they are: after ``handle_preemptions`` in a step
-  without loads (before the forward pass), else after ``start_kv_transfers``. The step's
-  jobs also leave at the next call that needs them sent: ``wait`` (synchronous loads,
-  flushed stores) and ``get_finished`` (after the forward pass; all that is left to send
-  where the hook could not be installed). One message per rank per step, whatever the
-  batch, and no round trip: the daemon answers each job with its ``JobDone`` notice, read
-  without waiting.
+  without loads (before the forward pass), else after ``start_kv_transfers``: methods of the
+  one calling ``OffloadingConnectorWorker`` instance, wrapped, not vLLM's classes, nor
+  ``get_kv_transfer_group()`` (unset in some processes, a ``MultiConnector`` when connectors
+  are combined); see docs/design.md. The step's jobs also leave at the next call that needs
+  them sent: ``wait`` (synchronous loads, flushed stores) and ``get_finished`` (after the
+  forward pass; all that is left to send where the hook could not be installed). One message
+  per rank per step, whatever the batch, and no round trip: the daemon answers each job with
+  its ``JobDone`` notice, read without waiting.
 - ``get_finished`` never blocks (a non-blocking poll); ``wait`` blocks until the jobs finish.
 - A store that the daemon could not complete is harmless (the chunk is just not cached), so it
   is reported as done. A load that fails is not: vLLM has no way to recompute it, so the
