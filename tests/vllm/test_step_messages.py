@@ -14,6 +14,7 @@ bytes its prefix determines.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -25,6 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
+from offloadd.vllm import step_hook
 from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import OffloaddWorker
 from tests.integration.harness import DaemonThread
@@ -169,8 +171,8 @@ def _settle(h: VllmHarness, chunks: int) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("n", [1, 64, 256])
-def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: int) -> None:
+def _store_then_load(tmp_path: Path, daemon: DaemonThread, n: int) -> _Counts:
+    """N requests store their 2 chunks each, then N others load them: counted per step."""
     extra = {
         "spec_name": "OffloaddSpec",
         "spec_module_path": "offloadd.vllm",
@@ -209,21 +211,51 @@ def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: 
                 expected.append(sampled_token(tokens))
                 tokens.append(expected[-1])
             assert h.outputs[req] == expected
-        worst = max(sent for step in counts.steps for sent, _, _ in step)
-        assert worst <= 1, [
-            (index, step)
-            for index, step in enumerate(counts.steps)
-            if any(s > 1 for s, _, _ in step)
-        ]
-        # A step's jobs leave once vLLM submitted them all, not at get_finished: before the
-        # forward pass in a step of stores only, before get_finished in every step.
-        for index, step in enumerate(counts.steps):
-            for (_, stores, loads), at in zip(step, counts.early[index], strict=True):
-                if stores or loads:
-                    assert at["finished"] == 1, (index, step, counts.early[index])
-                if stores and not loads and "forward" in at:
-                    assert at["forward"] == 1, (index, step, counts.early[index])
-        # The scheduler: one message inside schedule() in the steps that store or load, at
-        # most one in any step.
-        assert max(counts.scheduler) <= 1, counts.scheduler
-        assert sum(counts.scheduler) >= 2, counts.scheduler
+    worst = max(sent for step in counts.steps for sent, _, _ in step)
+    assert worst <= 1, [
+        (index, step) for index, step in enumerate(counts.steps) if any(s > 1 for s, _, _ in step)
+    ]
+    return counts
+
+
+def _sent_by(counts: _Counts, moment: str, *, stores_only: bool) -> list[int]:
+    """Per rank and step that submitted jobs (stores only, if ``stores_only``), the messages
+    out when ``moment`` ("forward", "finished") began."""
+    out = []
+    for index, step in enumerate(counts.steps):
+        for (_, stores, loads), at in zip(step, counts.early[index], strict=True):
+            submitted = (stores and not loads) if stores_only else (stores or loads)
+            if submitted and moment in at:
+                out.append(at[moment])
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 64, 256])
+def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: int) -> None:
+    counts = _store_then_load(tmp_path, daemon, n)
+    # A step's jobs leave once vLLM submitted them all, not at get_finished: before the
+    # forward pass in a step of stores only, before get_finished in every step.
+    before_finished = _sent_by(counts, "finished", stores_only=False)
+    assert before_finished and set(before_finished) == {1}, counts.early
+    before_forward = _sent_by(counts, "forward", stores_only=True)
+    assert before_forward and set(before_forward) == {1}, counts.early
+    # The scheduler: one message inside schedule() in the steps that store or load, at
+    # most one in any step.
+    assert max(counts.scheduler) <= 1, counts.scheduler
+    assert sum(counts.scheduler) >= 2, counts.scheduler
+
+
+def test_without_the_hook_jobs_leave_at_get_finished(
+    tmp_path: Path,
+    daemon: DaemonThread,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # No OffloadingConnectorWorker found calling get_worker (another vLLM, say): the
+    # worker falls back to sending at get_finished, still one message per step.
+    monkeypatch.setattr(step_hook, "calling_connector_worker", lambda spec: None)
+    with caplog.at_level(logging.INFO, logger=step_hook.__name__):
+        counts = _store_then_load(tmp_path, daemon, 4)
+    assert any("no vLLM OffloadingConnectorWorker found" in r.message for r in caplog.records)
+    before_finished = _sent_by(counts, "finished", stores_only=False)
+    assert before_finished and set(before_finished) == {0}, counts.early
