@@ -17,6 +17,9 @@ the daemon as usual; ``canonical_layout: true`` (vLLM's parallelism-free host la
 rank send its canonical page mappings with its regions, and engines of the same model in that
 layout share chunks whatever their TP size (``docs/design.md``, "What is shared across what").
 
+``get_worker`` also hooks the calling ``OffloadingConnectorWorker`` so that a step's jobs
+leave once vLLM submitted them all (``offloadd.vllm.step_hook``).
+
 The spec declares the series and info labels vLLM's ``vllm:kv_offload_*`` metrics read from its
 manager (``offloadd.vllm.stats``): the CPU spec's, so its dashboards work unchanged.
 """
