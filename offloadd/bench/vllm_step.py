@@ -10,8 +10,8 @@ test code the wheel does not carry: they are found beside the package in a check
 module name, at run time) and the rows are skipped elsewhere.
 
 - value: worker ms per step (the time spent in the spec worker's ``submit_store``,
-  ``submit_load``, ``get_finished`` and ``wait``) in the step that submits the N stores,
-  median over rounds; baseline: the same for the native spec.
+  ``submit_load``, ``get_finished`` and ``wait``, and offloadd's ``send_step``) in the step
+  that submits the N stores, median over rounds; baseline: the same for the native spec.
 - params: messages the rank sent per step (the most in any step, and in the store step);
   ``schedule()`` ms, median and p99 over the steps of the measured rounds that schedule
   tokens, for both; the scheduler's messages to the daemon sent inside ``schedule()`` (its
@@ -188,8 +188,10 @@ class _Probe:
         if client is not None:
             self.socket = _CountingSocket(client._sock)
             client._sock = self.socket
-        for name in ("submit_store", "submit_load", "get_finished", "wait"):
-            setattr(self.worker, name, self._timed(name, getattr(self.worker, name)))
+        # send_step: offloadd's, called by its step hook (the step's message leaves there)
+        for name in ("submit_store", "submit_load", "send_step", "get_finished", "wait"):
+            if hasattr(self.worker, name):
+                setattr(self.worker, name, self._timed(name, getattr(self.worker, name)))
 
     def _timed(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
