@@ -40,6 +40,7 @@ import uuid
 
 from offloadd.bench._util import Context, Result, median, paired_ratio, size_name
 from offloadd.cache.arena import Arena
+from offloadd.safety import write_secret
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 
@@ -122,11 +123,7 @@ TENANTS = {"bench": [f"uid:{os.getuid()}"]}  # this user, named "bench" in the c
 def cluster_key(ctx: Context) -> str:
     """A fresh cluster key for the run's nodes (32 random bytes, 0600, in the scratch dir)."""
     key_file = ctx.scratch.shm_path("mooncake-cluster.key")
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, os.urandom(32))
-    finally:
-        os.close(fd)
+    write_secret(key_file, os.urandom(32))
     return key_file
 
 
