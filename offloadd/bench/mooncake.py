@@ -127,6 +127,15 @@ def cluster_key(ctx: Context) -> str:
     return key_file
 
 
+def _wanted_sizes(ctx: Context, *operations: str) -> list[int]:
+    """The chunk sizes for which some ``mooncake_<operation>_<size>`` result is wanted."""
+    return [
+        size
+        for size in CHUNK_SIZES
+        if any(ctx.wanted(f"mooncake_{op}_{size_name(size)}") for op in operations)
+    ]
+
+
 def run(ctx: Context) -> list[Result]:
     """``mooncake_put_<chunk>`` and ``mooncake_get_<chunk>`` for each chunk size."""
     from offloadd.tiers.mooncake import MooncakeTier
@@ -135,12 +144,7 @@ def run(ctx: Context) -> list[Result]:
     if binary is None:
         ctx.progress(f"mooncake: skipped ({missing})")
         return []
-    sizes = [
-        size
-        for size in CHUNK_SIZES
-        if ctx.wanted(f"mooncake_put_{size_name(size)}")
-        or ctx.wanted(f"mooncake_get_{size_name(size)}")
-    ]
+    sizes = _wanted_sizes(ctx, "put", "get")
     if not sizes:
         return []
     reps = 3 if ctx.quick else 9
@@ -173,12 +177,7 @@ def run_aead(ctx: Context) -> list[Result]:
     """``mooncake_seal_<chunk>`` and ``mooncake_open_<chunk>`` for each chunk size."""
     from offloadd.tiers.mooncake import ClusterKeys, MooncakeUnavailable
 
-    sizes = [
-        size
-        for size in CHUNK_SIZES
-        if ctx.wanted(f"mooncake_seal_{size_name(size)}")
-        or ctx.wanted(f"mooncake_open_{size_name(size)}")
-    ]
+    sizes = _wanted_sizes(ctx, "seal", "open")
     if not sizes:
         return []
     try:
