@@ -194,8 +194,8 @@ class Daemon:
                 self._events = PublisherSet(
                     settings.events,
                     self._ctx,
-                    socket_mode=settings.server.socket_mode,
-                    socket_group=settings.server.socket_group,
+                    socket_mode=settings.events.socket_mode,
+                    socket_group=settings.events.socket_group,
                     buffer_bytes=settings.limits.event_buffer_bytes,
                 )
                 self._events.start()
