@@ -29,8 +29,9 @@ from collections.abc import Callable
 __all__ = ["URGENT", "Lanes"]
 
 # Request tags (protocol.messages) answered ahead of bulk work: each is cheap on the loop
-# and someone waits on it (vLLM's scheduler step, a Wait, a health probe).
-URGENT = frozenset({"lookup", "reserve", "holds", "ack", "release", "wait", "ping", "stats"})
+# and someone waits on it (vLLM's scheduler step, a Wait, a heartbeat). GetStats is not: an
+# admin's covers every engine, and nothing latency-bound waits on it.
+URGENT = frozenset({"lookup", "reserve", "holds", "ack", "release", "wait", "ping"})
 
 Request = tuple[bytes, list[bytes]]
 Item = Request | Callable[[], object]
