@@ -722,7 +722,10 @@ class VllmHarness:
             # full attention's blocks); a GPU platform keeps it for a connector that supports it.
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
         if self.model == "mamba":
-            # What HybridAttentionMambaModelConfig sets for a Mamba hybrid with prefix caching.
+            # What MambaModelConfig.verify_and_update_config sets for a Mamba model with prefix
+            # caching (vllm/model_executor/models/config.py). Platform.update_block_size_for_
+            # backend would raise the attention block size until the pages match; the Mamba
+            # shapes below match it at 16 tokens already.
             vllm_config.cache_config.mamba_cache_mode = "align"
             vllm_config.cache_config.mamba_block_size = block_size
         parallel = vllm_config.parallel_config

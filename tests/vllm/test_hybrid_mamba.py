@@ -34,6 +34,7 @@ CHUNK = BLOCK * BPC
 MAMBA, FULL = 0, 1  # vLLM's group ids for the Mamba hybrid (checked below)
 LAYERS_PER_GROUP = len(MAMBA_LAYER_TYPES) // 2
 PROMPT = 200
+PAGE = 2048  # bytes of one layer's block (an attention page, a Mamba state) at TP=1
 
 
 def spans(jobs: Any, group: int) -> list[tuple[int, int]]:
@@ -126,6 +127,10 @@ def test_mamba_chunks_are_one_state_and_every_group_loads_mid_chunk(
         assert spans(h.store_jobs[a], MAMBA) == [(3, 1), (7, 1), (11, 1)]
         assert spans(h.store_jobs[a], FULL) == [(0, 4), (4, 4), (8, 4)]
         settle(h, 3 + 3)
+        # The daemon copied the blocks named and nothing else: 12 attention pages and 3
+        # states per layer (the ranks' halves at TP=2).
+        assert daemon.daemon is not None
+        assert daemon.daemon.stats().bytes_stored == (12 + 3) * LAYERS_PER_GROUP * PAGE
         h.reset_prefix_cache()  # zero all KV
         warm_block_0(h, prompt)
         b, pages = compute_with_loads(h, prompt[:150] + prompt_of(9, seed=5))
@@ -181,6 +186,33 @@ def test_a_hit_needs_a_mamba_state_at_its_chunk_boundary(
         assert spans(h.load_jobs[c], MAMBA) == [(11, 1)]
         assert pages == (11 + 1) * LAYERS_PER_GROUP
         assert h.forward_ranges[c][0][1] == 3 * CHUNK
+
+
+def test_with_one_block_per_chunk_every_step_end_is_a_hit_point(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """The steps that gave no state at a 64-token chunk boundary above (ending at 96 and 192)
+    give Mamba chunks 5 and 11 when a chunk is one block: a hit at 96."""
+    prompt = prompt_of(PROMPT)
+    with VllmHarness(
+        tmp_path,
+        extra_for(daemon, block_size=BLOCK),
+        model="mamba",
+        num_blocks=128,
+        max_num_batched_tokens=100,
+        prefix_cache_retention_interval=None,
+    ) as h:
+        a = compute(h, prompt)
+        assert spans(h.store_jobs[a], MAMBA) == [(5, 1), (11, 1)]
+        settle(h, 12 + 2)
+        h.reset_prefix_cache()
+        warm_block_0(h, prompt)
+        b, pages = compute_with_loads(h, prompt[:150] + prompt_of(9, seed=5))
+        assert h.external_tokens(b) == 96 - BLOCK
+        assert spans(h.load_jobs[b], FULL) == [(1, 5)]
+        assert spans(h.load_jobs[b], MAMBA) == [(5, 1)]
+        assert pages == (5 + 1) * LAYERS_PER_GROUP
+        assert h.forward_ranges[b][0][1] == 96
 
 
 @pytest.mark.parametrize(("steps", "caught"), [(1, True), (2, False)])
