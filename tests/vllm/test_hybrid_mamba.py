@@ -9,7 +9,7 @@ which is inside the chunk, next to the full-attention blocks from the hit's star
 exists only where a prefill step ended (align mode splits steps at block boundaries) and where
 vLLM's retention keeps it, so a hit needs a step to have ended on its chunk boundary. Every
 loaded page is compared with the bytes of its prefix, and the next forward pass checks the
-state it starts from and the attention context.
+state it starts from and the attention context (SimpleSpec's faults show that check fails).
 """
 
 from __future__ import annotations
@@ -236,3 +236,37 @@ def test_the_forward_pass_checks_the_mamba_state_it_starts_from(
         else:
             h.run_until_finished()
             assert h.finished[req]
+
+
+@pytest.mark.parametrize(
+    ("fault", "tp"), [(None, 1), ("skip_loads", 1), ("ignore_skip", 1), ("other_rank", 2)]
+)
+def test_a_wrong_mamba_load_fails_the_next_forward_pass(
+    tmp_path: Path, simple_extra: dict[str, object], fault: str, tp: int
+) -> None:
+    """SimpleSpec (tests/vllm/simple_spec.py) loading right, then wrong states: none,
+    sub-block 0 of the chunk instead of its last (where the state is), another rank's. The
+    step computing from the hit reads the state vLLM named, so it fails there (the Mamba group
+    is checked first, whatever full attention got)."""
+    extra = {**simple_extra, "block_size": CHUNK}
+    if fault is not None:
+        extra["simple_fault"] = fault
+    prompt = prompt_of(PROMPT)
+    with VllmHarness(
+        tmp_path,
+        extra,
+        model="mamba",
+        num_blocks=128,
+        max_num_batched_tokens=CHUNK,
+        prefix_cache_retention_interval=None,
+        tensor_parallel_size=tp,
+    ) as h:
+        compute(h, prompt)
+        h.reset_prefix_cache()
+        b = h.add_request(prompt[:150] + prompt_of(9, seed=5), max_tokens=2)
+        if fault is None:  # the same engine, loading right
+            h.run_until_finished()
+            assert h.external_tokens(b) == 2 * CHUNK and h.finished[b]
+            return
+        with pytest.raises(KVMismatchError, match="the Mamba state in block 7 "):
+            h.run_until_finished()
