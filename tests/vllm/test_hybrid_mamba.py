@@ -14,7 +14,7 @@ state it starts from and the attention context (SimpleSpec's faults show that ch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from tests.integration.harness import DaemonThread
 from tests.vllm.harness import MAMBA_LAYER_TYPES, KVMismatchError, VllmHarness, sampled_token
@@ -37,13 +38,21 @@ PROMPT = 200
 PAGE = 2048  # bytes of one layer's block (an attention page, a Mamba state) at TP=1
 
 
-def spans(jobs: Any, group: int) -> list[tuple[int, int]]:
-    """(first block index, blocks) of `group` in each of `jobs`' GPU specs, empty ones left out."""
+def spans(specs: Iterable[GPULoadStoreSpec], group: int) -> list[tuple[int, int]]:
+    """(first block index, blocks) of `group` in each of `specs`, empty ones left out."""
     return [
         (spec.block_indices[group], spec.group_sizes[group])
-        for spec in (getattr(j, "src", None) or j.dst for j in jobs)
+        for spec in specs
         if spec.group_sizes[group]
     ]
+
+
+def stored(h: VllmHarness, req: str, group: int) -> list[tuple[int, int]]:
+    return spans((job.src for job in h.store_jobs[req]), group)
+
+
+def loaded(h: VllmHarness, req: str, group: int) -> list[tuple[int, int]]:
+    return spans((job.dst for job in h.load_jobs[req]), group)
 
 
 def compute_with_loads(h: VllmHarness, prompt: list[int], max_tokens: int = 2) -> tuple[str, int]:
@@ -124,8 +133,8 @@ def test_mamba_chunks_are_one_state_and_every_group_loads_mid_chunk(
         a = compute(h, prompt)
         assert [r[1:] for r in h.forward_ranges[a][:3]] == [(0, 64), (64, 64), (128, 64)]
         # Each Mamba chunk is stored from its last sub-block: blocks 0..2 of it are left out.
-        assert spans(h.store_jobs[a], MAMBA) == [(3, 1), (7, 1), (11, 1)]
-        assert spans(h.store_jobs[a], FULL) == [(0, 4), (4, 4), (8, 4)]
+        assert stored(h, a, MAMBA) == [(3, 1), (7, 1), (11, 1)]
+        assert stored(h, a, FULL) == [(0, 4), (4, 4), (8, 4)]
         settle(h, 3 + 3)
         # The daemon copied the blocks named and nothing else: 12 attention pages and 3
         # states per layer (the ranks' halves at TP=2).
@@ -138,38 +147,35 @@ def test_mamba_chunks_are_one_state_and_every_group_loads_mid_chunk(
         assert len(h.load_jobs[b]) == 1
         # Full attention: blocks 1..7 (from sub-block 1 of chunk 0); Mamba: the state after
         # 128 tokens, block 7 (sub-block 3 of chunk 1). Both loads start inside a chunk.
-        assert spans(h.load_jobs[b], FULL) == [(1, 7)]
-        assert spans(h.load_jobs[b], MAMBA) == [(7, 1)]
+        assert loaded(h, b, FULL) == [(1, 7)]
+        assert loaded(h, b, MAMBA) == [(7, 1)]
         assert pages == (7 + 1) * LAYERS_PER_GROUP * tp
         # The connector's hit is what B computes from: the forward pass read the loaded state.
         assert h.forward_ranges[b][0][1] == 2 * CHUNK
 
 
 @pytest.mark.parametrize(
-    ("step_tokens", "retention"),
+    ("step_tokens", "retention", "full_stores"),
     [
-        pytest.param(100, None, id="steps-end-off-chunk-boundaries"),
-        pytest.param(CHUNK, 0, id="default-retention"),
+        pytest.param(100, None, [(0, 4), (4, 8)], id="steps-end-off-chunk-boundaries"),
+        pytest.param(CHUNK, 0, [(0, 4), (4, 4), (8, 4)], id="default-retention"),
     ],
 )
 def test_a_hit_needs_a_mamba_state_at_its_chunk_boundary(
-    tmp_path: Path, daemon: DaemonThread, step_tokens: int, retention: int | None
+    tmp_path: Path,
+    daemon: DaemonThread,
+    step_tokens: int,
+    retention: int | None,
+    full_stores: list[tuple[int, int]],
 ) -> None:
     """Steps ending at 96 and 192 leave no state at 64 or 128; vLLM's default retention (0)
     keeps the state only at the prompt's end. Either way only chunk 2's state is offloaded."""
     prompt = prompt_of(PROMPT)
     with mamba(tmp_path, daemon, step_tokens=step_tokens, retention=retention) as h:
         a = compute(h, prompt)
-        assert spans(h.store_jobs[a], MAMBA) == [(11, 1)]
-        assert (
-            spans(h.store_jobs[a], FULL) == [(0, 4), (4, 8)]
-            if step_tokens == 100
-            else [
-                (0, 4),
-                (4, 4),
-                (8, 4),
-            ]
-        )
+        assert stored(h, a, MAMBA) == [(11, 1)]
+        # Full attention: a store per step, of the chunks the step completed.
+        assert stored(h, a, FULL) == full_stores
         settle(h, 3 + 1)
         h.reset_prefix_cache()
         warm_block_0(h, prompt)
@@ -182,8 +188,8 @@ def test_a_hit_needs_a_mamba_state_at_its_chunk_boundary(
         warm_block_0(h, prompt)
         c, pages = compute_with_loads(h, prompt + prompt_of(9, seed=6))
         assert h.external_tokens(c) == 3 * CHUNK - BLOCK
-        assert spans(h.load_jobs[c], FULL) == [(1, 11)]
-        assert spans(h.load_jobs[c], MAMBA) == [(11, 1)]
+        assert loaded(h, c, FULL) == [(1, 11)]
+        assert loaded(h, c, MAMBA) == [(11, 1)]
         assert pages == (11 + 1) * LAYERS_PER_GROUP
         assert h.forward_ranges[c][0][1] == 3 * CHUNK
 
@@ -203,14 +209,14 @@ def test_with_one_block_per_chunk_every_step_end_is_a_hit_point(
         prefix_cache_retention_interval=None,
     ) as h:
         a = compute(h, prompt)
-        assert spans(h.store_jobs[a], MAMBA) == [(5, 1), (11, 1)]
+        assert stored(h, a, MAMBA) == [(5, 1), (11, 1)]
         settle(h, 12 + 2)
         h.reset_prefix_cache()
         warm_block_0(h, prompt)
         b, pages = compute_with_loads(h, prompt[:150] + prompt_of(9, seed=5))
         assert h.external_tokens(b) == 96 - BLOCK
-        assert spans(h.load_jobs[b], FULL) == [(1, 5)]
-        assert spans(h.load_jobs[b], MAMBA) == [(5, 1)]
+        assert loaded(h, b, FULL) == [(1, 5)]
+        assert loaded(h, b, MAMBA) == [(5, 1)]
         assert pages == (5 + 1) * LAYERS_PER_GROUP
         assert h.forward_ranges[b][0][1] == 96
 
@@ -242,7 +248,7 @@ def test_the_forward_pass_checks_the_mamba_state_it_starts_from(
     ("fault", "tp"), [(None, 1), ("skip_loads", 1), ("ignore_skip", 1), ("other_rank", 2)]
 )
 def test_a_wrong_mamba_load_fails_the_next_forward_pass(
-    tmp_path: Path, simple_extra: dict[str, object], fault: str, tp: int
+    tmp_path: Path, simple_extra: dict[str, object], fault: str | None, tp: int
 ) -> None:
     """SimpleSpec (tests/vllm/simple_spec.py) loading right, then wrong states: none,
     sub-block 0 of the chunk instead of its last (where the state is), another rank's. The
