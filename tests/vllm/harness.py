@@ -191,10 +191,11 @@ class KVMismatchError(AssertionError):
 # --------------------------------------------------------------------------- model
 
 
-def write_model_dir(path: Path, model: str = "llama") -> Path:
+def write_model_dir(path: Path, model: str = "llama", num_kv_heads: int = NUM_KV_HEADS) -> Path:
     """Write a config.json-only tiny model (a Llama; with ``model="mla"`` a DeepSeek-V2
     whose attention is MLA; with ``model="hybrid"`` a Qwen2 of sliding-window and
-    full-attention layers) into `path` (created); return `path`."""
+    full-attention layers) of ``num_kv_heads`` KV heads (not MLA) into `path` (created);
+    return `path`."""
     path.mkdir(parents=True, exist_ok=True)
     if model == "mla":
         mla = {
@@ -230,7 +231,7 @@ def write_model_dir(path: Path, model: str = "llama") -> Path:
             "hidden_size": HIDDEN_SIZE,
             "intermediate_size": 2 * HIDDEN_SIZE,
             "num_attention_heads": NUM_HEADS,
-            "num_key_value_heads": NUM_KV_HEADS,
+            "num_key_value_heads": num_kv_heads,
             "num_hidden_layers": len(HYBRID_LAYER_TYPES),
             "layer_types": list(HYBRID_LAYER_TYPES),
             "use_sliding_window": True,
@@ -254,7 +255,7 @@ def write_model_dir(path: Path, model: str = "llama") -> Path:
         "hidden_size": HIDDEN_SIZE,
         "intermediate_size": 2 * HIDDEN_SIZE,
         "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
+        "num_key_value_heads": num_kv_heads,
         "num_hidden_layers": NUM_LAYERS,
         "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": 4096,
@@ -562,7 +563,7 @@ class VllmHarness:
         kv_cache_layout: force a layout name (e.g. "BLHNC"); default: vLLM's
             resolution, which takes the connector's preference (LBHNC).
         shm_dir: where the per-rank KV files go.
-        model: ``"llama"`` (2 KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
+        model: ``"llama"`` (`num_kv_heads` KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
             latent KV every TP rank holds whole: vLLM's ``use_mla``, ``MLAAttentionSpec``
             with ``max_tp_shards=1``); MLA pages hold the same bytes on every rank
             (`kv_rank`); or ``"hybrid"`` (`HYBRID_LAYER_TYPES`: sliding-window layers of
@@ -570,6 +571,8 @@ class VllmHarness:
             through vLLM's hybrid KV cache manager, which vLLM's CPU platform would turn off
             and a GPU platform keeps). The forward pass checks in a sliding-window group only
             the context its attention reads (the last ``window - 1`` tokens).
+        num_kv_heads: the model's KV heads (not MLA): 1, 2 or 4. With fewer heads than TP
+            ranks vLLM replicates each head over ``tp // num_kv_heads`` ranks (`kv_rank`).
         prefix_cache_retention_interval: vLLM's (sliding-window groups): 0, its default,
             keeps (and offloads) a window only at the prompt's end; ``N`` also every ``N``
             tokens; None at every boundary.
@@ -596,6 +599,7 @@ class VllmHarness:
         model: str = "llama",
         max_num_seqs: int = 64,
         prefix_cache_retention_interval: int | None = 0,
+        num_kv_heads: int = NUM_KV_HEADS,
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -607,6 +611,10 @@ class VllmHarness:
         if model not in MODELS:
             raise ValueError(f"model {model!r}: one of {MODELS}")
         self.model = model
+        if NUM_HEADS % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} must divide {NUM_HEADS} heads")
+        self.num_kv_heads = num_kv_heads
+        self.tp = tensor_parallel_size
         try:
             self._build(
                 extra_config=dict(extra_config),
@@ -661,10 +669,10 @@ class VllmHarness:
             if self.model == "hybrid":
                 # The groups share the blocks; a sliding-window request holds few of them.
                 max_model_len //= 2
-        model_dir = write_model_dir(
-            self.workdir / ("model" if self.model == "llama" else f"model-{self.model}"),
-            self.model,
-        )
+        name = "model" if self.model == "llama" else f"model-{self.model}"
+        if self.num_kv_heads != NUM_KV_HEADS and self.model != "mla":
+            name += f"-kv{self.num_kv_heads}"
+        model_dir = write_model_dir(self.workdir / name, self.model, self.num_kv_heads)
         self.kv_events_endpoint: str | None = None
         kv_events_config = None
         if kv_events:
@@ -821,9 +829,13 @@ class VllmHarness:
         return f"ipc://{path}"
 
     def kv_rank(self, rank: int) -> int:
-        """The rank whose bytes `rank` holds: itself, or 0 when every rank holds the same
-        (MLA's latent KV is replicated on every TP rank, never head-sharded)."""
-        return 0 if self.model == "mla" else rank
+        """Which shard of the KV heads `rank` holds: 0 when every rank holds the same (MLA's
+        latent KV is replicated on every TP rank, never head-sharded), else its head shard
+        (as vLLM places heads: with fewer KV heads than ranks, ranks ``[h * r, (h + 1) * r)``
+        hold head ``h``, ``r = tp // num_kv_heads``)."""
+        if self.model == "mla":
+            return 0
+        return rank // max(1, self.tp // self.num_kv_heads)
 
     def _worker_kv_cache_spec(self, vllm_config: VllmConfig, tp: int) -> dict[str, KVCacheSpec]:
         """What GPUModelRunner.get_kv_cache_spec reports: one spec per
@@ -840,10 +852,12 @@ class VllmHarness:
                 cache_dtype_str="auto",
             )
             return {layer_name(i): mla for i in range(NUM_LAYERS)}
-        assert NUM_KV_HEADS % tp == 0, "the tiny model has 2 KV heads"
+        total = self.num_kv_heads
+        assert total % tp == 0 or tp % total == 0, (total, tp)
+        heads = max(1, total // tp)  # replicated over ranks when fewer than TP
         spec = FullAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
-            num_kv_heads=NUM_KV_HEADS // tp,
+            num_kv_heads=heads,
             head_size=HEAD_SIZE,
             dtype=KV_DTYPE,
         )
@@ -851,7 +865,7 @@ class VllmHarness:
             assert vllm_config.model_config.get_sliding_window() == HYBRID_WINDOW
             sliding = SlidingWindowSpec(
                 block_size=vllm_config.cache_config.block_size,
-                num_kv_heads=NUM_KV_HEADS // tp,
+                num_kv_heads=heads,
                 head_size=HEAD_SIZE,
                 dtype=KV_DTYPE,
                 sliding_window=HYBRID_WINDOW,
