@@ -571,6 +571,10 @@ class VllmHarness:
             through vLLM's hybrid KV cache manager, which vLLM's CPU platform would turn off
             and a GPU platform keeps). The forward pass checks in a sliding-window group only
             the context its attention reads (the last ``window - 1`` tokens).
+        decode_context_parallel_size: vLLM's DCP over the TP ranks (a llama whose KV heads
+            are replicated over at least that many ranks): each rank holds its share of every
+            block's tokens, interleaved (`_place`); a block then spans ``block_size * dcp``
+            tokens, which is the scheduler's (and `VllmHarness.block_size`'s) block.
         num_kv_heads: the model's KV heads (not MLA): 1, 2 or 4. With fewer heads than TP
             ranks vLLM replicates each head over ``tp // num_kv_heads`` ranks (`kv_rank`).
         prefix_cache_retention_interval: vLLM's (sliding-window groups): 0, its default,
@@ -600,6 +604,7 @@ class VllmHarness:
         max_num_seqs: int = 64,
         prefix_cache_retention_interval: int | None = 0,
         num_kv_heads: int = NUM_KV_HEADS,
+        decode_context_parallel_size: int = 1,
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -615,6 +620,7 @@ class VllmHarness:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide {NUM_HEADS} heads")
         self.num_kv_heads = num_kv_heads
         self.tp = tensor_parallel_size
+        self.dcp = decode_context_parallel_size
         try:
             self._build(
                 extra_config=dict(extra_config),
@@ -690,6 +696,7 @@ class VllmHarness:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             tensor_parallel_size=tp,
+            decode_context_parallel_size=self.dcp,
             data_parallel_size=dp_size,
             async_scheduling=async_scheduling,
             num_gpu_blocks_override=num_blocks,
@@ -762,6 +769,7 @@ class VllmHarness:
             cfg.cache_hit_alignment_tokens = alignment
         self.kv_cache_config = scheduler_kv_cache_config
         self.block_size = scheduler_block_size
+        self.interleave = parallel.cp_kv_cache_interleave_size
         num_layers = len(HYBRID_LAYER_TYPES) if self.model == "hybrid" else NUM_LAYERS
         self.layer_names = [layer_name(i) for i in range(num_layers)]
 
@@ -1129,14 +1137,24 @@ class VllmHarness:
             return max(0, start - (spec.sliding_window - 1))
         return 0
 
+    def _place(self, rank: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of token `positions` `rank` holds, and the slot of each in its block: all,
+        at ``position % block_size``, without DCP; with it, runs of `interleave` tokens of a
+        block go to the DCP ranks in turn (vLLM's ``cp_kv_cache_interleave_size``)."""
+        offset = positions % self.block_size
+        runs, within = offset // self.interleave, offset % self.interleave
+        mine = runs % self.dcp == rank % self.dcp  # a TP rank's DCP rank
+        return mine, (runs // self.dcp) * self.interleave + within
+
     def _slots(
-        self, req: _RunnerRequest, group: int, start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block id, slot) of token positions [start, end) in `group`."""
+        self, req: _RunnerRequest, group: int, start: int, end: int, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block id, slot) of the token positions in [start, end) of `group` that `rank`
+        holds, and which of the positions those are."""
         positions = torch.arange(start, end)
         table = torch.tensor(req.block_ids[group], dtype=torch.long)
-        blocks = table[positions // self.block_size]
-        return blocks, positions % self.block_size
+        mine, slots = self._place(rank, positions)
+        return table[positions[mine] // self.block_size], slots[mine], mine
 
     @staticmethod
     def _as_slots(data: bytes, heads: int, width: int) -> torch.Tensor:
@@ -1166,15 +1184,17 @@ class VllmHarness:
                 if first < start:
                     # Attention reads every earlier token it reaches: cached, loaded or
                     # computed (a sliding window's last ``window - 1``, else all of them).
-                    blocks, slots = self._slots(req, group, first, start)
+                    blocks, slots, mine = self._slots(req, group, first, start, state.rank)
                     data = req.slot_bytes(layer, byte_rank * heads, heads, width, first, start)
-                    want = self._as_slots(data, heads, width)
+                    want = self._as_slots(data, heads, width)[mine]
                     got = kv[blocks, :, slots, :]
                     if not torch.equal(got, want):
                         bad = sorted(
                             {
-                                (first + int(p)) // self.block_size
-                                for p in torch.nonzero((got != want).flatten(1).any(1))
+                                int(p) // self.block_size
+                                for p in torch.arange(first, start)[mine][
+                                    torch.nonzero((got != want).flatten(1).any(1))
+                                ]
                             }
                         )
                         raise KVMismatchError(
@@ -1182,9 +1202,9 @@ class VllmHarness:
                             f"context blocks (by index) {bad} do not hold their tokens' KV "
                             f"before computing tokens [{start}, {end})"
                         )
-                blocks, slots = self._slots(req, group, start, end)
+                blocks, slots, mine = self._slots(req, group, start, end, state.rank)
                 data = req.slot_bytes(layer, byte_rank * heads, heads, width, start, end)
-                kv[blocks, :, slots, :] = self._as_slots(data, heads, width)
+                kv[blocks, :, slots, :] = self._as_slots(data, heads, width)[mine]
 
     def _sample(self, so: SchedulerOutput) -> dict[str, list[int]]:
         sampled: dict[str, list[int]] = {}
@@ -1252,7 +1272,8 @@ class VllmHarness:
         kv = self.ranks[rank].kv_bytes[self.layer_names[layer]]
         _, heads, tokens, width = kv.shape
         hashes = prefix_hashes(prefix_tokens)[-self.block_size :]
-        slots = self._expected_slots(hashes, layer, rank, heads, width)
+        mine, _ = self._place(rank, torch.arange(self.block_size))
+        slots = self._expected_slots(hashes, layer, rank, heads, width)[mine]
         page = torch.zeros(self._page_span(kv), dtype=torch.int8)
         torch.as_strided(page, (heads, tokens, width), kv.stride()[1:]).copy_(
             slots.permute(1, 0, 2)

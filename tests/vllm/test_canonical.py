@@ -264,6 +264,70 @@ def test_overlapping_canonical_writers_are_refused(
     assert not any(e.ready for e in running(daemon).registry.engines())
 
 
+def test_dcp_canonical_round_trip_kept_apart_from_other_parallel_sizes(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """Decode context parallelism: DCP=2 over TP=2 ranks that both hold the one KV head. Each
+    rank holds every other token of a 32-token block; vLLM's mappings interleave them into
+    one canonical page of all 32 tokens, both ranks writers of their own tokens. vLLM marks
+    such pages not parallelism-agnostic (context parallel token sharding), so the namespace
+    keeps the parallel layout: a TP=1 engine of blocks of the same 32 tokens shares nothing,
+    although (checked here) the canonical bytes it stores are the same."""
+    prompt = prompt_of(100)
+    with VllmHarness(
+        tmp_path,
+        canonical(daemon),
+        tensor_parallel_size=2,
+        num_kv_heads=1,
+        decode_context_parallel_size=2,
+        engine_id="dcp",
+    ) as h:
+        spec = h.ranks[0].offloading_spec
+        assert spec.config.parallel.dcp_size == 2
+        assert not spec.config.parallel.is_parallelism_agnostic
+        assert h.block_size == CHUNK  # a block spans both ranks' 16 tokens
+        for state in h.ranks:
+            for region in state.offloading_worker._regions:
+                assert region.canonical.page_size == 2 * region.page_size
+                assert (region.canonical.writers, region.canonical.agnostic) == (1, False)
+        (engine,) = (e for e in running(daemon).registry.engines() if e.ready)
+        assert engine.canonical is not None and engine.canonical.writers == 2
+        copied = stored_bytes_by_rank(h)
+        compute(h, prompt)
+        settle(h, 3)
+        rank_bytes = spec.config.worker_kv_bytes_per_block  # one block per chunk
+        stats = running(daemon).stats()
+        assert stats.committed_entries == 3
+        assert stats.used_bytes == stats.bytes_stored == 3 * 2 * rank_bytes
+        assert copied == [3 * rank_bytes, 3 * rank_bytes]  # each rank its own tokens
+        h.reset_prefix_cache()
+        b = compute(h, prompt[:70] + prompt_of(9, seed=5))
+        assert h.external_tokens(b) == 64
+        assert h.assert_loaded_pages(b) == 64 // CHUNK * NUM_LAYERS * 2  # both ranks
+        with VllmHarness(
+            tmp_path,
+            canonical(daemon),
+            tensor_parallel_size=1,
+            num_kv_heads=1,
+            block_size=CHUNK,
+            engine_id="tp1",
+        ) as h1:
+            dcp, tp1 = namespace_of(daemon, "dcp"), namespace_of(daemon, "tp1")
+            assert dcp != tp1
+            c = compute(h1, prompt[:70] + prompt_of(9, seed=6))
+            assert h1.external_tokens(c) == 0
+            settle(h1, 2)
+            cache, arena = running(daemon)._cache, running(daemon)._arena
+            assert cache is not None and arena is not None
+            for key in h1.offloading_manager._mirror.keys:
+                ours, theirs = cache.get(tp1, key), cache.get(dcp, key)
+                assert ours is not None and theirs is not None
+                assert ours.sizes == theirs.sizes
+                assert bytes(arena.view(ours.offsets[0], ours.sizes[0])) == bytes(
+                    arena.view(theirs.offsets[0], theirs.sizes[0])
+                )
+
+
 def test_canonical_and_direct_layouts_never_share(tmp_path: Path, daemon: DaemonThread) -> None:
     prompt = prompt_of(100)
     with VllmHarness(tmp_path, canonical(daemon), engine_id="canon") as h1:
