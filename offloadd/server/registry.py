@@ -127,7 +127,8 @@ class Namespace:
     group_positions: dict[int, int] = field(default_factory=dict)
     engines: set[EngineKey] = field(default_factory=set)
     # vLLM's canonical layout: each chunk is one shard (the canonical chunk) that this many
-    # ranks of the engine fill together, each with its fragments; 0 for one shard per rank.
+    # writers of its first engine fill together; 0 for one shard per rank. Engines of other
+    # TP sizes may share the namespace: a store counts its own engine's (``store_part``).
     writers: int = 0
 
     def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
@@ -519,6 +520,10 @@ def _canonical_problem(config: OffloadingConfig, region: KVRegion) -> str | None
         return "no canonical page, but the engine is in vLLM's canonical layout"
     if config.parallel.pp_size > 1:
         return "the canonical layout under pipeline parallelism is not supported"
+    if config.parallel.pcp_size > 1:
+        # Never run: vLLM 0.33 builds PCP only with its V2 model runner (Triton), so no test
+        # shows its ranks' runs hold what they claim; refused rather than trusted.
+        return "the canonical layout under prefill context parallelism is not supported"
     return None
 
 

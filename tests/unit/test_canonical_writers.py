@@ -120,3 +120,11 @@ def test_the_registry_plans_writers_and_refuses_overlaps_when_the_last_rank_arri
         fresh.hello("s1", canonical_hello(1, [region(P // 2, 1)]))
     (engine,) = fresh.engines()
     assert not engine.ready and engine.missing_ranks() == [1]
+
+
+def test_canonical_under_prefill_context_parallelism_is_refused() -> None:
+    cfg = config(rank=0, world_size=2, groups=(("l0",),), worker_kv_bytes_per_block=P)
+    pcp = msgspec.structs.replace(cfg.parallel, tp_size=1, pcp_size=2)
+    cfg = msgspec.structs.replace(cfg, canonical_layout=True, parallel=pcp)
+    with pytest.raises(RegistrationError, match="under prefill context parallelism"):
+        Registry().hello("s0", hello(cfg, (region(0, 1),)))
