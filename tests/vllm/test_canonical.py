@@ -200,6 +200,17 @@ def test_canonical_chunks_are_shared_across_tp(
                         assert torch.equal(got, want), (index, layer, r)
             # B's 79 tokens hold 2 whole chunks, both A's: it stored nothing new.
             assert running(daemon).stats().committed_entries == stored
+            # B stores a chunk into the namespace A's engine made, with B's own writers
+            # (not A's count), and A loads it back: every page of A's ranks exact.
+            longer = prompt + prompt_of(40, seed=7)
+            compute(hb, longer)
+            settle(hb, stored + 1)
+            assert running(daemon).stats().committed_entries == stored + 1
+            ha.reset_prefix_cache()
+            settle(ha, stored + 1)
+            c = compute(ha, longer)
+            assert ha.external_tokens(c) == 4 * CHUNK
+            assert ha.assert_loaded_pages(c) == 4 * CHUNK // BLOCK * NUM_LAYERS * store_tp
 
 
 @pytest.mark.parametrize(("tp", "kv_heads"), [(2, 1), (4, 1), (4, 2)])
