@@ -142,8 +142,8 @@ class OffloaddManager(OffloadingManager):
         self._unsent_loads: dict[str, list[OffloaddLoadSpec]] = {}
         self._welcome: object = None  # the session the mirror belongs to
         self._releases: dict[str, list[bytes]] = {}
-        # Posted requests whose answer is due: request id -> (sent at, what applies it).
-        self._due: dict[int, tuple[float, Callable[[Reply], None]]] = {}
+        # Posted requests whose answer is due: request id -> what applies it.
+        self._due: dict[int, Callable[[Reply], None]] = {}
         self._unanswered_steps: dict[int, float] = {}  # step messages (and pings): sent at
         self.refused_steps = 0  # step messages the daemon refused (an Error answer)
         self.refused_keys = 0  # keys of sent steps it did not reserve
@@ -235,6 +235,13 @@ class OffloaddManager(OffloadingManager):
         for nothing."""
         self._read()
         self._send_step()
+
+    def steps_answered(self) -> bool:
+        """Apply what has arrived (never waits); True once every step message sent has its
+        answer applied. Not vLLM's: a benchmark driving the manager by hand waits on it
+        where vLLM's ranks would run the step before storing."""
+        self._read()
+        return not self._unanswered_steps
 
     def has_pending_work(self) -> bool:
         """While stored keys wait for their commit notices (a second at most), vLLM keeps
@@ -359,9 +366,9 @@ class OffloaddManager(OffloadingManager):
         if not ids:
             return
         self._unanswered_steps[ids[0]] = now
-        self._due[ids[0]] = (now, functools.partial(self._step_answered, stores=stores))
+        self._due[ids[0]] = functools.partial(self._step_answered, stores=stores)
         for lookup_id, keys in zip(ids[1:], probes, strict=True):
-            self._due[lookup_id] = (now, functools.partial(self._probe_answered, keys=keys))
+            self._due[lookup_id] = functools.partial(self._probe_answered, keys=keys)
 
     def _unsent(
         self,
@@ -423,7 +430,7 @@ class OffloaddManager(OffloadingManager):
             self._unanswered_steps.pop(request_id, None)
             due = self._due.pop(request_id, None)
             if due is not None:
-                due[1](reply)
+                due(reply)
             if self._client is not client:
                 return  # the session was given up: its other answers mean nothing
 
@@ -545,7 +552,7 @@ class OffloaddManager(OffloadingManager):
         request_id = client.post_ping()
         self._last_request = now = time.monotonic()
         self._unanswered_steps[request_id] = now
-        self._due[request_id] = (now, self._pinged)
+        self._due[request_id] = self._pinged
 
     def _pinged(self, reply: Reply) -> None:
         if isinstance(reply, Ok) and reply.count == 0:
