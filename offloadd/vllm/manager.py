@@ -107,6 +107,7 @@ ANSWER_TIMEOUT_SECONDS = 1.0
 # Steps sent and not answered yet, at most: beyond, a step is not sent (its stores skipped,
 # its holds lost), so a stalled daemon is not handed a backlog of stale reservations.
 MAX_UNANSWERED_STEPS = 8
+RECONNECT_MAX_SECONDS = 16.0  # the longest pause between attempts to connect again
 # The exchanges still awaited (cache reset, the capacity once; connecting, off the lock)
 # wait at most this long.
 STEP_TIMEOUT_SECONDS = 0.3
@@ -149,6 +150,7 @@ class OffloaddManager(OffloadingManager):
         self.refused_keys = 0  # keys of sent steps it did not reserve
         self.unsent_steps = 0  # steps not sent (no daemon, too many unanswered)
         self._last_request = time.monotonic()
+        self._reconnect_pause = KEEPALIVE_SECONDS  # between attempts to connect again
         self._client: OffloadClient | None = None
         self._stop = threading.Event()
         try:
@@ -559,13 +561,20 @@ class OffloaddManager(OffloadingManager):
             self._failed("keepalive", DaemonUnavailable("the daemon no longer knows this session"))
 
     def _try_reconnect(self) -> None:
-        if time.monotonic() - self._last_request < KEEPALIVE_SECONDS:
+        """Connect again (off the lock), once a second; while attempts time out (a frozen
+        daemon, whose listen backlog keeps each attempt's connection until it runs again)
+        the pause doubles up to ``RECONNECT_MAX_SECONDS``, so they do not pile up there."""
+        started = time.monotonic()
+        if started - self._last_request < self._reconnect_pause:
             return
-        self._last_request = time.monotonic()
+        self._last_request = started
         try:
             client = self._connect(STEP_TIMEOUT_SECONDS)
         except OffloaddError:
+            if time.monotonic() - started >= STEP_TIMEOUT_SECONDS:  # it waited: frozen
+                self._reconnect_pause = min(2 * self._reconnect_pause, RECONNECT_MAX_SECONDS)
             return
+        self._reconnect_pause = KEEPALIVE_SECONDS
         with self._lock:
             self._client = client
             self._after_request()
