@@ -316,7 +316,7 @@ class OffloaddManager(OffloadingManager):
             mirror=True,
             timeout=self._timeout if timeout is None else timeout,
         )
-        # Asked inside vLLM's steps from now on: a daemon that went away must not stall one.
+        # The few exchanges still awaited (cache reset, the capacity once) wait this long.
         client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
         return client
 
@@ -343,6 +343,8 @@ class OffloaddManager(OffloadingManager):
         probes = self._probes.take_queued()
         if client is None or len(self._unanswered_steps) >= MAX_UNANSWERED_STEPS:
             self._unsent(stores, probes, "no daemon" if client is None else "daemon behind")
+            if client is None:
+                self._releases = {}  # nothing is held without a session
             return
         holds, releases = self._take_holds(), self._take_releases()
         ack = self._mirror.seq
