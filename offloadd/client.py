@@ -114,6 +114,9 @@ class _ClientCore:
         self.answered_at = 0.0  # monotonic time of the latest StepJobs answer
         self.session_lost = False  # a StepJobs came back NOT_REGISTERED: say Hello again
         self.sent = 0  # messages sent on the client's socket (the heartbeat's excepted)
+        # Posted requests (nothing waits for them) whose replies are kept for ``take_answers``.
+        self.awaited: set[int] = set()
+        self.answers: list[Reply] = []
 
     def next_id(self) -> int:
         self.last_request = time.monotonic()
@@ -186,6 +189,8 @@ class _ClientCore:
         for job_id in sorted(self.submitted):
             self.record(JobDone(job_id, False, [], 0, 0.0, SESSION_LOST))
         self.steps.clear()
+        self.awaited.clear()
+        self.answers.clear()
         self._hello = msgspec.structs.replace(self._hello, request_id=self.next_id())
         return self._hello
 
@@ -246,6 +251,11 @@ class _ClientCore:
             reply = decode_reply(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
+        request_id = getattr(reply, "request_id", None)
+        if request_id in self.awaited:
+            self.awaited.discard(request_id)
+            self.answers.append(reply)
+            return reply
         match reply:
             case JobDone():
                 self.record(reply)
@@ -305,6 +315,17 @@ class _ClientCore:
             list(segments),
             hold,
         )
+
+    def posted(self, request: Reserve | UpdateHolds | Ping) -> list[int]:
+        """Book ``request``'s reply (and its lookups') for ``take_answers``; their ids."""
+        ids = [request.request_id]
+        if not isinstance(request, Ping):
+            ids += [lookup.request_id for lookup in request.lookups]
+        self.awaited.update(ids)
+        return ids
+
+    def lookups(self, probes: Sequence[Sequence[bytes]]) -> list[Lookup]:
+        return [Lookup(self.next_id(), list(keys)) for keys in probes]
 
     @staticmethod
     def expect(reply: Reply, kind: type[R]) -> R:
@@ -553,6 +574,49 @@ class OffloadClient:
         request = UpdateHolds(self._core.next_id(), list(hold), list(release), ack)
         return self._core.expect(self._request(request), HoldResult)
 
+    def post_reserve(
+        self,
+        keys: Sequence[bytes],
+        *,
+        holds: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        ack: int = 0,
+        lookups: Sequence[Sequence[bytes]] = (),
+    ) -> list[int]:
+        """(Scheduler) ``reserve`` without waiting, with a ``Lookup`` of each of ``lookups``
+        (key runs) in the same message. Returns the request ids whose replies arrive with
+        ``take_answers`` (the ``Reserved`` first, then one per lookup). Raises
+        DaemonUnavailable when it cannot be sent now (nothing is sent then)."""
+        core = self._core
+        request = Reserve(
+            core.next_id(), list(keys), list(holds), ack, list(release), core.lookups(lookups)
+        )
+        return self._post_awaited(request)
+
+    def post_update_holds(
+        self,
+        hold: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        *,
+        ack: int = 0,
+        lookups: Sequence[Sequence[bytes]] = (),
+    ) -> list[int]:
+        """(Scheduler) ``update_holds`` without waiting; as ``post_reserve``."""
+        core = self._core
+        request = UpdateHolds(core.next_id(), list(hold), list(release), ack, core.lookups(lookups))
+        return self._post_awaited(request)
+
+    def post_ping(self) -> int:
+        """Prove the session without waiting: its ``Ok`` (count 0: the daemon no longer knows
+        this session) arrives with ``take_answers``. Raises DaemonUnavailable as
+        ``post_reserve``."""
+        return self._post_awaited(self._core.ping())[0]
+
+    def take_answers(self) -> list[Reply]:
+        """Replies to posted requests received so far, in arrival order; taken once."""
+        answers, self._core.answers = self._core.answers, []
+        return answers
+
     def keepalive(self, timeout: float) -> None:
         """Prove the session within ``timeout``; say Hello again if the daemon forgot it
         (it restarted). Raises DaemonUnavailable when nothing answers in time."""
@@ -728,6 +792,10 @@ class OffloadClient:
         if self._closed:
             raise OffloaddError("client is closed")
         self._send_frame(encode(request))
+
+    def _post_awaited(self, request: Reserve | UpdateHolds | Ping) -> list[int]:
+        self._post(request)  # raises before anything is booked
+        return self._core.posted(request)
 
     def _send_frame(self, frame: bytes) -> None:
         try:

@@ -28,19 +28,14 @@ from typing import Literal
 
 import torch
 
+from offloadd.bench._util import one_group_config
 from offloadd.client import AsyncOffloadClient
 from offloadd.endpoint import replay_beside
 from offloadd.errors import DaemonUnavailable
 from offloadd.shm import SharedKVTensor
 from offloadd.status import fetch_stats
 from offloadd.subscriber import Subscriber
-from protocol.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from protocol.config import OffloadingConfig
 from protocol.events import BlockRemoved, BlockStored
 
 Phase = Literal["store", "load", "both"]
@@ -75,26 +70,18 @@ class DemoResult:
 
 def demo_config(engine: int, rank: int, tp: int) -> OffloadingConfig:
     """The config a rank of demo engine ``engine`` sends (one attention group)."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=LAYERS),),
-        worker_kv_bytes_per_block=BLOCK_STRIDE * len(LAYERS),
-        enable_kv_cache_events=True,
-        extra_config={"block_size": TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK},
-        engine_id=f"demo-engine-{engine}",
-        model=OffloadingModelConfig(name="offloadd/demo-model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=BLOCKS_PER_CHUNK
-        ),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=engine,
-            is_parallelism_agnostic=True,
-        ),
+    return one_group_config(
+        f"demo-engine-{engine}",
+        model="offloadd/demo-model",
+        layers=LAYERS,
+        bytes_per_block=BLOCK_STRIDE * len(LAYERS),
+        blocks_per_chunk=BLOCKS_PER_CHUNK,
+        rank=rank,
+        tp=tp,
+        dp=engine,
+        tokens_per_block=TOKENS_PER_BLOCK,
+        events=True,
+        extra={"block_size": TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK},
     )
 
 

@@ -8,6 +8,9 @@ own error with the setting to fix:
   and writable by nobody else, or another local user could replace what is in it.
 - ``secret_file_problem(path)``: a key file must be a regular file of the daemon's user (or
   root) that neither group nor others can read or write.
+- ``read_secret(path, size)`` / ``write_secret(path, secret)``: a key file read only when it
+  passes that check, and created only where nothing is (never through a link, never over an
+  existing key, 0600 from its first byte, whole when it appears).
 - ``owner_name(uid)``: who owns a file, for those messages; ``UnsafePath``: the error a
   caller raises with one of them (the daemon refuses to start on it).
 - ``engine_id_problem(engine_id)``: engine ids are names in logs, metrics labels and event
@@ -19,6 +22,8 @@ own error with the setting to fix:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import stat
@@ -103,6 +108,43 @@ def read_secret(path: str, size: int) -> bytes | str:
     if len(secret) != size:
         return f"{path} is not a {size}-byte key"
     return secret
+
+
+def write_secret(path: str, secret: bytes) -> None:
+    """Create ``path`` holding ``secret``, mode 0600, synced to disk.
+
+    The bytes go to a temporary file beside it (in a directory that should be private:
+    ``private_dir_problem``), created exclusively (``O_EXCL``, no link followed) and fsynced,
+    then linked to ``path``: a reader never sees a part-written key, and a key that is there
+    already (another process's, made meanwhile) is never replaced: that raises
+    ``FileExistsError`` naming ``path``, so a caller may read that key instead. Any other
+    ``OSError`` (no such directory, permission) propagates."""
+    temporary = f"{path}.{os.urandom(8).hex()}.tmp"  # unique, even for a pid 1 restarted
+    fd = os.open(
+        temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+    try:
+        try:
+            view = memoryview(secret)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temporary, path)  # atomic, and fails where a file (or a link) is
+        except FileExistsError:
+            raise FileExistsError(
+                errno.EEXIST, f"{path} exists already; a key is never written over", path
+            ) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(directory)  # the new name survives a crash with the bytes it names
+    finally:
+        os.close(directory)
 
 
 def owner_name(uid: int) -> str:

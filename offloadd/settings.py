@@ -8,7 +8,9 @@ An empty string has one documented meaning per setting, the same from every sour
   (``/dev/shm/offloadd-<uid>/arena``, in a directory of the daemon's own), ``cache.journal``
   (the arena's commit journal, and its key, in the state directory: ``$STATE_DIRECTORY``
   under systemd, else ``$XDG_STATE_HOME/offloadd``, else ``~/.local/state/offloadd``, where
-  no rank can reach it), ``events.pod`` (the host name);
+  no rank can reach it), ``events.pod`` (the host name), ``events.socket_mode`` and
+  ``events.socket_group`` (the control socket's: ``server.socket_mode``,
+  ``server.socket_group``);
 * "off": ``events.endpoint`` (no KV events, as ``enabled = false``),
   ``events.replay_endpoint`` (no replay socket), ``metrics.address`` (no HTTP server),
   ``metrics.socket_group`` (the metrics socket's group is left as created),
@@ -84,7 +86,8 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # with the batched copy are there, else cpu (chosen and logged at start).
     copy_engine: Literal["auto", "cpu", "cuda"] = "auto"
     # The ipc socket's permission bits (octal) and group: ranks of that group may connect.
-    # Event ipc sockets get the same (a unix: metrics socket has metrics.socket_mode/group).
+    # Event ipc sockets get the same unless events.socket_mode/group say otherwise (a unix:
+    # metrics socket has metrics.socket_mode/group).
     socket_mode: str = "0660"
     socket_group: str = ""
     # A tcp:// control endpoint off loopback must be encrypted and authenticated with
@@ -127,9 +130,13 @@ class LogSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """KV-cache events: vLLM-compatible PUB socket and replay ROUTER.
 
-    ``"auto"``: ipc sockets beside the control socket, with its mode and group (who may
-    subscribe: every tenant's block hashes go out there). tcp is an explicit setting; one off
-    loopback is logged as a warning at start (anyone who reaches the port reads them).
+    ``"auto"``: ipc sockets beside the control socket. Every ipc events and replay socket gets
+    ``socket_mode`` and ``socket_group`` (who may subscribe: every tenant's block hashes go
+    out there); ``""``, the default, is the control socket's (``server.socket_mode``,
+    ``server.socket_group``), so the ranks' group reads them; a monitoring group of its own
+    takes ``socket_group = "GROUP"`` with ``socket_mode = "0660"`` (connecting needs write
+    permission). tcp is an explicit setting; one off loopback is logged as a warning at start
+    (anyone who reaches the port reads them).
     The tenant (``{tenant}``: ``u<uid>``, ``g<gid>``, ``*``) is part of the default topic, so
     no tenant publishes events a router would attribute to another.
     """
@@ -147,6 +154,8 @@ class EventSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # vLLM's convention: the engine with dp index k publishes on endpoint port + k (and
     # replay port + k); otherwise one publisher serves every dp index.
     port_per_dp: bool = False
+    socket_mode: str = ""  # "": server.socket_mode
+    socket_group: str = ""  # "": server.socket_group
 
     def pod_name(self) -> str:
         """The ``{pod}`` of topics, defaulted to the host name."""
@@ -304,10 +313,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """These settings with each ``"auto"`` events and metrics endpoint made concrete:
         beside the control socket ``ipc://PATH`` (a tcp control endpoint: beside the default
         one), as ``ipc://PATH.events``, ``ipc://PATH.replay`` (the next port beside a tcp
-        events endpoint) and ``unix:PATH.metrics``. The daemon and its checks use these."""
+        events endpoint) and ``unix:PATH.metrics``; and the events sockets' mode and group,
+        ``""`` for the control socket's, made the control socket's. The daemon and its checks
+        use these."""
         events, metrics = self.events, self.metrics
+        events = msgspec.structs.replace(
+            events,
+            socket_mode=events.socket_mode or self.server.socket_mode,
+            socket_group=events.socket_group or self.server.socket_group,
+        )
         if AUTO not in (events.endpoint, events.replay_endpoint, metrics.address):
-            return self
+            return msgspec.structs.replace(self, events=events)
         beside = ipc_path(self.endpoint()) or ipc_path(default_endpoint()) or ""
         endpoint = f"ipc://{beside}{EVENTS_SUFFIX}" if events.endpoint == AUTO else events.endpoint
         replay = events.replay_endpoint
@@ -743,14 +759,23 @@ def _socket_mode_problem(mode: str) -> str:
     return f'expected octal permission bits such as "0660", got {mode!r}'
 
 
-def _socket_group_problem(group: str) -> str:
+def _socket_group_problem(group: str, empty: str = "to leave the socket's group") -> str:
     if not group:
         return ""
     try:
         grp.getgrnam(group)
     except KeyError:
-        return f'no group {group!r} on this host; or "" to leave the socket\'s group'
+        return f'no group {group!r} on this host; or "" {empty}'
     return ""
+
+
+def _events_socket_mode_problem(mode: str) -> str:
+    problem = _socket_mode_problem(mode) if mode else ""
+    return problem.replace(", got", ', or "" for the control socket\'s, got')
+
+
+def _events_socket_group_problem(group: str) -> str:
+    return _socket_group_problem(group, "for the control socket's (server.socket_group)")
 
 
 def _existing(kind: str, test: Callable[[str], bool]) -> Callable[[str], str]:
@@ -845,6 +870,8 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("events", "hwm"): _at_least(0),
     ("events", "max_queue"): _at_least(1),
     ("events", "topic_template"): _topic_template_problem,
+    ("events", "socket_mode"): _events_socket_mode_problem,
+    ("events", "socket_group"): _events_socket_group_problem,
     ("metrics", "address"): _address_problem,
     ("metrics", "socket_mode"): _socket_mode_problem,
     ("metrics", "socket_group"): _socket_group_problem,
@@ -922,6 +949,10 @@ def settings_toml(settings: Settings) -> str:
         ("events", "pod"): settings.events.pod_name(),
         ("events", "endpoint"): "off: no KV events",
         ("events", "replay_endpoint"): "no replay",
+        ("events", "socket_mode"): f"the control socket's: {settings.server.socket_mode}",
+        ("events", "socket_group"): (
+            f"the control socket's: {settings.server.socket_group or 'left as created'}"
+        ),
         ("metrics", "address"): "off",
         ("metrics", "socket_group"): "left as created",
     }

@@ -11,6 +11,7 @@ Conversation of one rank:
     Store / Load -> JobAccepted, later JobDone(job_id)
     StepJobs (a step's Stores and Loads) -> Ok(count), later one JobDone per job
     Reserve -> Reserved; UpdateHolds -> HoldResult; Ack -> Ok   (schedulers)
+        (a Reserve's or UpdateHolds' ``lookups``: one LookupResult each, after its reply)
     KeysChanged arrives unasked at a scheduler that asked for the key mirror
     Wait -> WaitResult (when the jobs are done or the timeout passes)
     Release / Clear / Ping / Bye -> Ok
@@ -199,6 +200,10 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     holds: list[HoldKeys] = msgspec.field(default_factory=list)
     ack: int = 0
     release: list[HoldKeys] = msgspec.field(default_factory=list)
+    # The step's tier probes: each handled as if sent alone right after this message, and
+    # answered alone (its own request_id; a LookupResult, or an Error), so one message carries
+    # a scheduling step whole.
+    lookups: list[Lookup] = msgspec.field(default_factory=list)
 
 
 class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):
@@ -209,6 +214,7 @@ class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):
     hold: list[HoldKeys] = msgspec.field(default_factory=list)
     release: list[HoldKeys] = msgspec.field(default_factory=list)
     ack: int = 0
+    lookups: list[Lookup] = msgspec.field(default_factory=list)  # as in ``Reserve``
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

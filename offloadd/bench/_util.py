@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
+import importlib
 import json
 import os
 import select
@@ -22,6 +23,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from protocol.config import (
@@ -332,6 +335,17 @@ def one_group_config(
             is_parallelism_agnostic=True,
         ),
     )
+
+
+def checkout_modules(*names: str) -> list[ModuleType]:
+    """``tests.vllm.harness`` and then the test modules ``names``, imported from the checkout
+    this package runs from (the benchmarks that drive vLLM's own scheduler and workers);
+    ``ImportError`` saying why when this is an installed wheel or vLLM is missing."""
+    checkout = Path(__file__).resolve().parents[2] / "tests" / "vllm" / "harness.py"
+    if not checkout.is_file():
+        raise ImportError(f"no {checkout}")
+    # The harness first: importing it selects vLLM's CPU platform.
+    return [importlib.import_module(name) for name in ("tests.vllm.harness", *names)]
 
 
 def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:

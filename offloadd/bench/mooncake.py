@@ -40,6 +40,7 @@ import uuid
 
 from offloadd.bench._util import Context, Result, median, paired_ratio, size_name
 from offloadd.cache.arena import Arena
+from offloadd.safety import write_secret
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 
@@ -122,12 +123,17 @@ TENANTS = {"bench": [f"uid:{os.getuid()}"]}  # this user, named "bench" in the c
 def cluster_key(ctx: Context) -> str:
     """A fresh cluster key for the run's nodes (32 random bytes, 0600, in the scratch dir)."""
     key_file = ctx.scratch.shm_path("mooncake-cluster.key")
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, os.urandom(32))
-    finally:
-        os.close(fd)
+    write_secret(key_file, os.urandom(32))
     return key_file
+
+
+def _wanted_sizes(ctx: Context, *operations: str) -> list[int]:
+    """The chunk sizes for which some ``mooncake_<operation>_<size>`` result is wanted."""
+    return [
+        size
+        for size in CHUNK_SIZES
+        if any(ctx.wanted(f"mooncake_{op}_{size_name(size)}") for op in operations)
+    ]
 
 
 def run(ctx: Context) -> list[Result]:
@@ -138,12 +144,7 @@ def run(ctx: Context) -> list[Result]:
     if binary is None:
         ctx.progress(f"mooncake: skipped ({missing})")
         return []
-    sizes = [
-        size
-        for size in CHUNK_SIZES
-        if ctx.wanted(f"mooncake_put_{size_name(size)}")
-        or ctx.wanted(f"mooncake_get_{size_name(size)}")
-    ]
+    sizes = _wanted_sizes(ctx, "put", "get")
     if not sizes:
         return []
     reps = 3 if ctx.quick else 9
@@ -176,12 +177,7 @@ def run_aead(ctx: Context) -> list[Result]:
     """``mooncake_seal_<chunk>`` and ``mooncake_open_<chunk>`` for each chunk size."""
     from offloadd.tiers.mooncake import ClusterKeys, MooncakeUnavailable
 
-    sizes = [
-        size
-        for size in CHUNK_SIZES
-        if ctx.wanted(f"mooncake_seal_{size_name(size)}")
-        or ctx.wanted(f"mooncake_open_{size_name(size)}")
-    ]
+    sizes = _wanted_sizes(ctx, "seal", "open")
     if not sizes:
         return []
     try:

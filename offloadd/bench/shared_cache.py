@@ -20,7 +20,6 @@ The workload and the shared LRU are also what ``tests/vllm/test_shared_cache.py`
 
 from __future__ import annotations
 
-import importlib
 import random
 import tempfile
 import time
@@ -29,7 +28,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from offloadd.bench._util import Context, Result, ratio
+from offloadd.bench._util import Context, Result, checkout_modules, ratio
 
 __all__ = [
     "ARENA_CHUNKS",
@@ -97,11 +96,8 @@ def run(ctx: Context) -> list[Result]:
     names = ("shared_cache_hit_rate", "shared_cache_refused")
     if not any(ctx.wanted(name) for name in names):
         return []
-    checkout = Path(__file__).resolve().parents[2] / "tests" / "vllm" / "harness.py"
     try:
-        if not checkout.is_file():
-            raise ImportError(f"no {checkout}")
-        harness = importlib.import_module("tests.vllm.harness")  # first: selects vLLM's CPU
+        (harness,) = checkout_modules()
     except ImportError as exc:
         ctx.progress(f"shared_cache: skipped ({exc}); run from a checkout with vLLM installed")
         return []

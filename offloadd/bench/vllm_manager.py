@@ -7,9 +7,10 @@ Both managers are driven through vLLM 0.33's ``OffloadingManager`` interface exa
 - ``vllm_request_us``: one scheduled request per step (µs per request): ``on_new_request``,
   prefix ``lookup``s until the first miss, ``prepare_load`` of the hits, ``prepare_store`` of
   the rest, ``on_schedule_end``, then ``complete_load`` / ``complete_store``. For offloadd
-  that includes its round trip to a daemon subprocess (one per step, at ``on_schedule_end``:
-  the step's reservation with its holds); a rank stores what was reserved between steps
-  (not timed), as vLLM's workers would.
+  that includes its message to a daemon subprocess (one per step, at ``on_schedule_end``:
+  the step's reservation with its holds, posted, its answer read at the next step); a rank
+  stores between steps (not timed, once the step's answer is in: vLLM's ranks run the step
+  first), as vLLM's workers would.
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def _rank_store(rank: OffloadClient) -> Callable[[list[bytes]], None]:
     return store
 
 
+def _answered(manager: Any) -> None:
+    """Until the step's answer is in (offloadd), as it is in vLLM before its ranks store: they
+    run the step's forward pass first. Not timed."""
+    answered = getattr(manager, "steps_answered", None)
+    if answered is None:
+        return
+    deadline = time.monotonic() + 10
+    while True:
+        with manager.lock:
+            if answered():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the step's message was never answered")
+        time.sleep(0.0001)
+
+
 def _to_store(out: Any) -> list[bytes]:
     """The keys the ranks store: offloadd's spec skips those its daemon did not reserve."""
     skipped = getattr(out.store_spec, "skipped", ())
@@ -132,6 +149,7 @@ def _fill(manager: Any, keys: list[bytes], store: Callable[[list[bytes]], None] 
             out = manager.prepare_store(part, ctx)
             manager.on_schedule_end(ScheduleEndContext((), ()))
         if store is not None:
+            _answered(manager)
             store(_to_store(out))
         with manager.lock:
             manager.complete_store(out.keys_to_store, ctx)
@@ -191,6 +209,7 @@ def _request_us(
             manager.on_schedule_end(ScheduleEndContext((ctx.req_id,), ()))
         elapsed += time.perf_counter() - started
         if store is not None:
+            _answered(manager)
             store(_to_store(out))
         started = time.perf_counter()
         with manager.lock:

@@ -24,7 +24,6 @@ module name, at run time) and the rows are skipped elsewhere.
 
 from __future__ import annotations
 
-import importlib
 import tempfile
 import threading
 import time
@@ -33,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from offloadd.bench._util import Context, Result, median, percentile, ratio
+from offloadd.bench._util import Context, Result, checkout_modules, median, percentile, ratio
 from offloadd.bench.datapath import daemon
 
 BLOCK = 16
@@ -45,12 +44,8 @@ def run(ctx: Context) -> list[Result]:
     wanted = [n for n in SIZES if ctx.wanted(f"vllm_step_{n}")]
     if not wanted:
         return []
-    checkout = Path(__file__).resolve().parents[2] / "tests" / "vllm" / "harness.py"
     try:
-        if not checkout.is_file():
-            raise ImportError(f"no {checkout}")
-        harness = importlib.import_module("tests.vllm.harness")  # first: selects vLLM's CPU
-        simple_spec = importlib.import_module("tests.vllm.simple_spec")
+        harness, simple_spec = checkout_modules("tests.vllm.simple_spec")
     except ImportError as exc:
         ctx.progress(f"vllm_step: skipped ({exc}); run from a checkout with vLLM 0.33 installed")
         return []

@@ -57,7 +57,7 @@ import msgspec
 
 from offloadd.cache.index import Entry, RestoredChunk, ShardWrite
 from offloadd.checksum import checksum
-from offloadd.safety import private_dir_problem, read_secret
+from offloadd.safety import private_dir_problem, read_secret, write_secret
 
 logger = logging.getLogger(__name__)
 
@@ -165,33 +165,18 @@ def load_key(path: str) -> bytes:
     try:
         key = read_secret(path, KEY_SIZE)
     except FileNotFoundError:
-        return _create_key(path)
+        key = os.urandom(KEY_SIZE)
+        try:
+            write_secret(path, key)
+        except FileExistsError:
+            key = read_secret(path, KEY_SIZE)  # another process made one meanwhile: use that
+        else:
+            logger.info("journal key %s created", path)
     if isinstance(key, str):
         raise JournalError(
             f"journal key: {key}; remove it (and the journal) to start with a new one (the "
             "cache then starts cold)"
         )
-    return key
-
-
-def _create_key(path: str) -> bytes:
-    key = os.urandom(KEY_SIZE)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            os.write(fd, key)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(temporary, path)  # atomic, and never replaces a key made meanwhile
-        except FileExistsError:
-            return load_key(path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-    logger.info("journal key %s created", path)
     return key
 
 

@@ -12,9 +12,15 @@ with ``INTERNAL``, so one peer never takes the daemon down for the others.
 Contract of ``ControlSocket`` (the event loop's thread only):
 - ``bind(ctx)``: create and bind the socket; on failure nothing stays open (an open socket
   would keep the context's ``term()`` waiting forever).
-- ``receive_loop()``: receive until cancelled, at most ``_BATCH`` requests per turn of the
-  loop. While a peer's Hello is handled off the loop (``RequestGate``), its later frames are
-  held, then given to ``handle_frames`` in order.
+- ``receive_loop()``: receive until cancelled. Requests are read into two lanes
+  (``offloadd.server.lanes``): control requests (Lookup, Reserve, ...) are handled before
+  bulk work (Store, Load, StepJobs, Hello, ... and the copies' ends given to ``run_bulk``),
+  one peer's requests always in the order it sent them; the loop's other callbacks run after
+  each bulk item and after ``_BATCH`` control ones. While a peer's Hello is handled off the
+  loop (``RequestGate``), its later frames are held, then given to ``handle_frames`` in
+  order.
+- ``run_bulk(work)``: run ``work`` on the loop in the bulk lane, behind the control requests
+  queued; at once when the receive loop is not running (before it starts, once it ended).
 - ``send(identity, reply)``: never blocks: a reply to a peer that is gone or not reading is
   dropped, and so is every reply once the socket is closed.
 - ``protocol_error(identity, request_id, code, message)``: answer an Error and count it.
@@ -37,6 +43,7 @@ import zmq.asyncio
 from offloadd.endpoint import ipc_path, restrict_socket
 from offloadd.safety import printable
 from offloadd.server.gate import RequestGate
+from offloadd.server.lanes import URGENT, Lanes
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.settings import Settings
 from protocol.errors import ErrorCode
@@ -49,7 +56,8 @@ __all__ = ["ControlSocket"]
 
 logger = logging.getLogger(__name__)
 
-_BATCH = 32  # requests handled back to back before the loop runs other callbacks
+_BATCH = 32  # control requests handled back to back before the loop runs other callbacks
+_QUEUED = 256  # requests read ahead into the lanes; above, zmq's queues hold the rest
 
 
 class _Kind(msgspec.Struct):
@@ -60,6 +68,14 @@ class _Kind(msgspec.Struct):
 
 
 _kind_decoder = msgspec.msgpack.Decoder(_Kind)
+
+
+def _kind(frame: bytes) -> str:
+    """A frame's request tag, or "" when it does not decode as a request."""
+    try:
+        return _kind_decoder.decode(frame).type
+    except Exception:  # garbage (nested too deep: RecursionError): handle_frames answers it
+        return ""
 
 
 class ControlSocket:
@@ -84,6 +100,7 @@ class ControlSocket:
         self._sock: zmq.Socket[bytes] | None = None  # blocking calls never block: see send
         self._readable: asyncio.Event | None = None  # receive_loop's wake-up, see send
         self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
+        self._lanes = Lanes(_BATCH)
 
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         """Create and bind the ROUTER (and start CURVE when configured); closed on failure."""
@@ -144,41 +161,82 @@ class ControlSocket:
             self._auth = None
 
     async def receive_loop(self) -> None:
-        """Drain the ROUTER in batches of at most ``_BATCH`` requests per turn of the loop.
+        """Read the ROUTER into the lanes and run their items, control first.
 
-        Copy completions, timers and events run between batches, and libzmq queues fairly
-        across peers, so a flooding peer gets its share of a batch, never the loop. Requests
-        are read without a future each; the loop only waits on the socket's file descriptor
-        when nothing is queued. zmq's FD is edge-triggered and any send may consume the edge
-        of a request that just arrived, so ``EVENTS`` is read after each batch, and ``send``
-        reads it while this loop waits. A peer's frames wait behind the gate while its Hello
-        runs.
+        Requests are read without a future each, up to ``_QUEUED`` ahead of the handlers, so
+        a Lookup that arrived behind Stores is seen before they run; libzmq queues fairly
+        across peers. The loop only waits on the socket's file descriptor when nothing is
+        queued. zmq's FD is edge-triggered and any send may consume the edge of a request
+        that just arrived, so ``EVENTS`` is read before waiting, and ``send`` reads it while
+        this loop waits. Other callbacks (copy ends posting to ``run_bulk``, timers, events)
+        run after each bulk item and after ``_BATCH`` control ones. A peer's frames wait
+        behind the gate while its Hello runs.
         """
         assert self._sock is not None
         sock = self._sock
+        lanes = self._lanes
         loop = asyncio.get_running_loop()
         readable = self._readable = asyncio.Event()
         fd = int(sock.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
+        ran = 0
         try:
             while True:
-                for _ in range(_BATCH):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    identity = frames[0]
-                    if not self._gate.hold(identity, frames[1:]):
-                        self.handle_frames(identity, frames[1:])
-                else:
-                    await asyncio.sleep(0)  # a full batch: more may wait, after the others
+                self._read(sock)
+                popped = lanes.pop()
+                if popped is None:
+                    readable.clear()
+                    if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        await readable.wait()
                     continue
-                readable.clear()
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    await readable.wait()
+                item, bulk = popped
+                self._run(item)
+                ran += 1
+                if bulk or ran >= _BATCH:
+                    ran = 0
+                    await asyncio.sleep(0)
         finally:
             self._readable = None
             loop.remove_reader(fd)
+            # A copy's end still finishes its job; the requests not handled are dropped, as
+            # those never read are.
+            while (popped := lanes.pop()) is not None:
+                if not isinstance(popped[0], tuple):
+                    loop.call_soon(popped[0])
+            self._lanes = Lanes(_BATCH)
+
+    def run_bulk(self, work: Callable[[], object]) -> None:
+        """Run ``work`` (on the loop) in the bulk lane; at once if nothing is receiving."""
+        readable = self._readable
+        if readable is None:
+            work()
+            return
+        self._lanes.add_work(work)
+        readable.set()
+
+    def _read(self, sock: zmq.Socket[bytes]) -> None:
+        lanes = self._lanes
+        limit = self.settings.limits.hello_bytes
+        while lanes.requests < _QUEUED:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rest = frames[1:]
+            # Only the tag is read here; handle_frames checks and decodes the whole frame.
+            urgent = len(rest) == 1 and len(rest[0]) <= limit and _kind(rest[0]) in URGENT
+            lanes.add(frames[0], rest, urgent)
+
+    def _run(self, item: tuple[bytes, list[bytes]] | Callable[[], object]) -> None:
+        if not isinstance(item, tuple):
+            try:
+                item()
+            except Exception:
+                logger.exception("internal error in work run on the loop")
+            return
+        identity, frames = item
+        if not self._gate.hold(identity, frames):
+            self.handle_frames(identity, frames)
 
     def handle_frames(self, identity: bytes, frames: list[bytes]) -> None:
         """Handle one request; a bug inside is logged and answered with INTERNAL."""

@@ -194,8 +194,8 @@ class Daemon:
                 self._events = PublisherSet(
                     settings.events,
                     self._ctx,
-                    socket_mode=settings.server.socket_mode,
-                    socket_group=settings.server.socket_group,
+                    socket_mode=settings.events.socket_mode,
+                    socket_group=settings.events.socket_group,
                     buffer_bytes=settings.limits.event_buffer_bytes,
                 )
                 self._events.start()
@@ -224,9 +224,8 @@ class Daemon:
 
     def _wire(self) -> _Parts:
         """Build the request handling over the resources ``start`` created."""
-        settings, registry = self.settings, self.registry
+        settings, registry, copy = self.settings, self.registry, self._copy
         cache, arena, mirrors, handles = self._cache, self._arena, self._mirrors, self._handles
-        copy = self._copy
         assert cache is not None and arena is not None and mirrors is not None
         assert handles is not None and copy is not None
         announce = Announcer(
@@ -259,6 +258,7 @@ class Daemon:
             metrics=self.metrics,
             counters=self.counters,
             send=self._control.send,
+            bulk=self._control.run_bulk,
         )
         sessions = Sessions(
             settings,

@@ -17,6 +17,10 @@ answered and whether it needs a session:
   loop once its work on another thread ends, the peer's later requests held meanwhile
   (``offloadd.server.gate``). Only Hello (a cuda daemon's CUDA IPC imports).
 
+Nested requests: a scheduler's step message (``Reserve``, ``UpdateHolds``) carries the step's
+tier probes in ``lookups``; each is dispatched as if it arrived alone right after its carrier
+(its own rule, reply and errors), whether or not the carrier was refused.
+
 A handler's ``Refused`` is answered with an ``Error`` carrying its code, whatever the mode.
 Session rules: ``REQUIRED`` handlers get ``(state, request)`` and the session's last_seen is
 refreshed; ``OPTIONAL`` ones (GetStats, Ping) get ``(identity, state or None, request)``;
@@ -105,6 +109,7 @@ TABLE: dict[type[Any], Rule] = {
     Release: Rule(Mode.NOW),
     Wait: Rule(Mode.DEFERRED),
     Clear: Rule(Mode.NOW),
+    # A scheduler's step: answered now, then each of its ``lookups`` as a Lookup (above).
     Reserve: Rule(Mode.NOW),
     UpdateHolds: Rule(Mode.NOW),
     Ack: Rule(Mode.NOW),
@@ -195,6 +200,9 @@ class Dispatcher:
         except _HandlerBug as bug:
             logger.error("handler bug: %s", bug)
             self._replies.internal_error(identity, request.request_id)
+        if isinstance(request, Reserve | UpdateHolds):
+            for nested in request.lookups:
+                self(identity, nested)
 
     def _dispatch(
         self, identity: bytes, request: Request, rule: Rule, handler: Callable[..., object]

@@ -4,7 +4,8 @@ A job is one ``Store`` or ``Load`` of one session. Its cache side was reserved b
 (``offloadd.server.requests``); here it is booked, copied and finished.
 
 Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from the copy
-engine's threads through ``call_soon_threadsafe``):
+engine's threads through ``call_soon_threadsafe``, then runs through ``bulk``: the control
+socket's bulk lane, behind the Lookups and Reserves waiting, or at once when none is given):
 - ``submit(state, request_id, job, moves, wait_event)``: book the job in its session's table,
   take a reference on the session's imports for the copy, hand the moves to the copy engine,
   answer ``Accepted(JobAccepted)`` (``offloadd.server.dispatch``'s NOTICE mode). Nothing to
@@ -41,6 +42,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 from offloadd.cache.index import ChunkCache
 from offloadd.logs import LogLimiter
@@ -78,6 +80,7 @@ class Jobs:
         metrics: Metrics,
         counters: Counters,
         send: Callable[[bytes, Reply], None],
+        bulk: Callable[[Callable[[], object]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -88,6 +91,7 @@ class Jobs:
         self.metrics = metrics
         self.counters = counters
         self._send = send
+        self._bulk = bulk or (lambda work: work())
         self.in_flight = 0
         self.parked = 0  # of them, stores waiting for their room (park, unpark)
         self.draining = False
@@ -198,7 +202,8 @@ class Jobs:
 
         def on_done(done: Future[float]) -> None:
             def finished() -> None:
-                loop.call_soon_threadsafe(self._copy_finished, job, imports, done)
+                work = partial(self._copy_finished, job, imports, done)
+                loop.call_soon_threadsafe(self._bulk, work)
 
             if store and not done.cancelled() and done.exception() is None:
                 self._committer.seal(job.writes, finished)  # off the loop, before it can commit

@@ -45,6 +45,7 @@ from typing import Any
 
 import msgspec
 
+from offloadd.server.canonical import CanonicalMismatch, CanonicalPlan, canonical_plan, elected
 from offloadd.transfer.plan import GroupLayout, group_layouts
 from protocol.config import OffloadingConfig, config_differences
 from protocol.errors import ErrorCode
@@ -126,7 +127,8 @@ class Namespace:
     group_positions: dict[int, int] = field(default_factory=dict)
     engines: set[EngineKey] = field(default_factory=set)
     # vLLM's canonical layout: each chunk is one shard (the canonical chunk) that this many
-    # ranks of the engine fill together, each with its fragments; 0 for one shard per rank.
+    # writers of its first engine fill together; 0 for one shard per rank. Engines of other
+    # TP sizes may share the namespace: a store counts its own engine's (``store_part``).
     writers: int = 0
 
     def shard_sizes_for_key(self, key: bytes) -> tuple[int, ...]:
@@ -161,6 +163,8 @@ class Engine:
     schedulers: dict[str, Session] = field(default_factory=dict)
     namespace: Namespace | None = None
     tenant: str = ""  # the tenant of its first session; only that tenant's peers join it
+    # vLLM's canonical layout: who writes which canonical bytes (set when it becomes ready).
+    canonical: CanonicalPlan | None = None
 
     @property
     def group_positions(self) -> dict[int, int]:
@@ -294,6 +298,7 @@ class Registry:
         if peers:
             assert engine is not None
             _check_agreement(engine, peers, hello)
+        _check_canonical_writers(peers, hello)
 
         for old in replaced:
             self._forget(old)
@@ -373,6 +378,8 @@ class Registry:
             del self._engines[session.engine_key]
 
     def _join_namespace(self, engine: Engine) -> None:
+        if engine.config.canonical_layout:
+            engine.canonical = canonical_plan({r: s.regions for r, s in engine.workers.items()})
         name, shard_sizes = namespace_of(engine, self._cluster_tenants.get(engine.tenant, ""))
         self._remember_tenant(name, engine.tenant)
         namespace = self._namespaces.get(name)
@@ -513,10 +520,27 @@ def _canonical_problem(config: OffloadingConfig, region: KVRegion) -> str | None
         return "no canonical page, but the engine is in vLLM's canonical layout"
     if config.parallel.pp_size > 1:
         return "the canonical layout under pipeline parallelism is not supported"
-    if canonical.writers > 1 and not config.replicated_layout:
-        # Ranks taking turns per block (KV heads replicated over TP) are not planned.
-        return f"{canonical.writers} ranks hold the same canonical bytes (not supported)"
+    if config.parallel.pcp_size > 1:
+        # Never run: vLLM 0.33 builds PCP only with its V2 model runner (Triton), so no test
+        # shows its ranks' runs hold what they claim; refused rather than trusted.
+        return "the canonical layout under prefill context parallelism is not supported"
     return None
+
+
+def _check_canonical_writers(peers: Sequence[Session], hello: Hello) -> None:
+    """When ``hello`` completes a canonical engine: every canonical byte has one writer
+    (ranks holding the same bytes are replicas, the rest disjoint, no gap)."""
+    config = hello.config
+    if hello.role != "worker" or not config.canonical_layout:
+        return
+    ranks = {s.rank: s.regions for s in peers if s.role == "worker"}
+    ranks[config.parallel.rank] = hello.regions
+    if len(ranks) != config.parallel.world_size:
+        return
+    try:
+        canonical_plan(ranks)
+    except CanonicalMismatch as exc:
+        raise RegistrationError(ErrorCode.BAD_GEOMETRY, f"canonical layout: {exc}") from None
 
 
 def _canonical_pages(regions: Sequence[KVRegion]) -> list[int]:
@@ -649,11 +673,37 @@ def namespace_of(engine: Engine, cluster_tenant: str = "") -> tuple[str, list[tu
 
 
 def canonical_writers(engine: Engine) -> int:
-    """How many ranks fill each canonical chunk together (1 when replicated: rank 0), or 0
-    when the engine is not in vLLM's canonical layout (one shard per rank)."""
+    """How many writers fill each canonical chunk together (1 when replicated: rank 0; else
+    one per distinct fragment set, ``offloadd.server.canonical``), or 0 when the engine is
+    not in vLLM's canonical layout (one shard per rank)."""
     if not engine.config.canonical_layout:
         return 0
-    return 1 if engine.config.replicated_layout else engine.world_size
+    if engine.config.replicated_layout:
+        return 1
+    return engine.canonical.writers if engine.canonical else engine.world_size
+
+
+def store_part(engine: Engine, rank: int) -> tuple[int, int]:
+    """``(shard, writers)`` for ``ChunkCache.begin_store`` of a store by ``rank``: its shard
+    (0 when replicated) and no writers in the direct layout; in vLLM's canonical layout the
+    one shard, written as the rank's writer index among the engine's writers. The engine's
+    own count, never its namespace's: engines of other TP sizes share a canonical namespace."""
+    writers = canonical_writers(engine)
+    replicated = engine.config.replicated_layout
+    if writers and not replicated and engine.canonical is not None:
+        return engine.canonical.roles[rank].writer, writers
+    return (0 if replicated else rank), writers
+
+
+def elected_keys(engine: Engine, rank: int, keys: Sequence[bytes]) -> list[int]:
+    """Indexes of the keys whose chunk ``rank`` writes: all of them, but in vLLM's canonical
+    layout with ranks holding the same bytes, one replica's per key (``canonical.elected``;
+    a replicated layout has rank 0 write every key instead)."""
+    plan = engine.canonical
+    role = plan.roles.get(rank) if plan and not engine.config.replicated_layout else None
+    if role is None or role.replicas == 1:
+        return list(range(len(keys)))
+    return [i for i, key in enumerate(keys) if elected(key, role)]
 
 
 class EngineOwners:

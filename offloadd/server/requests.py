@@ -44,7 +44,14 @@ from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.metrics import Metrics
 from offloadd.server.mirrors import Mirrors
-from offloadd.server.registry import Engine, Namespace, Registry, group_of_key
+from offloadd.server.registry import (
+    Engine,
+    Namespace,
+    Registry,
+    elected_keys,
+    group_of_key,
+    store_part,
+)
 from offloadd.server.schedulers import acker
 from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.server.tiers import Tiers
@@ -215,7 +222,7 @@ class CacheRequests:
     def store(self, state: SessionState, request: Store) -> Accepted:
         """Reserve the rank's shard of each key and copy its blocks into the arena."""
         self._jobs.refuse_while_draining(len(request.keys))
-        _engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
+        engine, namespace = self._worker_job_checks(state, request.job_id, request.keys)
         bpc = namespace.blocks_per_chunk
         if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
             raise Refused(
@@ -231,14 +238,18 @@ class CacheRequests:
         if namespace.replicated and session.rank != 0:
             # Replicated layout: rank 0's shard is every rank's; the others ack at once.
             return self._jobs.accept_without_copy(state, request.request_id, job)
+        # Canonical layout: of the ranks holding the same canonical bytes, one writes each key.
+        mine = elected_keys(engine, session.rank, request.keys)
+        if not mine:
+            return self._jobs.accept_without_copy(state, request.request_id, job)
         if request.reserved and self.waiting.park(
             job,
             namespace.name,
-            request.keys,
-            lambda: self._start_waiting(state, request, job, ranges, namespace),
+            [request.keys[i] for i in mine] if len(mine) < len(request.keys) else request.keys,
+            lambda: self._start_waiting(state, request, job, ranges, namespace, mine),
         ):
             return Accepted(JobAccepted(request.request_id, job.job_id))
-        return self._start_store(state, request, job, ranges, namespace)
+        return self._start_store(state, request, job, ranges, namespace, mine)
 
     def _start_waiting(
         self,
@@ -247,6 +258,7 @@ class CacheRequests:
         job: Job,
         ranges: list[tuple[int, int]],
         namespace: Namespace,
+        mine: list[int],
     ) -> None:
         """Start a store that waited for its room; a refusal is its JobDone."""
         try:
@@ -254,7 +266,7 @@ class CacheRequests:
             problem = shrunk(state.unsealed)
             if problem:
                 raise Refused(ErrorCode.HANDLE_OPEN_FAILED, problem)
-            accepted = self._start_store(state, request, job, ranges, namespace)
+            accepted = self._start_store(state, request, job, ranges, namespace, mine)
         except Refused as refused:
             job.failed_keys = list(job.keys)
             self._jobs.complete(job, ok=False, seconds=0.0, error=str(refused))
@@ -274,23 +286,27 @@ class CacheRequests:
         job: Job,
         ranges: list[tuple[int, int]],
         namespace: Namespace,
+        mine: list[int],
     ) -> Accepted:
+        """Reserve and copy the keys ``mine`` (indexes into the request's) names."""
         session = state.session
         bpc = namespace.blocks_per_chunk
-        # Canonical layout: one shard, the canonical chunk, that the engine's ranks (its
-        # ``writers``) fill together, each its own fragments; it commits when all have.
-        shard = 0 if namespace.replicated else session.rank
+        # Canonical layout: one shard, the canonical chunk, that the engine's writers fill
+        # together, each its own fragments; it commits when all have.
+        engine, _ = ready_engine(self.registry, session)
+        shard, writers = store_part(engine, session.rank)
+        keys = request.keys if len(mine) == len(request.keys) else [request.keys[i] for i in mine]
         cache = self._cache
         reservation = cache.begin_store(
             namespace.name,
-            request.keys,
+            keys,
             shard,
             namespace.shard_sizes_for_key,
             allocate=not request.reserved,
-            writers=namespace.writers,
+            writers=writers,
         )
         self._announce.chunks_removed(reservation.evicted)
-        job.failed_keys = [request.keys[i] for i in reservation.refused]
+        job.failed_keys = [keys[i] for i in reservation.refused]
         job.writes = reservation.writes
         if job.failed_keys:
             logger.debug("%s: %d keys refused (no room)", session.describe(), len(job.failed_keys))
@@ -299,15 +315,16 @@ class CacheRequests:
         # reached by descriptor (offloadd.transfer.guarded).
         moves = Copies(state.windows)
         runs = ChunkRuns(moves)  # chunks alike are planned together
-        keys, block_ids = request.keys, request.block_ids
+        block_ids = request.block_ids
         firsts = _block_offsets(ranges)
         positions = namespace.group_positions
         for write in reservation.writes:
             spans, shard_bytes = self._spans(state, positions[group_of_key(keys[write.index])], bpc)
             if shard_bytes > write.size:
                 raise AssertionError("shard plan exceeds its slot")
-            sub_block, count = ranges[write.index]
-            start = firsts[write.index]
+            index = mine[write.index]
+            sub_block, count = ranges[index]
+            start = firsts[index]
             address = arena_address + write.offset
             runs.add(spans, block_ids[start : start + count], address, sub_block)
         job.nbytes += runs.flush()

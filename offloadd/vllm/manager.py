@@ -1,39 +1,61 @@
 """The scheduler side: vLLM's ``OffloadingManager`` over the daemon, one per engine.
 
-Design (see docs/vllm.md): vLLM calls ``lookup`` once per key inside ``schedule()``,
-so lookups are answered from a local mirror of the namespace's committed keys (``KeyMirror``,
-fed by the daemon's ``KeysChanged``), a set probe. A step costs at most one message to the
-daemon inside ``schedule()``, whatever the batch, sent at ``on_schedule_end``: vLLM 0.33's
-last manager call of the step, after every ``prepare_store`` and before the step's metadata
-(the store and load specs) leaves the scheduler for the ranks. It is
+Design (see docs/vllm.md, docs/design.md): vLLM calls ``lookup`` once per key inside
+``schedule()``, so lookups are answered from a local mirror of the namespace's committed keys
+(``KeyMirror``, fed by the daemon's ``KeysChanged``), a set probe. A step costs at most one
+message to the daemon inside ``schedule()``, whatever the batch, and nothing inside
+``schedule()`` waits for the daemon. The message is sent at ``on_schedule_end`` (vLLM 0.33's
+last manager call of the step, after every ``prepare_store`` and before the step's metadata,
+the store and load specs, leaves the scheduler for the ranks), without blocking (zmq
+``NOBLOCK``; a message that cannot go now counts as "do not store / miss"):
 - a ``Reserve`` of every key the step's ``prepare_store`` calls chose (answered locally:
-  ``offloadd.vllm.stores``), carrying the step's holds, due releases and the mirror's
-  acknowledgement, its reply awaited for ``STEP_TIMEOUT_SECONDS`` at most; keys the daemon
-  did not reserve (another engine stores them, no room, no answer) are marked skipped in
-  their specs then, so the ranks do not store them: those chunks are just not cached;
-- else an ``UpdateHolds`` (holds to send or releases due), else an ``Ack`` (not awaited).
+  ``offloadd.vllm.stores``), carrying the step's holds, due releases, the mirror's
+  acknowledgement and its tier probes (``lookups``);
+- else an ``UpdateHolds`` (holds, releases or probes to send), else an ``Ack``.
+Its answers are read later without blocking: at the next ``on_schedule_end`` or by the
+background thread. The ranks store every key of the spec with ``Store(reserved=True)``,
+which the daemon writes only where this engine's scheduler reserved it (never allocating),
+so a key the late ``Reserved`` did not reserve is simply not cached (``Stores.answered``
+takes it out of HIT_PENDING). Should the daemon read a rank's Store before the step's
+Reserve (both queued while it stalls: the Reserve leaves first, on another socket), those
+keys are skipped likewise and the reservation ends by its lease
+(``limits.reservation_seconds``): bounded, never wrong. A hold the daemon did not take
+(``missing``) needs no answer either: the ranks' ``Load(hold=token)`` loads by key when the
+hold is not there, and a key the mirror shows stays loadable (the daemon keeps a removed
+key's bytes until this scheduler acknowledged the removal). Only what is known before the
+specs leave changes them: a step that cannot be sent (no daemon, send refused, or
+``MAX_UNANSWERED_STEPS`` unanswered) marks its stores skipped and its loads' holds lost.
 ``complete_store`` waits for nothing: a key the ranks stored answers ``HIT_PENDING`` until
 its commit reaches the mirror (a second at most).
-A key the mirror shows stays loadable: the daemon keeps a removed key's bytes until this
-scheduler acknowledged the removal, and this scheduler holds every key it hit before that.
+
+A refused step (an ``Error`` answer) is logged and counted (``refused_steps``,
+``refused_keys``); ``SHUTTING_DOWN``, a step unanswered for ``ANSWER_TIMEOUT_SECONDS`` or a
+keepalive whose session the daemon forgot (``Ok(0)``: it restarted) mean the daemon is away:
+the session is dropped (every key misses) and the background thread connects again.
 
 A daemon with tiers below its arena (disk, cluster; ``Welcome.tiers``) may hold a key the
-mirror lacks. Such a key answers ``RETRY`` and is asked of the daemon at ``on_schedule_end``
-(one ``Lookup`` per request that has such keys, beside the step's message); the daemon
-promotes what it finds into the arena and says which keys are on their way, which then
-answer ``HIT_PENDING`` until their commit reaches the mirror (``offloadd.vllm.probes``).
+mirror lacks. Such a key answers ``RETRY`` and is asked of the daemon in the step's message
+(one ``Lookup`` per request that has such keys, inside the one message); the daemon promotes
+what it finds into the arena and says which keys are on their way, which then answer
+``HIT_PENDING`` until their commit reaches the mirror (``offloadd.vllm.probes``).
 
 Threads: vLLM calls every method but ``shutdown`` holding ``lock``; a background thread takes
-the same lock to read notices, acknowledge them and keep the session alive while the engine
-idles, so the socket is only ever used under ``lock``.
+the same lock (never blocking for it) to read notices and answers, acknowledge them and post a
+keepalive while the engine idles, so the socket is only ever used under ``lock``. Bound on
+``schedule()``'s waits: none on the daemon; the lock may be held by one background tick,
+which only reads what already arrived and sends without blocking (no round trip; connecting
+happens outside the lock). Only ``reset_cache`` (vLLM's cache reset) and the first
+``get_stats`` (the daemon's capacity, once) still wait for a reply, ``STEP_TIMEOUT_SECONDS``
+at most.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -54,15 +76,16 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offloadd.client import OffloadClient
-from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed
+from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed, error_from_reply
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.probes import Probe, TierProbes
 from offloadd.vllm.stats import ManagerStats
-from offloadd.vllm.stores import Stores
+from offloadd.vllm.stores import StepStores, Stores
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec
 from protocol.config import OffloadingConfig
 from protocol.errors import ErrorCode
-from protocol.messages import HoldKeys, KeysChanged
+from protocol.messages import Error, HoldKeys, HoldResult, KeysChanged, Ok, Reply, Reserved
+from protocol.messages import LookupResult as DaemonLookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +99,21 @@ _PROBE_RESULTS = {
     Probe.RETRY: LookupResult.RETRY,
 }
 
-TICK_SECONDS = 0.02  # background: read notices and acknowledge them this often
+TICK_SECONDS = 0.02  # background: read notices and answers, acknowledge them this often
 KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
-KEEPALIVE_TIMEOUT_SECONDS = 0.3  # the lock is held meanwhile: keep it short
-# An exchange inside a step waits at most this long: a daemon that is away costs one step at
-# most this plus a keepalive holding the lock (STEP_BOUND_SECONDS), then nothing is asked of
-# it until the background thread has a new session.
+# A step message or keepalive unanswered this long: the daemon is away (stopped, frozen,
+# far behind); the session is dropped and every key misses until a new one.
+ANSWER_TIMEOUT_SECONDS = 1.0
+# Steps sent and not answered yet, at most: beyond, a step is not sent (its stores skipped,
+# its holds lost), so a stalled daemon is not handed a backlog of stale reservations.
+MAX_UNANSWERED_STEPS = 8
+RECONNECT_MAX_SECONDS = 16.0  # the longest pause between attempts to connect again
+# The exchanges still awaited (cache reset, the capacity once; connecting, off the lock)
+# wait at most this long.
 STEP_TIMEOUT_SECONDS = 0.3
-STEP_BOUND_SECONDS = STEP_TIMEOUT_SECONDS + KEEPALIVE_TIMEOUT_SECONDS
+# What a step waits for the daemon, at most, whatever the daemon does: nothing (no step
+# message is awaited, the background thread never waits holding the lock).
+STEP_BOUND_SECONDS = 0.0
 
 
 class OffloaddManager(OffloadingManager):
@@ -113,7 +143,14 @@ class OffloaddManager(OffloadingManager):
         self._unsent_loads: dict[str, list[OffloaddLoadSpec]] = {}
         self._welcome: object = None  # the session the mirror belongs to
         self._releases: dict[str, list[bytes]] = {}
+        # Posted requests whose answer is due: request id -> what applies it.
+        self._due: dict[int, Callable[[Reply], None]] = {}
+        self._unanswered_steps: dict[int, float] = {}  # step messages (and pings): sent at
+        self.refused_steps = 0  # step messages the daemon refused (an Error answer)
+        self.refused_keys = 0  # keys of sent steps it did not reserve
+        self.unsent_steps = 0  # steps not sent (no daemon, too many unanswered)
         self._last_request = time.monotonic()
+        self._reconnect_pause = KEEPALIVE_SECONDS  # between attempts to connect again
         self._client: OffloadClient | None = None
         self._stop = threading.Event()
         try:
@@ -172,8 +209,8 @@ class OffloaddManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        """The keys worth storing, answered here: the step's ``Reserve`` at
-        ``on_schedule_end`` marks those the daemon gives no room skipped in the spec."""
+        """The keys worth storing, answered here; the step's ``Reserve`` goes at
+        ``on_schedule_end`` (a key the daemon gives no room is not cached)."""
         candidates: list[bytes] = []
         if self._client is not None:
             candidates = self._stores.candidates(keys, self._mirror.keys)
@@ -195,14 +232,18 @@ class OffloaddManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """The step's one message: its reservations, holds, releases and acknowledgement,
-        before its specs reach the ranks; then ask the daemon about the step's keys missing
-        from the mirror (tiers)."""
-        if self._stores.queued_keys():
-            self._reserve_step()
-        else:
-            self._flush()
-        self._ask_tiers()
+        """Apply what arrived, then post the step's one message: its reservations, holds,
+        releases, acknowledgement and tier probes, before its specs reach the ranks. Waits
+        for nothing."""
+        self._read()
+        self._send_step()
+
+    def steps_answered(self) -> bool:
+        """Apply what has arrived (never waits); True once every step message sent has its
+        answer applied. Not vLLM's: a benchmark driving the manager by hand waits on it
+        where vLLM's ranks would run the step before storing."""
+        self._read()
+        return not self._unanswered_steps
 
     def has_pending_work(self) -> bool:
         """While stored keys wait for their commit notices (a second at most), vLLM keeps
@@ -275,78 +316,132 @@ class OffloaddManager(OffloadingManager):
             mirror=True,
             timeout=self._timeout if timeout is None else timeout,
         )
-        # Asked inside vLLM's steps from now on: a daemon that went away must not stall one.
+        # The few exchanges still awaited (cache reset, the capacity once) wait this long.
         client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
         return client
 
-    def _reserve_step(self) -> None:
-        """One ``Reserve`` for every store of the step, with its holds, releases and ack;
-        what it did not reserve (or a daemon that did not answer) is not stored."""
-        keys = self._stores.queued_keys()
-        client = self._client
-        if client is None:
-            skipped = self._stores.settle(())
-            logger.warning("offloadd: no daemon; %d keys of the step not stored", skipped)
-            return
-        holds, releases = self._take_holds(), self._take_releases()
-        try:
-            reply = client.reserve(keys, holds=holds, release=releases, ack=self._mirror.seq)
-        except OffloaddError as exc:
-            self._stores.settle(())
-            self._failed(f"reserve of {len(keys)} keys", exc, holds)
-            return
-        self._acked = self._mirror.seq
-        self._holds_taken(holds, set(reply.missing))
-        self._after_request()  # the notices first: a new session forgets the old one's
-        self._stores.settle(reply.reserved)
-
-    def _flush(self) -> None:
+    def _read(self) -> None:
+        """Apply the notices and answers already here (never waits); give a daemon that
+        left a step unanswered too long up."""
         client = self._client
         if client is None:
             return
-        holds, releases = self._take_holds(), self._take_releases()
-        if not (holds or releases or self._mirror.seq > self._acked):
-            return
-        try:
-            if holds or releases:
-                result = client.update_holds(holds, releases, ack=self._mirror.seq)
-                self._holds_taken(holds, set(result.missing))
-            else:
-                client.ack(self._mirror.seq)
-        except OffloaddError as exc:
-            self._failed("update holds", exc, holds)
-            return
-        self._acked = self._mirror.seq
-        self._after_request()
+        client.poll(0)
+        self._take_notices()
+        oldest = next(iter(self._unanswered_steps.values()), None)
+        if oldest is not None and time.monotonic() - oldest > ANSWER_TIMEOUT_SECONDS:
+            self._failed(
+                "step",
+                DaemonUnavailable(f"no answer within {ANSWER_TIMEOUT_SECONDS:.1f}s"),
+            )
 
-    def _ask_tiers(self) -> None:
-        """One Lookup per request whose keys answered RETRY: the daemon promotes what its
-        tiers hold and says which keys are on their way."""
+    def _send_step(self) -> None:
+        """The step's one message, posted; see the module docstring."""
+        client = self._client
+        stores = self._stores.take() if self._stores.queued_keys() else None
         self._probes.forget_expired()
-        for keys in self._probes.take_queued():
-            client = self._client
+        probes = self._probes.take_queued()
+        if client is None or len(self._unanswered_steps) >= MAX_UNANSWERED_STEPS:
+            self._unsent(stores, probes, "no daemon" if client is None else "daemon behind")
             if client is None:
+                self._releases = {}  # nothing is held without a session
+            return
+        holds, releases = self._take_holds(), self._take_releases()
+        ack = self._mirror.seq
+        try:
+            if stores is not None:
+                ids = client.post_reserve(
+                    stores.keys, holds=holds, release=releases, ack=ack, lookups=probes
+                )
+            elif holds or releases or probes:
+                ids = client.post_update_holds(holds, releases, ack=ack, lookups=probes)
+            elif ack > self._acked:
+                client.ack(ack)
+                ids = []
+            else:
                 return
-            try:
-                result = client.lookup(keys)
-            except OffloaddError as exc:
-                self._failed("lookup in the tiers", exc)
-                return
-            self._after_request()
-            self._probes.answered(keys, result.hits, result.pending)
+        except OffloaddError as exc:
+            self._unsent(stores, probes, str(exc), holds)
+            self._failed("step", exc, holds)
+            return
+        self._acked = ack
+        self._unsent_loads = {}  # their holds left with the step
+        self._last_request = now = time.monotonic()
+        if not ids:
+            return
+        self._unanswered_steps[ids[0]] = now
+        self._due[ids[0]] = functools.partial(self._step_answered, stores=stores)
+        for lookup_id, keys in zip(ids[1:], probes, strict=True):
+            self._due[lookup_id] = functools.partial(self._probe_answered, keys=keys)
+
+    def _unsent(
+        self,
+        stores: StepStores | None,
+        probes: list[list[bytes]],
+        why: str,
+        holds: Sequence[HoldKeys] = (),
+    ) -> None:
+        """The step could not go: its specs skip its stores (they have not left yet), and
+        its holds are lost (loads by key); releases wait for the next message."""
+        if stores is None and not holds and not self._holds and not probes:
+            return
+        self.unsent_steps += 1
+        skipped = self._stores.skip(stores) if stores is not None else 0
+        for keys in probes:
+            self._probes.unanswered(keys)
+        self._holds_lost([*holds, *self._take_holds()])
+        if skipped:
+            logger.warning("offloadd: %s; %d keys of the step not stored", why, skipped)
+
+    def _step_answered(self, reply: Reply, *, stores: StepStores | None) -> None:
+        """A step's late answer: keys it did not reserve are stored by nobody; holds it did
+        not take load by key (nothing to do: the ranks' Load falls back by itself)."""
+        if isinstance(reply, Error):
+            self.refused_steps += 1
+            if stores is not None:
+                self.refused_keys += self._stores.answered(stores, ())
+            self._failed(
+                f"step of {len(stores.keys) if stores else 0} keys", error_from_reply(reply)
+            )
+            return
+        missing: Collection[bytes] = ()
+        if isinstance(reply, Reserved):
+            assert stores is not None
+            self.refused_keys += self._stores.answered(stores, reply.reserved)
+            missing = reply.missing
+        elif isinstance(reply, HoldResult):
+            missing = reply.missing
+        if missing:
+            logger.info(
+                "offloadd: %d held keys not held by the daemon; their ranks load them by key",
+                len(missing),
+            )
+
+    def _probe_answered(self, reply: Reply, *, keys: list[bytes]) -> None:
+        if isinstance(reply, DaemonLookupResult):
+            self._probes.answered(keys, reply.hits, reply.pending)
+            return
+        self._probes.unanswered(keys)
+        if isinstance(reply, Error):
+            logger.warning("offloadd: lookup in the tiers refused: %s", reply.message)
+
+    def _take_answers(self) -> None:
+        client = self._client
+        if client is None:
+            return
+        for reply in client.take_answers():
+            request_id = getattr(reply, "request_id", -1)
+            self._unanswered_steps.pop(request_id, None)
+            due = self._due.pop(request_id, None)
+            if due is not None:
+                due(reply)
+            if self._client is not client:
+                return  # the session was given up: its other answers mean nothing
 
     def _take_holds(self) -> list[HoldKeys]:
         holds = [HoldKeys(token, keys) for token, keys in self._holds.items()]
         self._holds = {}
         return holds
-
-    def _holds_taken(self, holds: Sequence[HoldKeys], missing: Collection[bytes] = ()) -> None:
-        """The daemon took ``holds`` but ``missing`` keys: a spec with one of those lost its
-        hold."""
-        for hold in holds:
-            for spec in self._unsent_loads.pop(hold.token, []):
-                if any(key in missing for key in spec.keys):
-                    self._hold_lost(spec)
 
     def _holds_lost(self, holds: Sequence[HoldKeys]) -> None:
         for hold in holds:
@@ -384,6 +479,7 @@ class OffloaddManager(OffloadingManager):
             self._welcome = client.welcome
             self._forget_session()
         self._apply(client.take_notices())
+        self._take_answers()
 
     def _forget_session(self) -> None:
         """Every key misses until the new session's snapshot."""
@@ -391,6 +487,8 @@ class OffloaddManager(OffloadingManager):
         self._stores.forget()
         self._probes = TierProbes()
         self._acked = 0
+        self._due.clear()
+        self._unanswered_steps.clear()
 
     def _apply(self, notices: list[KeysChanged]) -> None:
         self._mirror.apply(notices)
@@ -403,18 +501,15 @@ class OffloaddManager(OffloadingManager):
     def _failed(self, what: str, exc: Exception, holds: Sequence[HoldKeys] = ()) -> None:
         """Log a failed exchange; the holds it carried are lost. A daemon that is away, or a
         session it no longer knows (``NOT_REGISTERED``) or whose engine waits for its ranks
-        (``ENGINE_NOT_READY``), empties the mirror: every lookup misses until the (new)
-        session's snapshot. A daemon that is stopping (``SHUTTING_DOWN``) counts as away:
-        the background thread connects again once a daemon takes the Hello."""
+        (``ENGINE_NOT_READY``), or that is stopping (``SHUTTING_DOWN``), ends the session and
+        empties the mirror: every lookup misses until a new session's snapshot (the
+        background thread connects again, off the lock, once a daemon takes the Hello)."""
         self._holds_lost(holds)
         if isinstance(exc, RequestFailed) and exc.code not in _SESSION_GONE | _LEAVING:
             logger.warning("offloadd: %s refused: %s", what, exc)
             return
         logger.warning("offloadd: %s failed: %s; every key misses for now", what, exc)
-        if isinstance(exc, RequestFailed) and exc.code in _SESSION_GONE:
-            self._forget_session()
-        else:
-            self._disconnect()
+        self._disconnect()  # the background thread connects again (a new session)
 
     def _disconnect(self) -> None:
         """The daemon stopped answering: every key misses until a new session's snapshot."""
@@ -423,6 +518,7 @@ class OffloaddManager(OffloadingManager):
             client.close(goodbye=False)
         self._forget_session()
         self._holds_lost(self._take_holds())
+        self._releases = {}  # the session's holds ended with it
         self._last_request = time.monotonic()  # the background thread reconnects after a pause
 
     def _background(self) -> None:
@@ -440,36 +536,47 @@ class OffloaddManager(OffloadingManager):
                 self._lock.release()
 
     def _tick(self) -> None:
+        """Never waits: reads what arrived, posts what is due."""
+        self._read()
         client = self._client
-        assert client is not None
-        client.poll(0)
-        self._take_notices()
-        if time.monotonic() - self._last_request > KEEPALIVE_SECONDS:
-            # A real exchange: a daemon that restarted is noticed here (and said Hello to
-            # again, which sends a fresh snapshot), not at the next step's holds.
-            self._flush_or_ping()
-        elif self._mirror.seq > self._acked:
-            client.ack(self._mirror.seq)
-            self._acked = self._mirror.seq
-
-    def _flush_or_ping(self) -> None:
-        client = self._client
-        assert client is not None
+        if client is None:
+            return
         try:
-            client.keepalive(KEEPALIVE_TIMEOUT_SECONDS)
+            if time.monotonic() - self._last_request > KEEPALIVE_SECONDS:
+                # A daemon that restarted answers Ok(0) (it does not know this session):
+                # noticed here, not at the next step's holds.
+                self._post_ping(client)
+            elif self._mirror.seq > self._acked:
+                client.ack(self._mirror.seq)
+                self._acked = self._mirror.seq
         except OffloaddError as exc:
             self._failed("keepalive", exc)
-            return
-        self._after_request()
+
+    def _post_ping(self, client: OffloadClient) -> None:
+        request_id = client.post_ping()
+        self._last_request = now = time.monotonic()
+        self._unanswered_steps[request_id] = now
+        self._due[request_id] = self._pinged
+
+    def _pinged(self, reply: Reply) -> None:
+        if isinstance(reply, Ok) and reply.count == 0:
+            self._failed("keepalive", DaemonUnavailable("the daemon no longer knows this session"))
 
     def _try_reconnect(self) -> None:
-        if time.monotonic() - self._last_request < KEEPALIVE_SECONDS:
+        """Connect again (off the lock), once a second; while attempts time out (a frozen
+        daemon, whose listen backlog keeps each attempt's connection until it runs again)
+        the pause doubles up to ``RECONNECT_MAX_SECONDS``, so they do not pile up there."""
+        started = time.monotonic()
+        if started - self._last_request < self._reconnect_pause:
             return
-        self._last_request = time.monotonic()
+        self._last_request = started
         try:
             client = self._connect(STEP_TIMEOUT_SECONDS)
         except OffloaddError:
+            if time.monotonic() - started >= STEP_TIMEOUT_SECONDS:  # it waited: frozen
+                self._reconnect_pause = min(2 * self._reconnect_pause, RECONNECT_MAX_SECONDS)
             return
+        self._reconnect_pause = KEEPALIVE_SECONDS
         with self._lock:
             self._client = client
             self._after_request()

@@ -5,8 +5,9 @@ on the daemon's disk or cluster tier is found by asking the daemon, which then p
 into the arena. vLLM calls ``lookup`` once per key while it schedules, so nothing is asked
 there: ``lookup`` queues the key and answers ``RETRY`` (vLLM keeps scanning the request's
 later keys, which queue too, and retries the request on a later step), and ``take_queued``
-hands the step's keys to the manager, which asks once per request at ``on_schedule_end``
-and reports the daemon's answer with ``answered``.
+hands the step's keys to the manager, which sends one ``Lookup`` per request inside the
+step's one message at ``on_schedule_end`` (nothing waits for the answers) and reports each
+answer with ``answered`` when it arrives, on a later step or the background thread.
 
 Contract of ``TierProbes``:
 - ``lookup(req_id, key)``: ``PENDING`` while the daemon said the key is being promoted (or
@@ -14,6 +15,9 @@ Contract of ``TierProbes``:
   tier and ``miss_ttl`` seconds have not passed; otherwise ``RETRY`` and the key is queued.
   A key whose promotion failed (a corrupted copy) never reaches the mirror: after
   ``recheck`` it is asked again, and the daemon's miss ends it.
+- ``take_queued``: the keys to ask about, one run per request; each is asked from now on:
+  it answers ``RETRY`` without being queued again until its answer or ``recheck`` seconds.
+- ``unanswered(keys)``: the ask was not sent, or refused: the keys are asked again.
 - ``answered(keys, hits, pending)``: the daemon's ``LookupResult`` for ``keys`` as asked:
   ``hits`` leading keys are committed (the mirror has them already), ``pending`` indices are
   on their way, and the first key after the hits that is not pending is a miss (the daemon
@@ -57,6 +61,7 @@ class TierProbes:
         self._miss_ttl = miss_ttl
         self._pending: dict[bytes, float] = {}  # key -> when to ask again
         self._missing: dict[bytes, float] = {}  # key -> when the miss expires
+        self._asked: dict[bytes, float] = {}  # key -> when to ask again if no answer came
         self._queued: dict[str, dict[bytes, None]] = {}  # request -> keys in lookup order
 
     def lookup(self, req_id: str, key: bytes) -> Probe:
@@ -65,17 +70,29 @@ class TierProbes:
             return Probe.PENDING
         if self._missing.get(key, 0.0) > now:
             return Probe.MISS
+        if self._asked.get(key, 0.0) > now:
+            return Probe.RETRY  # its answer is on its way
         self._queued.setdefault(req_id, {})[key] = None
         return Probe.RETRY
 
     def take_queued(self) -> list[list[bytes]]:
         """The keys to ask about, one list per request in lookup order; taken once."""
         queued, self._queued = self._queued, {}
+        until = self._clock() + self._recheck
+        for keys in queued.values():
+            for key in keys:
+                self._asked[key] = until
         return [list(keys) for keys in queued.values()]
+
+    def unanswered(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._asked.pop(key, None)
 
     def answered(self, keys: Sequence[bytes], hits: int, pending: Sequence[int]) -> None:
         now = self._clock()
         on_the_way = set(pending)
+        for key in keys:
+            self._asked.pop(key, None)
         for index in range(hits, len(keys)):
             key = keys[index]
             if index in on_the_way:
@@ -93,12 +110,13 @@ class TierProbes:
         for key in keys:
             self._pending.pop(key, None)
             self._missing.pop(key, None)
+            self._asked.pop(key, None)
 
     def forget_expired(self) -> None:
         now = self._clock()
-        for table in (self._pending, self._missing):
+        for table in (self._pending, self._missing, self._asked):
             for key in [key for key, until in table.items() if until <= now]:
                 del table[key]
 
     def __len__(self) -> int:
-        return len(self._pending) + len(self._missing)
+        return len(self._pending) + len(self._missing) + len(self._asked)

@@ -3,19 +3,24 @@
 vLLM 0.33 calls ``prepare_store`` once per request inside ``schedule()`` and builds the
 request's GPU spec from its answer at once; ``on_schedule_end`` is the step's last manager
 call, before the metadata holding the store specs leaves the scheduler. So a step's stores
-are answered locally and settled together:
+are answered locally and sent together, in one ``Reserve`` nothing waits for:
 - ``candidates``: of a request's keys, those neither committed nor stored by this scheduler
   already (queued this step, in flight, committing);
-- ``queue``: they go into the request's ``OffloaddStoreSpec`` and wait for the step's one
+- ``queue``: they go into the request's ``OffloaddStoreSpec`` and wait for the step's
   ``Reserve`` (``queued_keys``: every spec's keys, in order);
-- ``settle``: the daemon's answer, indices into ``queued_keys``. A reserved key is in
-  flight; any other (another engine stores it, no room, no daemon: ``settle(())``) is
-  marked skipped in its spec by position (``OffloaddStoreSpec.skipped``), so the ranks do
-  not store it, and is stored by nobody here;
+- ``take``: the step's stores (``StepStores``: its specs, its keys in order) as the
+  ``Reserve`` leaves; its keys are in flight from now on (``pending``);
+- ``skip``: the ``Reserve`` could not be sent (no daemon, too many unanswered): every key of
+  the step is marked skipped in its spec by position (``OffloaddStoreSpec.skipped``, before
+  the spec leaves), so the ranks do not store it, and is stored by nobody here;
+- ``answered``: the daemon's late answer, indices into the step's keys. A key it did not
+  reserve (another engine stores it, no room, the step refused: ``answered(step, ())``) is
+  stored by nobody: the ranks' ``Store(reserved=True)`` skips it at the daemon, so it leaves
+  the flight (or the committing keys, when vLLM completed its job already) and misses again;
 - ``complete``: vLLM reports the request's job done (skipped keys included). A key no
   longer in flight whose commit has not reached the mirror yet is committing: still
   ``pending`` (HIT_PENDING, not a miss) until ``committed`` sees its notice, or for
-  ``commit_wait`` seconds at most (a commit the daemon refused never arrives).
+  ``commit_wait`` seconds at most (a commit the daemon refused, or a step never answered).
 ``forget`` (a lost session) drops what is in flight and committing; ``reset`` (vLLM's cache
 reset, which flushes the jobs without completing them) drops everything.
 """
@@ -24,12 +29,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 from offloadd.vllm.transfer_specs import OffloaddStoreSpec
 
-__all__ = ["COMMIT_WAIT_SECONDS", "Stores"]
+__all__ = ["COMMIT_WAIT_SECONDS", "StepStores", "Stores"]
 
 COMMIT_WAIT_SECONDS = 1.0  # a stored key pends at most this long for its commit notice
+
+
+@dataclass(frozen=True)
+class StepStores:
+    """One step's stores as its ``Reserve`` carries them."""
+
+    specs: list[tuple[str, OffloaddStoreSpec]]  # (request, spec), in order
+    keys: list[bytes]  # every spec's keys, spec after spec
 
 
 class Stores:
@@ -79,23 +93,45 @@ class Stores:
         """Every queued spec's keys, spec after spec (the step's ``Reserve``)."""
         return [key for _token, spec in self._queued for key in spec.keys]
 
-    def settle(self, reserved: Iterable[int]) -> int:
-        """The daemon reserved these indices of ``queued_keys``; the others are skipped.
-        Returns how many were skipped."""
-        chosen = set(reserved)
+    def take(self) -> StepStores:
+        """The step's stores, their keys in flight from now on."""
         queued, self._queued, self._queued_keys = self._queued, [], {}
-        skipped, base = 0, 0
-        for token, spec in queued:
-            for position, key in enumerate(spec.keys):
-                if base + position in chosen:
-                    self._in_flight[key] = self._in_flight.get(key, 0) + 1
-                    continue
-                spec.skipped.add(position)
+        keys = [key for _token, spec in queued for key in spec.keys]
+        for key in keys:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        return StepStores(queued, keys)
+
+    def skip(self, step: StepStores) -> int:
+        """The step's ``Reserve`` was not sent: its specs skip every key. Returns how many."""
+        for key in step.keys:
+            self._leave(key)
+        for token, spec in step.specs:
+            spec.skipped.update(range(len(spec.keys)))
+            for key in spec.keys:
                 pair = (token, key)
                 self._skipped[pair] = self._skipped.get(pair, 0) + 1
-                skipped += 1
-            base += len(spec.keys)
-        return skipped
+        return len(step.keys)
+
+    def answered(self, step: StepStores, reserved: Iterable[int]) -> int:
+        """The daemon reserved these indices of ``step.keys``; nobody stores the others.
+        Returns how many it did not reserve."""
+        chosen = set(reserved)
+        refused = 0
+        for index, key in enumerate(step.keys):
+            if index not in chosen:
+                self._leave(key)
+                refused += 1
+        return refused
+
+    def _leave(self, key: bytes) -> None:
+        """``key`` is not stored after all: out of the flight, or of the committing keys."""
+        count = self._in_flight.get(key, 0)
+        if count > 1:
+            self._in_flight[key] = count - 1
+        elif count:
+            del self._in_flight[key]
+        else:
+            self._committing.pop(key, None)
 
     def complete(self, token: str, keys: Iterable[bytes], committed: Collection[bytes]) -> None:
         """vLLM says request ``token``'s store of ``keys`` is done on every rank."""
@@ -143,7 +179,7 @@ class Stores:
 
     def forget(self) -> None:
         """The session is gone: nothing is in flight or committing in the new one (this
-        step's queue is still settled, with the new session's answer or none)."""
+        step's queue is still sent, to the new session or nowhere)."""
         self._in_flight.clear()
         self._committing.clear()
 

@@ -8,6 +8,7 @@ be killed; the test removes the arena file it leaves."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import uuid
 from types import SimpleNamespace
 
 from offloadd.cache.arena import Arena
+from offloadd.safety import write_secret
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress
 from offloadd.tiers.mooncake import MooncakeTier
@@ -35,13 +37,9 @@ KEY_FILE = os.path.join(
 def cluster_key_file() -> str:
     """The shared cluster key's path, created once (0600, 32 random bytes)."""
     if not os.path.exists(KEY_FILE):
-        temporary = f"{KEY_FILE}.{os.getpid()}.{uuid.uuid4().hex}"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, os.urandom(32))
-        finally:
-            os.close(fd)
-        os.replace(temporary, KEY_FILE)
+        # Never replaced once there: a node started meanwhile may have read it already.
+        with contextlib.suppress(FileExistsError):
+            write_secret(KEY_FILE, os.urandom(32))
     return KEY_FILE
 
 

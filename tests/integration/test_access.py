@@ -164,6 +164,31 @@ def test_events_ipc_sockets_get_the_control_sockets_mode_and_group() -> None:
         daemon.stop()
 
 
+def _another_group() -> int:
+    """A group the socket is not created with that this process may chown to, else its own."""
+    if os.geteuid() == 0:
+        return next((g.gr_gid for g in grp.getgrall() if g.gr_gid != os.getgid()), os.getgid())
+    return next((g for g in os.getgroups() if g != os.getgid()), os.getgid())
+
+
+def test_events_sockets_may_have_a_mode_and_group_of_their_own() -> None:
+    gid = _another_group()
+    daemon = DaemonThread(socket_mode="0660")
+    events = msgspec.structs.replace(
+        daemon.settings.events, socket_mode="0600", socket_group=grp.getgrgid(gid).gr_name
+    )
+    daemon.settings = msgspec.structs.replace(daemon.settings, events=events)
+    daemon.start()
+    try:
+        control = os.stat(daemon.endpoint[len("ipc://") :])
+        assert (stat.S_IMODE(control.st_mode), control.st_gid) == (0o660, os.getgid())
+        for endpoint in (daemon.events_endpoint, daemon.replay_endpoint):
+            info = os.stat(endpoint[len("ipc://") :])
+            assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o600, gid), endpoint
+    finally:
+        daemon.stop()
+
+
 def _scrape_unix(path: str, target: str = "/metrics") -> str:
     """The HTTP answer to a GET of ``target`` on the unix socket ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -18,7 +18,7 @@ from offloadd.errors import InvalidRequest, RequestFailed
 from offloadd.settings import LimitsSettings
 from protocol.config import OffloadingGroupConfig
 from protocol.errors import ErrorCode
-from protocol.messages import HoldKeys, KeysChanged, Segment
+from protocol.messages import HoldKeys, KeysChanged, Reserved, Segment
 from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     LAYERS,
@@ -100,6 +100,36 @@ def test_reserve_store_commit_reaches_the_mirror(daemon: DaemonThread) -> None:
         assert mirror_of(sched, notices) == set(keys)
         # Committed keys are not reserved again.
         assert sched.reserve(keys).reserved == []
+    finally:
+        sched.close()
+        r.close()
+
+
+def test_a_posted_step_is_answered_later_with_its_lookups(daemon: DaemonThread) -> None:
+    """The vLLM scheduler's step message: posted, its Reserved and each lookup's answer read
+    later by id (what the step reserved is stored; an unreserved key is not)."""
+    r = rank(daemon.endpoint)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(3, b"p")
+        assert sched.reserve(keys[:1]).reserved == [0]
+        store_reserved(r, 1, keys[:1], [0])
+        reserve_id, first, second = sched.post_reserve(keys[1:2], lookups=[keys[:1], keys[2:]])
+        answers: dict[int, Any] = {}
+
+        def answered() -> bool:
+            answers.update((getattr(a, "request_id", -1), a) for a in sched.take_answers())
+            return len(answers) == 3
+
+        wait_for(answered, sched)
+        assert answers[reserve_id] == Reserved(reserve_id, [0], [])
+        assert (answers[first].hits, answers[second].hits) == (1, 0)
+        assert sched.take_answers() == []
+        assert r.client is not None
+        r.client.store(2, keys[1:], chunk_block_ids([1, 2], BPC), reserved=True)
+        (done,) = r.client.wait([2])
+        assert done.ok and done.nbytes == KEY_BYTES  # keys[2] was never reserved: skipped
     finally:
         sched.close()
         r.close()

@@ -218,10 +218,10 @@ def _wait_for_log(served: Served, text: str, timeout: float = 30) -> None:
 def test_a_second_sigterm_during_the_drain_forces_the_exit(
     served: Served, ranks: list[Rank]
 ) -> None:
-    # Copies that never end (tests.integration.wedged_serve) and a grace of 600 s: only the
+    # Copies that never end (tests.integration.held_serve) and a grace of 600 s: only the
     # second signal can end this drain in time.
     env = _clean_env(OFFLOADD_SERVER__DRAIN_SECONDS="600")
-    served.start(env=env, runner=("-m", "tests.integration.wedged_serve"))
+    served.start(env=env, runner=("-m", "tests.integration.held_serve", "--copies", "wedged"))
     served.wait_serving()
     rank = make_rank(served.endpoint, rank=0, tp=1)
     ranks.append(rank)

@@ -27,6 +27,7 @@ import pytest
 
 from offloadd.checksum import checksum
 from offloadd.client import OffloadClient
+from offloadd.safety import write_secret
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.mooncake import ClusterKeys, _open_client
 from protocol.messages import LookupResult, TierState
@@ -48,11 +49,7 @@ def cluster_key() -> Iterator[str]:
     """One cluster key for the test's daemons: 32 random bytes, 0600, in a 0700 directory."""
     directory = tempfile.mkdtemp(prefix="od-key-", dir="/tmp")
     path = os.path.join(directory, "cluster.key")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, os.urandom(32))
-    finally:
-        os.close(fd)
+    write_secret(path, os.urandom(32))
     yield path
     shutil.rmtree(directory, ignore_errors=True)
 

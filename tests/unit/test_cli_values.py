@@ -220,6 +220,8 @@ EMPTY_MEANS_SOMETHING = {
     ("events", "replay_endpoint"),  # no replay
     ("events", "topic_template"),  # the topic ""
     ("events", "pod"),  # the host name
+    ("events", "socket_mode"),  # the control socket's (server.socket_mode)
+    ("events", "socket_group"),  # the control socket's (server.socket_group)
     ("metrics", "address"),  # no metrics server
     ("metrics", "socket_group"),  # the group the metrics socket is created with
     ("disk", "path"),  # no disk tier

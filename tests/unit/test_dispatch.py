@@ -21,13 +21,16 @@ from protocol.messages import (
     Clear,
     GetStats,
     Hello,
+    HoldResult,
     Lookup,
     LookupResult,
     Ok,
     Ping,
     Reply,
     Request,
+    Reserve,
     Store,
+    UpdateHolds,
     Wait,
 )
 from tests.helpers import hello as make_hello
@@ -187,3 +190,26 @@ def test_a_refusal_is_answered_with_its_code_and_refreshes_last_seen() -> None:
     _dispatcher(recorder, state)(PEER, Clear(9))
     assert recorder.errors == [(9, ErrorCode.BAD_REQUEST, "not in this test")]
     assert state.last_seen > 0.0
+
+
+def test_a_step_message_s_lookups_follow_it_each_answered_alone() -> None:
+    recorder = Recorder()
+
+    def lookup(state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
+        reply(LookupResult(request.request_id, len(request.keys), [], 0))
+
+    def update_holds(state: SessionState, request: UpdateHolds) -> Reply:
+        return HoldResult(request.request_id, 0, [])
+
+    dispatch = _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+    probes = [Lookup(8, [b"a"]), Lookup(9, [b"b", b"c"])]
+    dispatch(PEER, UpdateHolds(7, lookups=probes))
+    assert recorder.sent == [
+        HoldResult(7, 0, []),
+        LookupResult(8, 1, [], 0),
+        LookupResult(9, 2, [], 0),
+    ]
+    # A refused carrier (Reserve refuses here) still has its lookups answered.
+    dispatch(PEER, Reserve(10, [b"k"], lookups=[Lookup(11, [b"d"])]))
+    assert recorder.errors == [(10, ErrorCode.BAD_REQUEST, "not in this test")]
+    assert recorder.sent[-1] == LookupResult(11, 1, [], 0)

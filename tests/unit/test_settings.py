@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import io
 import json
 import logging
@@ -199,6 +200,49 @@ def test_the_per_tenant_limits_are_checked() -> None:
     # 0: the engine's fraction again, per tenant; the host's memory per uid.
     limits = load_settings(None, environ={"OFFLOADD_LIMITS__TENANT_PROTECTED_FRACTION": "0"}).limits
     assert limits.tenant_protected_fraction == 0 and limits.mapped_bytes_per_uid == 0
+
+
+def test_the_events_sockets_take_the_control_sockets_mode_and_group_unless_given() -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    server = {"OFFLOADD_SERVER__SOCKET_MODE": "0640", "OFFLOADD_SERVER__SOCKET_GROUP": group}
+    settings = load_settings(environ=server)
+    assert (settings.events.socket_mode, settings.events.socket_group) == ("", "")
+    events = settings.exposed().events  # what the daemon binds with
+    assert (events.socket_mode, events.socket_group) == ("0640", group)
+    # Their own: a monitoring group, or the daemon's user alone; the control socket unchanged.
+    own = load_settings(
+        environ={
+            **server,
+            "OFFLOADD_EVENTS__SOCKET_MODE": "0600",
+            "OFFLOADD_EVENTS__SOCKET_GROUP": group,
+        }
+    ).exposed()
+    assert (own.events.socket_mode, own.events.socket_group) == ("0600", group)
+    assert (own.server.socket_mode, own.server.socket_group) == ("0640", group)
+    # With "auto" endpoints off, still made concrete.
+    tcp = load_settings(
+        environ={
+            "OFFLOADD_EVENTS__ENDPOINT": "tcp://127.0.0.1:6000",
+            "OFFLOADD_EVENTS__REPLAY_ENDPOINT": "",
+            "OFFLOADD_METRICS__ADDRESS": "",
+        }
+    ).exposed()
+    assert (tcp.events.socket_mode, tcp.events.socket_group) == ("0660", "")
+
+
+def test_the_events_socket_mode_and_group_are_checked() -> None:
+    message = error_of(env={"OFFLOADD_EVENTS__SOCKET_MODE": "rw-rw----"})
+    assert message.startswith("events.socket_mode: expected octal permission bits such as")
+    assert "for the control socket's" in message and "OFFLOADD_EVENTS__SOCKET_MODE" in message
+    message = error_of(env={"OFFLOADD_EVENTS__SOCKET_GROUP": "no-such-group-od"})
+    assert message.startswith("events.socket_group: no group 'no-such-group-od' on this host")
+    assert "for the control socket's (server.socket_group)" in message
+
+
+def test_check_config_says_whose_events_socket_mode_applies() -> None:
+    text = settings_toml(load_settings(environ=NO_ENV))
+    assert 'socket_mode = ""  # the control socket\'s: 0660' in text.splitlines()
+    assert 'socket_group = ""  # the control socket\'s: left as created' in text.splitlines()
 
 
 def test_unknown_key_in_env_names_key_and_variable() -> None:

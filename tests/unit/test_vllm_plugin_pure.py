@@ -207,25 +207,27 @@ class _Clock:
         return self.now
 
 
-def test_stores_skip_what_the_daemon_did_not_reserve_by_position() -> None:
+def test_stores_leave_what_the_daemon_did_not_reserve_when_its_answer_comes() -> None:
     stores = Stores(clock=_Clock())
     a = stores.queue("a", stores.candidates([K[0], K[1], K[2]], committed={K[2]}))
     # K[1] is queued already: another request of the step does not store it twice.
     b = stores.queue("b", stores.candidates([K[1], K[3], K[4]], committed=set()))
     assert (a.keys, b.keys) == ([K[0], K[1]], [K[3], K[4]])
     assert stores.queued_keys() == [K[0], K[1], K[3], K[4]]
-    assert stores.settle([1, 2]) == 2  # the daemon reserved K[1] and K[3]
-    assert (a.skipped, b.skipped) == ({0}, {1})
-    assert stores.queued_keys() == []
+    step = stores.take()  # the Reserve leaves; its answer comes later
+    assert step.keys == [K[0], K[1], K[3], K[4]] and stores.queued_keys() == []
+    assert all(stores.pending(k) for k in step.keys)
+    assert stores.answered(step, [1, 2]) == 2  # the daemon reserved K[1] and K[3]
+    assert (a.skipped, b.skipped) == (set(), set())  # the specs left: the daemon skips them
     assert [stores.pending(k) for k in K[:5]] == [False, True, False, True, False]
-    # A skipped key is no one's here: a later step may store it.
+    # A refused key is no one's here: a later step may store it.
     assert stores.candidates([K[0], K[1]], committed=set()) == [K[0]]
 
 
-def test_stores_with_no_answer_skip_the_whole_step() -> None:
+def test_a_step_not_sent_skips_its_stores_in_the_specs() -> None:
     stores = Stores(clock=_Clock())
     spec = stores.queue("a", stores.candidates([K[0], K[1]], committed=set()))
-    assert stores.settle(()) == 2
+    assert stores.skip(stores.take()) == 2
     assert spec.skipped == {0, 1}
     assert not stores.pending(K[0])
     assert stores.storing == 0
@@ -235,7 +237,7 @@ def test_a_stored_key_pends_until_its_commit_or_the_wait_runs_out() -> None:
     clock = _Clock()
     stores = Stores(clock=clock, commit_wait=1.0)
     stores.queue("a", stores.candidates([K[0], K[1], K[2]], committed=set()))
-    stores.settle([0, 1])  # K[2] skipped
+    stores.answered(stores.take(), [0, 1])  # K[2] refused
     stores.complete("a", [K[0], K[1], K[2]], committed=set())
     assert stores.storing == 0
     # Stored, the commit notices not here yet: pending, not a miss.
@@ -251,12 +253,22 @@ def test_a_stored_key_pends_until_its_commit_or_the_wait_runs_out() -> None:
     assert stores.candidates([K[1]], committed=set()) == [K[1]]
 
 
+def test_an_answer_after_the_job_completed_ends_the_refused_keys_wait() -> None:
+    stores = Stores(clock=_Clock())
+    stores.queue("a", [K[0], K[1]])
+    step = stores.take()
+    stores.complete("a", [K[0], K[1]], committed=set())  # before the Reserved came
+    assert stores.pending(K[0]) and stores.pending(K[1])
+    stores.answered(step, [1])  # K[0] was never reserved: it is not coming
+    assert not stores.pending(K[0]) and stores.pending(K[1])
+
+
 def test_a_skipped_key_completed_leaves_a_later_reservation_in_flight() -> None:
     stores = Stores(clock=_Clock())
     stores.queue("a", [K[0]])
-    stores.settle(())  # a's K[0] skipped
+    stores.skip(stores.take())  # a's K[0] skipped
     stores.queue("b", stores.candidates([K[0]], committed=set()))
-    stores.settle([0])  # b's reserved
+    stores.answered(stores.take(), [0])  # b's reserved
     stores.complete("a", [K[0]], committed=set())  # vLLM completes a's job, skipped key too
     assert stores.storing == 1  # still b's, in flight
     stores.complete("b", [K[0]], committed={K[0]})  # committed already: not pending
@@ -266,9 +278,9 @@ def test_a_skipped_key_completed_leaves_a_later_reservation_in_flight() -> None:
 def test_stores_forget_and_reset() -> None:
     stores = Stores(clock=_Clock())
     stores.queue("a", [K[0]])
-    stores.settle([0])
+    stores.take()
     queued = stores.queue("b", [K[1]])
-    stores.forget()  # a new session: nothing in flight, the step's queue still settles
+    stores.forget()  # a new session: nothing in flight, the step's queue is still sent
     assert not stores.pending(K[0]) and stores.pending(K[1])
     stores.reset()
     assert queued.skipped == {0} and not stores.pending(K[1])

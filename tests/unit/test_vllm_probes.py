@@ -77,3 +77,19 @@ def test_forget_drops_what_was_said_about_keys() -> None:
     probes.forget([b"m", b"p", b"unknown"])
     assert len(probes) == 0
     assert probes.lookup("r", b"m") is Probe.RETRY  # asked again: it may be in a tier now
+
+
+def test_a_key_asked_is_not_asked_again_until_its_answer_or_recheck() -> None:
+    probes, clock = make()
+    assert probes.lookup("a", b"k") is Probe.RETRY
+    assert probes.take_queued() == [[b"k"]]  # sent in the step's message, not awaited
+    assert probes.lookup("a", b"k") is Probe.RETRY  # its answer is on its way
+    assert probes.take_queued() == []
+    probes.unanswered([b"k"])  # the message never went (or the Lookup was refused)
+    assert probes.lookup("a", b"k") is Probe.RETRY
+    assert probes.take_queued() == [[b"k"]]
+    clock.now += 0.51  # no answer within recheck: asked again
+    assert probes.lookup("a", b"k") is Probe.RETRY
+    assert probes.take_queued() == [[b"k"]]
+    probes.answered([b"k"], hits=0, pending=[0])
+    assert probes.lookup("a", b"k") is Probe.PENDING

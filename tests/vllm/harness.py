@@ -30,7 +30,8 @@ the layer caches through `register_kv_caches` (the connector builds the
 `KVConnectorModelRunnerMixin._get_kv_connector_output`), `KVOutputAggregator`
 and `update_from_output`, and the KV event publisher.
 
-What is simulated: the forward pass and the sampler. For token position p of a
+What is simulated: the forward pass and the sampler (a Mamba layer's state: see
+`VllmHarness`'s ``model``). For token position p of a
 request, every layer l on rank r holds ``token_kv_bytes(prefix[:p+1], l, first_head(r),
 heads, width)`` in its slot: each of the rank's heads (K and V) holds the bytes of its
 *global* head index, so the same prefix always gives the same bytes, on every engine (DP),
@@ -148,6 +149,7 @@ with warnings.catch_warnings():
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -179,7 +181,12 @@ MLA_HEAD_SIZE = MLA_KV_LORA_RANK + MLA_ROPE_DIM
 # group shares a KV tensor (block ids come from one pool).
 HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
 HYBRID_WINDOW = 20
-MODELS = ("llama", "mla", "hybrid")
+# The tiny Mamba hybrid (``model="mamba"``): a Llama whose even layers report a Mamba state
+# (vLLM's ``MambaSpec`` in prefix caching's "align" mode: block ``i`` holds the state after
+# exactly ``(i + 1) * block_size`` tokens) and odd layers full attention. A Mamba page is one
+# state: a conv and an SSM part, as wide as an attention page so both groups share one pool.
+MAMBA_LAYER_TYPES = ("mamba", "full_attention", "mamba", "full_attention")
+MODELS = ("llama", "mla", "hybrid", "mamba")
 
 _HASH_SEED = b"offloadd-vllm-harness"
 
@@ -191,10 +198,12 @@ class KVMismatchError(AssertionError):
 # --------------------------------------------------------------------------- model
 
 
-def write_model_dir(path: Path, model: str = "llama") -> Path:
+def write_model_dir(path: Path, model: str = "llama", num_kv_heads: int = NUM_KV_HEADS) -> Path:
     """Write a config.json-only tiny model (a Llama; with ``model="mla"`` a DeepSeek-V2
     whose attention is MLA; with ``model="hybrid"`` a Qwen2 of sliding-window and
-    full-attention layers) into `path` (created); return `path`."""
+    full-attention layers; with ``model="mamba"`` a Llama of `MAMBA_LAYER_TYPES`' length,
+    whose Mamba layers only the KV specs know) of ``num_kv_heads`` KV heads (not MLA) into
+    `path` (created); return `path`."""
     path.mkdir(parents=True, exist_ok=True)
     if model == "mla":
         mla = {
@@ -230,7 +239,7 @@ def write_model_dir(path: Path, model: str = "llama") -> Path:
             "hidden_size": HIDDEN_SIZE,
             "intermediate_size": 2 * HIDDEN_SIZE,
             "num_attention_heads": NUM_HEADS,
-            "num_key_value_heads": NUM_KV_HEADS,
+            "num_key_value_heads": num_kv_heads,
             "num_hidden_layers": len(HYBRID_LAYER_TYPES),
             "layer_types": list(HYBRID_LAYER_TYPES),
             "use_sliding_window": True,
@@ -254,8 +263,8 @@ def write_model_dir(path: Path, model: str = "llama") -> Path:
         "hidden_size": HIDDEN_SIZE,
         "intermediate_size": 2 * HIDDEN_SIZE,
         "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": num_kv_heads,
+        "num_hidden_layers": len(MAMBA_LAYER_TYPES) if model == "mamba" else NUM_LAYERS,
         "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
@@ -562,14 +571,25 @@ class VllmHarness:
         kv_cache_layout: force a layout name (e.g. "BLHNC"); default: vLLM's
             resolution, which takes the connector's preference (LBHNC).
         shm_dir: where the per-rank KV files go.
-        model: ``"llama"`` (2 KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
+        model: ``"llama"`` (`num_kv_heads` KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
             latent KV every TP rank holds whole: vLLM's ``use_mla``, ``MLAAttentionSpec``
             with ``max_tp_shards=1``); MLA pages hold the same bytes on every rank
             (`kv_rank`); or ``"hybrid"`` (`HYBRID_LAYER_TYPES`: sliding-window layers of
             `HYBRID_WINDOW` tokens and full-attention layers, one KV cache group per type
             through vLLM's hybrid KV cache manager, which vLLM's CPU platform would turn off
             and a GPU platform keeps). The forward pass checks in a sliding-window group only
-            the context its attention reads (the last ``window - 1`` tokens).
+            the context its attention reads (the last ``window - 1`` tokens). Or ``"mamba"``
+            (`MAMBA_LAYER_TYPES`: Mamba layers, vLLM's ``MambaSpec`` in prefix caching's
+            "align" mode, and full-attention layers, one group each): a Mamba layer's page is
+            one state, rank-sharded bytes of the prefix it follows; a step starting at ``s``
+            checks the state in block ``(s - 1) // block_size`` and leaves the state after
+            its last token ``e`` in block ``(e - 1) // block_size``, as the model runner does.
+        decode_context_parallel_size: vLLM's DCP over the TP ranks (a llama whose KV heads
+            are replicated over at least that many ranks): each rank holds its share of every
+            block's tokens, interleaved (`_place`); a block then spans ``block_size * dcp``
+            tokens, which is the scheduler's (and `VllmHarness.block_size`'s) block.
+        num_kv_heads: the model's KV heads (not MLA): 1, 2 or 4. With fewer heads than TP
+            ranks vLLM replicates each head over ``tp // num_kv_heads`` ranks (`kv_rank`).
         prefix_cache_retention_interval: vLLM's (sliding-window groups): 0, its default,
             keeps (and offloads) a window only at the prompt's end; ``N`` also every ``N``
             tokens; None at every boundary.
@@ -596,6 +616,8 @@ class VllmHarness:
         model: str = "llama",
         max_num_seqs: int = 64,
         prefix_cache_retention_interval: int | None = 0,
+        num_kv_heads: int = NUM_KV_HEADS,
+        decode_context_parallel_size: int = 1,
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -607,6 +629,11 @@ class VllmHarness:
         if model not in MODELS:
             raise ValueError(f"model {model!r}: one of {MODELS}")
         self.model = model
+        if NUM_HEADS % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} must divide {NUM_HEADS} heads")
+        self.num_kv_heads = num_kv_heads
+        self.tp = tensor_parallel_size
+        self.dcp = decode_context_parallel_size
         try:
             self._build(
                 extra_config=dict(extra_config),
@@ -658,13 +685,13 @@ class VllmHarness:
         if max_model_len is None:
             # vLLM refuses a max_model_len the KV cache cannot hold (less the null block).
             max_model_len = (num_blocks - 1) * block_size
-            if self.model == "hybrid":
-                # The groups share the blocks; a sliding-window request holds few of them.
+            if self.model in ("hybrid", "mamba"):
+                # The groups share the blocks; a sliding-window or Mamba request holds few.
                 max_model_len //= 2
-        model_dir = write_model_dir(
-            self.workdir / ("model" if self.model == "llama" else f"model-{self.model}"),
-            self.model,
-        )
+        name = "model" if self.model == "llama" else f"model-{self.model}"
+        if self.num_kv_heads != NUM_KV_HEADS and self.model != "mla":
+            name += f"-kv{self.num_kv_heads}"
+        model_dir = write_model_dir(self.workdir / name, self.model, self.num_kv_heads)
         self.kv_events_endpoint: str | None = None
         kv_events_config = None
         if kv_events:
@@ -682,6 +709,7 @@ class VllmHarness:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             tensor_parallel_size=tp,
+            decode_context_parallel_size=self.dcp,
             data_parallel_size=dp_size,
             async_scheduling=async_scheduling,
             num_gpu_blocks_override=num_blocks,
@@ -704,10 +732,17 @@ class VllmHarness:
             vllm_config.cache_config.enable_prefix_caching = True
             vllm_config.scheduler_config.enable_chunked_prefill = True
             vllm_config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
-        if self.model == "hybrid":
+        if self.model in ("hybrid", "mamba"):
             # The CPU platform turns the hybrid KV cache manager off (every layer would get
             # full attention's blocks); a GPU platform keeps it for a connector that supports it.
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        if self.model == "mamba":
+            # What MambaModelConfig.verify_and_update_config sets for a Mamba model with prefix
+            # caching (vllm/model_executor/models/config.py). Platform.update_block_size_for_
+            # backend would raise the attention block size until the pages match; the Mamba
+            # shapes below match it at 16 tokens already.
+            vllm_config.cache_config.mamba_cache_mode = "align"
+            vllm_config.cache_config.mamba_block_size = block_size
         parallel = vllm_config.parallel_config
         if dp_size > 1 or dp_index > 0:
             # What EngineCoreProc.run_engine_core does for one DP engine of a
@@ -754,7 +789,10 @@ class VllmHarness:
             cfg.cache_hit_alignment_tokens = alignment
         self.kv_cache_config = scheduler_kv_cache_config
         self.block_size = scheduler_block_size
-        num_layers = len(HYBRID_LAYER_TYPES) if self.model == "hybrid" else NUM_LAYERS
+        self.interleave = parallel.cp_kv_cache_interleave_size
+        num_layers = {"hybrid": len(HYBRID_LAYER_TYPES), "mamba": len(MAMBA_LAYER_TYPES)}.get(
+            self.model, NUM_LAYERS
+        )
         self.layer_names = [layer_name(i) for i in range(num_layers)]
 
         # ---- Workers: config per rank (Worker.__init__ sets parallel_config.rank),
@@ -821,9 +859,13 @@ class VllmHarness:
         return f"ipc://{path}"
 
     def kv_rank(self, rank: int) -> int:
-        """The rank whose bytes `rank` holds: itself, or 0 when every rank holds the same
-        (MLA's latent KV is replicated on every TP rank, never head-sharded)."""
-        return 0 if self.model == "mla" else rank
+        """Which shard of the KV heads `rank` holds: 0 when every rank holds the same (MLA's
+        latent KV is replicated on every TP rank, never head-sharded), else its head shard
+        (as vLLM places heads: with fewer KV heads than ranks, ranks ``[h * r, (h + 1) * r)``
+        hold head ``h``, ``r = tp // num_kv_heads``)."""
+        if self.model == "mla":
+            return 0
+        return rank // max(1, self.tp // self.num_kv_heads)
 
     def _worker_kv_cache_spec(self, vllm_config: VllmConfig, tp: int) -> dict[str, KVCacheSpec]:
         """What GPUModelRunner.get_kv_cache_spec reports: one spec per
@@ -840,18 +882,33 @@ class VllmHarness:
                 cache_dtype_str="auto",
             )
             return {layer_name(i): mla for i in range(NUM_LAYERS)}
-        assert NUM_KV_HEADS % tp == 0, "the tiny model has 2 KV heads"
+        total = self.num_kv_heads
+        assert total % tp == 0 or tp % total == 0, (total, tp)
+        heads = max(1, total // tp)  # replicated over ranks when fewer than TP
         spec = FullAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
-            num_kv_heads=NUM_KV_HEADS // tp,
+            num_kv_heads=heads,
             head_size=HEAD_SIZE,
             dtype=KV_DTYPE,
         )
+        if self.model == "mamba":
+            # Mamba state is sharded over TP like the heads; the page is an attention page.
+            mamba = MambaSpec(
+                block_size=vllm_config.cache_config.block_size,
+                shapes=((4, 64 // tp), (16 // tp, 48)),
+                dtypes=(KV_DTYPE, KV_DTYPE),
+                mamba_cache_mode="align",
+            )
+            assert mamba.page_size_bytes == spec.page_size_bytes
+            return {
+                layer_name(i): mamba if kind == "mamba" else spec
+                for i, kind in enumerate(MAMBA_LAYER_TYPES)
+            }
         if self.model == "hybrid":
             assert vllm_config.model_config.get_sliding_window() == HYBRID_WINDOW
             sliding = SlidingWindowSpec(
                 block_size=vllm_config.cache_config.block_size,
-                num_kv_heads=NUM_KV_HEADS // tp,
+                num_kv_heads=heads,
                 head_size=HEAD_SIZE,
                 dtype=KV_DTYPE,
                 sliding_window=HYBRID_WINDOW,
@@ -1081,6 +1138,8 @@ class VllmHarness:
         connector = state.connector
         assert so.kv_connector_metadata is not None
         connector.handle_preemptions(so.kv_connector_metadata)
+        # vLLM copies blocks for a Mamba hit inside a block (hash blocks smaller than the
+        # block size), which no harness config makes.
         assert not so.kv_cache_block_copies, "copy-on-write blocks are not simulated"
         if so.new_block_ids_to_zero:
             for kv in state.kv_bytes.values():
@@ -1115,14 +1174,24 @@ class VllmHarness:
             return max(0, start - (spec.sliding_window - 1))
         return 0
 
+    def _place(self, rank: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of token `positions` `rank` holds, and the slot of each in its block: all,
+        at ``position % block_size``, without DCP; with it, runs of `interleave` tokens of a
+        block go to the DCP ranks in turn (vLLM's ``cp_kv_cache_interleave_size``)."""
+        offset = positions % self.block_size
+        runs, within = offset // self.interleave, offset % self.interleave
+        mine = runs % self.dcp == rank % self.dcp  # a TP rank's DCP rank
+        return mine, (runs // self.dcp) * self.interleave + within
+
     def _slots(
-        self, req: _RunnerRequest, group: int, start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block id, slot) of token positions [start, end) in `group`."""
+        self, req: _RunnerRequest, group: int, start: int, end: int, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block id, slot) of the token positions in [start, end) of `group` that `rank`
+        holds, and which of the positions those are."""
         positions = torch.arange(start, end)
         table = torch.tensor(req.block_ids[group], dtype=torch.long)
-        blocks = table[positions // self.block_size]
-        return blocks, positions % self.block_size
+        mine, slots = self._place(rank, positions)
+        return table[positions[mine] // self.block_size], slots[mine], mine
 
     @staticmethod
     def _as_slots(data: bytes, heads: int, width: int) -> torch.Tensor:
@@ -1144,6 +1213,9 @@ class VllmHarness:
         assert end <= len(req.tokens), (req_id, start, n, len(req.tokens))
         byte_rank = self.kv_rank(state.rank)
         for group, kv_group in enumerate(state.kv_cache_config.kv_cache_groups):
+            if isinstance(kv_group.kv_cache_spec, MambaSpec):
+                self._forward_mamba(state, req, group, start, end)
+                continue
             for name in kv_group.layer_names:
                 layer = self.layer_names.index(name)
                 kv = state.kv_bytes[name]
@@ -1152,15 +1224,17 @@ class VllmHarness:
                 if first < start:
                     # Attention reads every earlier token it reaches: cached, loaded or
                     # computed (a sliding window's last ``window - 1``, else all of them).
-                    blocks, slots = self._slots(req, group, first, start)
+                    blocks, slots, mine = self._slots(req, group, first, start, state.rank)
                     data = req.slot_bytes(layer, byte_rank * heads, heads, width, first, start)
-                    want = self._as_slots(data, heads, width)
+                    want = self._as_slots(data, heads, width)[mine]
                     got = kv[blocks, :, slots, :]
                     if not torch.equal(got, want):
                         bad = sorted(
                             {
-                                (first + int(p)) // self.block_size
-                                for p in torch.nonzero((got != want).flatten(1).any(1))
+                                int(p) // self.block_size
+                                for p in torch.arange(first, start)[mine][
+                                    torch.nonzero((got != want).flatten(1).any(1))
+                                ]
                             }
                         )
                         raise KVMismatchError(
@@ -1168,9 +1242,42 @@ class VllmHarness:
                             f"context blocks (by index) {bad} do not hold their tokens' KV "
                             f"before computing tokens [{start}, {end})"
                         )
-                blocks, slots = self._slots(req, group, start, end)
+                blocks, slots, mine = self._slots(req, group, start, end, state.rank)
                 data = req.slot_bytes(layer, byte_rank * heads, heads, width, start, end)
-                kv[blocks, :, slots, :] = self._as_slots(data, heads, width)
+                kv[blocks, :, slots, :] = self._as_slots(data, heads, width)[mine]
+
+    def mamba_state(self, prefix_hash: bytes, layer: int, rank: int) -> torch.Tensor:
+        """A Mamba layer's page on `rank` after the prefix `prefix_hash` names: the state
+        bytes of the rank's shard (conv and SSM parts, one page)."""
+        kv = self.ranks[rank].kv_bytes[self.layer_names[layer]]
+        _, _, _, width = kv.shape
+        data = _slot_bytes(prefix_hash, layer, self.kv_rank(rank), 1, width)
+        return torch.frombuffer(bytearray(data), dtype=torch.int8)
+
+    def _forward_mamba(
+        self, state: RankState, req: _RunnerRequest, group: int, start: int, end: int
+    ) -> None:
+        """Align mode: the state after `start` tokens is in block ``(start - 1) // block``
+        (prefix-cached, loaded, copied or computed); the step leaves the state after `end`
+        in block ``(end - 1) // block`` (the model runner's pre-copy and in-place update)."""
+        names = state.kv_cache_config.kv_cache_groups[group].layer_names
+        table = req.block_ids[group]
+        hashes = req.hashes_upto(end)
+        for name in names:
+            layer = self.layer_names.index(name)
+            kv = state.kv_bytes[name]
+            if start > 0:
+                index = (start - 1) // self.block_size
+                got = kv[table[index], 0, 0]
+                if not torch.equal(got, self.mamba_state(hashes[start - 1], layer, state.rank)):
+                    raise KVMismatchError(
+                        f"step {self.step_count}: rank {state.rank} {name}: the Mamba state "
+                        f"in block {index} (GPU block {table[index]}) is not the state "
+                        f"after {start} tokens, before computing tokens [{start}, {end})"
+                    )
+            block_id = table[(end - 1) // self.block_size]
+            assert block_id != 0, f"{name}: no state block for tokens [{start}, {end})"
+            kv[block_id, 0, 0] = self.mamba_state(hashes[end - 1], layer, state.rank)
 
     def _sample(self, so: SchedulerOutput) -> dict[str, list[int]]:
         sampled: dict[str, list[int]] = {}
@@ -1235,10 +1342,13 @@ class VllmHarness:
         """What `page` holds for the block with the last `block_size` tokens of
         `prefix_tokens` (a whole number of blocks) once they are computed."""
         assert prefix_tokens and len(prefix_tokens) % self.block_size == 0
+        if self.model == "mamba" and MAMBA_LAYER_TYPES[layer] == "mamba":
+            return self.mamba_state(prefix_hashes(prefix_tokens)[-1], layer, rank)
         kv = self.ranks[rank].kv_bytes[self.layer_names[layer]]
         _, heads, tokens, width = kv.shape
         hashes = prefix_hashes(prefix_tokens)[-self.block_size :]
-        slots = self._expected_slots(hashes, layer, rank, heads, width)
+        mine, _ = self._place(rank, torch.arange(self.block_size))
+        slots = self._expected_slots(hashes, layer, rank, heads, width)[mine]
         page = torch.zeros(self._page_span(kv), dtype=torch.int8)
         torch.as_strided(page, (heads, tokens, width), kv.stride()[1:]).copy_(
             slots.permute(1, 0, 2)

@@ -229,8 +229,8 @@ def test_daemon_stopped_by_sigterm_while_serving_and_started_again(
     new jobs are refused, and the engine keeps serving without offload (a request sharing a
     cached prefix computes it). The jobs in flight finish; the next daemon serves them."""
     gate = tmp_path / "copies-wait"
-    runner = ("-m", "tests.integration.gated_serve", "--gate", str(gate), "serve")
-    serve.start(runner[:-1])
+    runner = ("-m", "tests.integration.held_serve", "--copies", "gated", "--gate", str(gate))
+    serve.start(runner)
     with VllmHarness(tmp_path, extra_for(serve)) as h:
         manager = h.offloading_manager
         assert isinstance(manager, OffloaddManager)
@@ -274,7 +274,7 @@ def test_daemon_stopped_by_sigterm_while_serving_and_started_again(
         assert process.wait(30) == 0  # the drain ended by itself
         print(f"\nSIGTERM: {len(times)} steps while draining, slowest {max(times):.2f}s")
 
-        serve.start(runner[:-1])  # the same arena and journal
+        serve.start(runner)  # the same arena and journal
         h.run_until_finished(timeout=60)
         assert h.outputs[b] == expected_output(b_prompt(85))
         assert h.outputs[e] == expected_output(e_prompt)

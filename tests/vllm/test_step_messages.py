@@ -9,7 +9,10 @@ forward pass and its ``get_finished`` began (a step's jobs leave once vLLM submi
 all: before the forward pass in a step of stores only), and so are those the scheduler's
 client sends from the thread in ``schedule()`` while it is there (its background thread's acks
 and keepalives are not the step's); every loaded page is checked byte for byte against the
-bytes its prefix determines.
+bytes its prefix determines. Inside ``schedule()`` nothing may wait for the daemon: every
+socket wait (a ``poll`` with a timeout) there counts as an awaited round trip, and there are
+none. With a daemon whose disk tier holds keys its arena lost, the step's tier probes travel
+in that one message too, and the chunks they promote load with their bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
+from offloadd.settings import DiskSettings
 from offloadd.vllm import step_hook
 from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import OffloaddWorker
@@ -51,18 +55,25 @@ def daemon() -> Iterator[DaemonThread]:
 
 
 class _ScheduleSocket:
-    """The scheduler client's socket: counts what the thread in ``schedule()`` sends there."""
+    """The scheduler client's socket: counts what the thread in ``schedule()`` sends there,
+    and its waits for an answer there (a poll that may block: an awaited round trip)."""
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self.inside: int | None = None  # the thread in schedule(), while it is there
         self.sent = 0
+        self.awaited = 0
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         out = self._sock.send(*args, **kwargs)
         if threading.get_ident() == self.inside:
             self.sent += 1
         return out
+
+    def poll(self, timeout: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == self.inside and timeout != 0:
+            self.awaited += 1
+        return self._sock.poll(timeout, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
@@ -106,6 +117,7 @@ class _Counts:
         # (messages, stores, loads) of each rank, one entry per step
         self.steps: list[list[tuple[int, int, int]]] = []
         self.scheduler: list[int] = []  # the scheduler's messages inside schedule(), per step
+        self.awaited: list[int] = []  # its waits for an answer inside schedule(), per step
         manager = h.offloading_manager
         assert isinstance(manager, OffloaddManager) and manager._client is not None
         self._socket = _ScheduleSocket(manager._client._sock)
@@ -136,10 +148,11 @@ class _Counts:
         self._at = [{} for _ in self.workers]
         for jobs in self.jobs:
             jobs["store"] = jobs["load"] = 0
-        self._socket.sent = 0
+        self._socket.sent = self._socket.awaited = 0
         h.step()
         self.early.append(self._at)
         self.scheduler.append(self._socket.sent)
+        self.awaited.append(self._socket.awaited)
         self.steps.append(
             [
                 (self._sent(w) - b, j["store"], j["load"])
@@ -171,16 +184,14 @@ def _settle(h: VllmHarness, chunks: int) -> None:
         time.sleep(0.01)
 
 
-def _store_then_load(tmp_path: Path, daemon: DaemonThread, n: int) -> _Counts:
-    """N requests store their 2 chunks each, then N others load them: counted per step."""
+def _harness(tmp_path: Path, daemon: DaemonThread, n: int) -> VllmHarness:
     extra = {
         "spec_name": "OffloaddSpec",
         "spec_module_path": "offloadd.vllm",
         "offloadd_endpoint": daemon.endpoint,
         "block_size": BLOCK,
     }
-    prompts = [_prompt(seed, 2 * BLOCK + 3) for seed in range(n)]  # 2 chunks each
-    with VllmHarness(
+    return VllmHarness(
         tmp_path,
         extra,
         tensor_parallel_size=TP,
@@ -188,34 +199,37 @@ def _store_then_load(tmp_path: Path, daemon: DaemonThread, n: int) -> _Counts:
         max_num_batched_tokens=n * (2 * BLOCK + 8),
         max_num_seqs=n,
         max_model_len=8 * BLOCK,
-    ) as h:
-        counts = _Counts(h)
-        for prompt in prompts:
-            h.add_request(prompt, max_tokens=3)
-        counts.run(h)
-        # Every rank got the N requests' 2N chunks as N stores in one step.
-        assert any(all(store == n for _, store, _ in step) for step in counts.steps)
-        _settle(h, 2 * n)
-        h.reset_prefix_cache()  # drop the GPU prefix cache and zero every rank's KV
-        loaders = [
-            h.add_request(p[: 2 * BLOCK] + _prompt(10_000 + i, 5), 2) for i, p in enumerate(prompts)
-        ]
-        counts.run(h)
-        assert any(all(load == n for _, _, load in step) for step in counts.steps)
-        for req, prompt in zip(loaders, prompts, strict=True):
-            assert h.external_tokens(req) == 2 * BLOCK
-            assert h.assert_loaded_pages(req) == 2 * NUM_LAYERS * TP
-            tokens = prompt[: 2 * BLOCK] + _prompt(10_000 + loaders.index(req), 5)
-            expected = []
-            for _ in range(2):
-                expected.append(sampled_token(tokens))
-                tokens.append(expected[-1])
-            assert h.outputs[req] == expected
+    )
+
+
+def _load_and_check(h: VllmHarness, counts: _Counts, prompts: list[list[int]]) -> None:
+    """N requests sharing the prompts' 2 chunks: each loads both, with their bytes."""
+    h.reset_prefix_cache()  # drop the GPU prefix cache and zero every rank's KV
+    loaders = [
+        h.add_request(p[: 2 * BLOCK] + _prompt(10_000 + i, 5), 2) for i, p in enumerate(prompts)
+    ]
+    counts.run(h)
+    for index, (req, prompt) in enumerate(zip(loaders, prompts, strict=True)):
+        assert h.external_tokens(req) == 2 * BLOCK
+        assert h.assert_loaded_pages(req) == 2 * NUM_LAYERS * TP
+        tokens = prompt[: 2 * BLOCK] + _prompt(10_000 + index, 5)
+        expected = []
+        for _ in range(2):
+            expected.append(sampled_token(tokens))
+            tokens.append(expected[-1])
+        assert h.outputs[req] == expected
+
+
+def _assert_bounds(counts: _Counts) -> None:
     worst = max(sent for step in counts.steps for sent, _, _ in step)
     assert worst <= 1, [
         (index, step) for index, step in enumerate(counts.steps) if any(s > 1 for s, _, _ in step)
     ]
-    return counts
+    # The scheduler: one message inside schedule() in the steps that store or load, at most
+    # one in any step, and never a wait for its answer there.
+    assert max(counts.scheduler) <= 1, counts.scheduler
+    assert sum(counts.scheduler) >= 2, counts.scheduler
+    assert sum(counts.awaited) == 0, counts.awaited
 
 
 def _sent_by(counts: _Counts, moment: str, *, stores_only: bool) -> list[int]:
@@ -230,6 +244,23 @@ def _sent_by(counts: _Counts, moment: str, *, stores_only: bool) -> list[int]:
     return out
 
 
+def _store_then_load(tmp_path: Path, daemon: DaemonThread, n: int) -> _Counts:
+    """N requests store their 2 chunks each, then N others load them: counted per step."""
+    prompts = [_prompt(seed, 2 * BLOCK + 3) for seed in range(n)]  # 2 chunks each
+    with _harness(tmp_path, daemon, n) as h:
+        counts = _Counts(h)
+        for prompt in prompts:
+            h.add_request(prompt, max_tokens=3)
+        counts.run(h)
+        # Every rank got the N requests' 2N chunks as N stores in one step.
+        assert any(all(store == n for _, store, _ in step) for step in counts.steps)
+        _settle(h, 2 * n)
+        _load_and_check(h, counts, prompts)
+        assert any(all(load == n for _, _, load in step) for step in counts.steps)
+        _assert_bounds(counts)
+    return counts
+
+
 @pytest.mark.parametrize("n", [1, 64, 256])
 def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: int) -> None:
     counts = _store_then_load(tmp_path, daemon, n)
@@ -239,10 +270,6 @@ def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: 
     assert before_finished and set(before_finished) == {1}, counts.early
     before_forward = _sent_by(counts, "forward", stores_only=True)
     assert before_forward and set(before_forward) == {1}, counts.early
-    # The scheduler: one message inside schedule() in the steps that store or load, at
-    # most one in any step.
-    assert max(counts.scheduler) <= 1, counts.scheduler
-    assert sum(counts.scheduler) >= 2, counts.scheduler
 
 
 def test_without_the_hook_jobs_leave_at_get_finished(
@@ -259,3 +286,38 @@ def test_without_the_hook_jobs_leave_at_get_finished(
     assert any("no vLLM OffloadingConnectorWorker found" in r.message for r in caplog.records)
     before_finished = _sent_by(counts, "finished", stores_only=False)
     assert before_finished and set(before_finished) == {0}, counts.early
+
+
+def test_keys_only_in_the_disk_tier_are_asked_in_the_one_message(tmp_path: Path) -> None:
+    """N requests whose chunks the arena evicted to its disk tier: the steps that look them
+    up send their tier probes inside the one message; the chunks promoted load right."""
+    n = 16
+    chunk = 8192  # one key's shards, both ranks together (4 KiB each)
+    disk = DiskSettings(path=str(tmp_path / "disk"), capacity=64 << 20)
+    d = DaemonThread(capacity=2 * n * chunk, disk=disk).start()
+    try:
+        assert d.daemon is not None
+        daemon = d.daemon
+        first = [_prompt(seed, 2 * BLOCK + 3) for seed in range(n)]
+        second = [_prompt(500 + seed, 2 * BLOCK + 3) for seed in range(n)]
+        with _harness(tmp_path, d, n) as h:
+            counts = _Counts(h)
+            for wave, prompts in enumerate((first, second)):  # the second evicts the first
+                for prompt in prompts:
+                    h.add_request(prompt, max_tokens=1)
+                counts.run(h)
+                deadline = time.monotonic() + 60
+                while True:  # on disk before the next wave evicts them
+                    (tier,) = daemon.stats().tiers
+                    if tier.demotions >= 2 * n * (wave + 1) and tier.queued_bytes == 0:
+                        break
+                    assert time.monotonic() < deadline, tier
+                    time.sleep(0.02)
+            # The arena holds 2N chunks: the second wave's evicted the first's.
+            assert daemon.stats().evictions >= 2 * n
+            _load_and_check(h, counts, first)
+            (tier,) = daemon.stats().tiers
+            assert tier.promotions >= 2 * n and tier.promotion_failures == 0
+            _assert_bounds(counts)
+    finally:
+        d.stop()
