@@ -387,6 +387,10 @@ class TierState(msgspec.Struct, frozen=True):
     read_seconds: float = 0.0
 
 
+# The reasons ``DaemonStats.stores_refused_by_reason`` may carry (metrics export each, 0 included).
+REFUSAL_REASONS = ("full", "ack", "budget", "tenant", "expired", "draining")
+
+
 class DaemonStats(msgspec.Struct, frozen=True):
     """Counters since the daemon started."""
 

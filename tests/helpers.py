@@ -155,6 +155,7 @@ def fake_stats(**changes: object) -> DaemonStats:
         "hits": 12,
         "misses": 4,
         "stores_refused": 2,
+        "stores_refused_by_reason": {"full": 2},
         "evictions": 9,
         "bytes_stored": 100,
         "bytes_loaded": 50,

@@ -83,10 +83,12 @@ def run(ctx: Context) -> list[Result]:
                         "native_store_latency_ms": median(native["latency_ms"]),
                         "store_latency_ms_range": _range(ours["latency_ms"]),
                         "store_latency_steps": median(ours["latency_steps"]),
+                        "native_store_latency_steps": median(native["latency_steps"]),
                         "load_latency_ms": median(ours["load_latency_ms"]),
                         "native_load_latency_ms": median(native["load_latency_ms"]),
                         "load_latency_ms_range": _range(ours["load_latency_ms"]),
-                        "native_store_latency_steps": median(native["latency_steps"]),
+                        "load_latency_steps": median(ours["load_latency_steps"]),
+                        "native_load_latency_steps": median(native["load_latency_steps"]),
                         "harness_step_ms": median(ours["step_ms"]),
                         "native_harness_step_ms": median(native["step_ms"]),
                         "baseline": "in-process torch copies (tests/vllm/simple_spec.py)",
@@ -289,7 +291,7 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
                 while h.has_work():
                     h.step()
             out["latency_ms"], out["latency_steps"] = _latencies(stores, probe, rounds)
-            out["load_latency_ms"], _ = _latencies(loads, probe, rounds)
+            out["load_latency_ms"], out["load_latency_steps"] = _latencies(loads, probe, rounds)
             out["step_ms"] = step_ms
     if not out["worker_ms"]:
         raise RuntimeError(f"no step submitted {n} stores")

@@ -79,7 +79,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from offloadd import __version__
 from offloadd.endpoint import EndpointRefused, bind_ipc, is_loopback
 from offloadd.settings import UNIX_PREFIX, parse_address
-from protocol.messages import DaemonStats
+from protocol.messages import REFUSAL_REASONS, DaemonStats
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -524,11 +524,11 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         lookup_keys.add_metric(["hit"], stats.hits)
         lookup_keys.add_metric(["miss"], stats.misses)
         lookups.add_metric([], stats.lookups)
-        if stats.stores_refused_by_reason:
-            for reason, count in sorted(stats.stores_refused_by_reason.items()):
-                refused.add_metric([reason], count)
-        else:  # a daemon that does not say why
-            refused.add_metric([], stats.stores_refused)
+        # Every reason from the start, at 0 until it counts: a rate over it is defined (and
+        # an alert on it can fire) from the first refusal, not the second scrape after it.
+        by_reason = dict.fromkeys(REFUSAL_REASONS, 0) | stats.stores_refused_by_reason
+        for reason, count in sorted(by_reason.items()):
+            refused.add_metric([reason], count)
         evictions.add_metric([], stats.evictions)
         waiting.add_metric([], stats.stores_waiting)
         dropped.add_metric([], stats.mirrors_dropped)

@@ -13,7 +13,7 @@ import pytest
 
 from offloadd import __version__
 from offloadd.server.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
-from protocol.messages import DaemonStats, TierState
+from protocol.messages import REFUSAL_REASONS, DaemonStats, TierState
 from tests.helpers import fake_stats, value
 
 
@@ -99,7 +99,11 @@ def test_gauges_and_cache_counters_come_from_the_snapshot() -> None:
     assert value(metrics, "offloadd_lookup_keys_total", result="hit") == 12
     assert value(metrics, "offloadd_lookup_keys_total", result="miss") == 4
     assert value(metrics, "offloadd_lookups_total") == 5
-    assert value(metrics, "offloadd_stores_refused_keys_total") == 2
+    assert value(metrics, "offloadd_stores_refused_keys_total", reason="full") == 2
+    # Every reason is exported from the start, so a rate (and an alert) over it is defined.
+    for reason in REFUSAL_REASONS:
+        if reason != "full":
+            assert value(metrics, "offloadd_stores_refused_keys_total", reason=reason) == 0
     assert value(metrics, "offloadd_evictions_total") == 9
     assert value(metrics, "offloadd_sessions", engine="engine-a", dp="0", role="worker") == 2
     assert value(metrics, "offloadd_sessions", engine="engine-a", dp="0", role="scheduler") == 1
@@ -300,3 +304,16 @@ def test_process_series_and_build_info() -> None:
     assert "process_open_fds" in text
     assert "python_info" in text
     assert f'offloadd_build_info{{copy_engine="cuda",version="{__version__}"}} 1.0' in text
+
+
+def test_every_refusal_reason_the_daemon_counts_is_exported() -> None:
+    from offloadd.cache import index
+    from offloadd.server import jobs
+
+    counted = {
+        getattr(module, name)
+        for module in (index, jobs)
+        for name in dir(module)
+        if name.startswith("REFUSED_")
+    }
+    assert counted == set(REFUSAL_REASONS)
