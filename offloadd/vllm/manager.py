@@ -134,6 +134,7 @@ class OffloaddManager(OffloadingManager):
         self._lock = threading.Lock()
         self._mirror = KeyMirror(record_events=record_events)
         self._probes = TierProbes()
+        self._reset_due = False  # a cache reset no daemon has taken yet
         self._stats = ManagerStats(config)
         self._acked = 0
         self._stores = Stores()  # what this scheduler stores, until the mirror shows it
@@ -261,16 +262,34 @@ class OffloaddManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Drop every chunk of the engine's namespace in the daemon, and forget what this
         scheduler was storing or asking the tiers: vLLM flushes those jobs, and the daemon's
-        Clear ends this scheduler's open reservations, so none of them commits after it."""
+        Clear ends this scheduler's open reservations, so none of them commits after it.
+        The Clear is waited for (``offloadd_timeout`` at most): a chunk it left behind would be
+        a stale hit. A dropped session connects again for it; with no daemon answering, the
+        next session clears before it offloads anything."""
         self._stores.reset()
         self._probes = TierProbes()
-        if self._client is None:
-            return
+        self._reset_due = True
+        client = self._client
+        if client is None:  # a dropped session: the daemon still holds the namespace's chunks
+            try:
+                client = self._client = self._connect()
+            except OffloaddError as exc:
+                logger.warning("offloadd: cache reset waits for the daemon: %s", exc)
+                return  # the next session clears before it offloads (_try_reconnect)
+        self._clear(client)
+
+    def _clear(self, client: OffloadClient) -> None:
+        """The reset's Clear, waited for as long as any exchange outside a step (a reset is
+        rare, and a chunk it leaves would be a stale hit); ``_reset_due`` until it is done."""
+        client.timeout = self._timeout
         try:
-            count = self._client.clear()
+            count = client.clear()
         except OffloaddError as exc:
             self._failed("clear", exc)
             return
+        finally:
+            client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
+        self._reset_due = False
         self._after_request()
         logger.info("offloadd: cache reset, %d chunks dropped", count)
 
@@ -579,5 +598,9 @@ class OffloaddManager(OffloadingManager):
         self._reconnect_pause = KEEPALIVE_SECONDS
         with self._lock:
             self._client = client
+            if self._reset_due:  # a reset the last session could not pass on
+                self._clear(client)
+                if self._client is None:
+                    return
             self._after_request()
         logger.info("offloadd: connected to %s; offloading from now on", self._endpoint)

@@ -67,6 +67,24 @@ def test_shared_prefix_round_trip_and_reset(
         assert h.external_tokens(c) == 0
 
 
+def test_a_reset_reaches_the_daemon_after_the_session_was_dropped(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """A scheduler whose session was dropped (a late answer) still clears the daemon's
+    chunks on reset_cache: left there, they would be stale hits once it reconnects."""
+    with VllmHarness(tmp_path, extra_for(daemon, block_size=BLOCK)) as h:
+        compute(h, A_PROMPT)
+        settle(h, 96 // BLOCK)
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        with manager._lock:
+            manager._disconnect()  # as after an answer ANSWER_TIMEOUT_SECONDS late
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+        assert daemon.daemon is not None
+        assert daemon.daemon.stats().committed_entries == 0
+        assert manager._client is not None  # connected again for the reset
+
+
 def test_load_starting_mid_chunk(tmp_path: Path, daemon: DaemonThread) -> None:
     with VllmHarness(tmp_path, extra_for(daemon, block_size=32)) as h:
         compute(h, A_PROMPT)
