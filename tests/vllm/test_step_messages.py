@@ -311,7 +311,7 @@ def test_keys_only_in_the_disk_tier_are_asked_in_the_one_message(tmp_path: Path)
                     (tier,) = daemon.stats().tiers
                     if tier.demotions >= 2 * n * (wave + 1) and tier.queued_bytes == 0:
                         break
-                    assert time.monotonic() < deadline, tier
+                    assert time.monotonic() < deadline, (tier, daemon.stats())
                     time.sleep(0.02)
             # The arena holds 2N chunks: the second wave's evicted the first's.
             assert daemon.stats().evictions >= 2 * n
