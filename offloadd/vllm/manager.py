@@ -279,16 +279,13 @@ class OffloaddManager(OffloadingManager):
         self._clear(client)
 
     def _clear(self, client: OffloadClient) -> None:
-        """The reset's Clear, waited for as long as any exchange outside a step (a reset is
-        rare, and a chunk it leaves would be a stale hit); ``_reset_due`` until it is done."""
-        client.timeout = self._timeout
+        """The reset's Clear, under the lock (vLLM's ``reset_prefix_cache``); ``_reset_due``
+        until it is done."""
         try:
-            count = client.clear()
+            count = _cleared(client, self._timeout)
         except OffloaddError as exc:
             self._failed("clear", exc)
             return
-        finally:
-            client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
         self._reset_due = False
         self._after_request()
         logger.info("offloadd: cache reset, %d chunks dropped", count)
@@ -596,11 +593,30 @@ class OffloaddManager(OffloadingManager):
                 self._reconnect_pause = min(2 * self._reconnect_pause, RECONNECT_MAX_SECONDS)
             return
         self._reconnect_pause = KEEPALIVE_SECONDS
+        if self._reset_due:  # a reset the last session could not pass on, off the lock
+            try:
+                logger.info(
+                    "offloadd: cache reset, %d chunks dropped", _cleared(client, self._timeout)
+                )
+            except OffloaddError as exc:
+                logger.warning("offloadd: cache reset still waits for the daemon: %s", exc)
+                client.close(goodbye=False)
+                return
         with self._lock:
+            if self._client is not None:  # reset_cache connected meanwhile
+                client.close()
+                return
+            self._reset_due = False
             self._client = client
-            if self._reset_due:  # a reset the last session could not pass on
-                self._clear(client)
-                if self._client is None:
-                    return
             self._after_request()
         logger.info("offloadd: connected to %s; offloading from now on", self._endpoint)
+
+
+def _cleared(client: OffloadClient, timeout: float) -> int:
+    """A cache reset's Clear, waited for up to ``timeout`` (a reset is rare, and a chunk it
+    left would be a stale hit), not the step's bound; how many chunks it dropped."""
+    step_timeout, client.timeout = client.timeout, timeout
+    try:
+        return client.clear()
+    finally:
+        client.timeout = step_timeout
