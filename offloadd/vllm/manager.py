@@ -102,8 +102,9 @@ _PROBE_RESULTS = {
 TICK_SECONDS = 0.02  # background: read notices and answers, acknowledge them this often
 KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
 # A step message or keepalive unanswered this long: the daemon is away (stopped, frozen,
-# far behind); the session is dropped and every key misses until a new one.
-ANSWER_TIMEOUT_SECONDS = 1.0
+# far behind); the session is dropped and every key misses until a new one. The daemon's own
+# bound on a silent mirror (mirror_ack_timeout's default): 1 s dropped live sessions under load.
+ANSWER_TIMEOUT_SECONDS = 5.0
 # Steps sent and not answered yet, at most: beyond, a step is not sent (its stores skipped,
 # its holds lost), so a stalled daemon is not handed a backlog of stale reservations.
 MAX_UNANSWERED_STEPS = 8
