@@ -316,6 +316,31 @@ class _ClientCore:
             hold,
         )
 
+    def reserve(
+        self,
+        keys: Sequence[bytes],
+        holds: Sequence[HoldKeys],
+        release: Sequence[HoldKeys],
+        ack: int,
+        lookups: Sequence[Sequence[bytes]],
+    ) -> Reserve:
+        """A Reserve with a ``Lookup`` per key run of ``lookups`` (numbered after it)."""
+        request_id = self.next_id()
+        return Reserve(
+            request_id, list(keys), list(holds), ack, list(release), self.lookups(lookups)
+        )
+
+    def update_holds(
+        self,
+        hold: Sequence[HoldKeys],
+        release: Sequence[HoldKeys],
+        ack: int,
+        lookups: Sequence[Sequence[bytes]],
+    ) -> UpdateHolds:
+        """An UpdateHolds with its lookups, as ``reserve``."""
+        request_id = self.next_id()
+        return UpdateHolds(request_id, list(hold), list(release), ack, self.lookups(lookups))
+
     def posted(self, request: Reserve | UpdateHolds | Ping) -> list[int]:
         """Book ``request``'s reply (and its lookups') for ``take_answers``; their ids."""
         ids = [request.request_id]
@@ -326,6 +351,11 @@ class _ClientCore:
 
     def lookups(self, probes: Sequence[Sequence[bytes]]) -> list[Lookup]:
         return [Lookup(self.next_id(), list(keys)) for keys in probes]
+
+    def take_answers(self) -> list[Reply]:
+        """Replies to posted requests received so far, in arrival order; taken once."""
+        answers, self.answers = self.answers, []
+        return answers
 
     @staticmethod
     def expect(reply: Reply, kind: type[R]) -> R:
@@ -587,11 +617,7 @@ class OffloadClient:
         (key runs) in the same message. Returns the request ids whose replies arrive with
         ``take_answers`` (the ``Reserved`` first, then one per lookup). Raises
         DaemonUnavailable when it cannot be sent now (nothing is sent then)."""
-        core = self._core
-        request = Reserve(
-            core.next_id(), list(keys), list(holds), ack, list(release), core.lookups(lookups)
-        )
-        return self._post_awaited(request)
+        return self._post_awaited(self._core.reserve(keys, holds, release, ack, lookups))
 
     def post_update_holds(
         self,
@@ -602,9 +628,7 @@ class OffloadClient:
         lookups: Sequence[Sequence[bytes]] = (),
     ) -> list[int]:
         """(Scheduler) ``update_holds`` without waiting; as ``post_reserve``."""
-        core = self._core
-        request = UpdateHolds(core.next_id(), list(hold), list(release), ack, core.lookups(lookups))
-        return self._post_awaited(request)
+        return self._post_awaited(self._core.update_holds(hold, release, ack, lookups))
 
     def post_ping(self) -> int:
         """Prove the session without waiting: its ``Ok`` (count 0: the daemon no longer knows
@@ -614,8 +638,7 @@ class OffloadClient:
 
     def take_answers(self) -> list[Reply]:
         """Replies to posted requests received so far, in arrival order; taken once."""
-        answers, self._core.answers = self._core.answers, []
-        return answers
+        return self._core.take_answers()
 
     def keepalive(self, timeout: float) -> None:
         """Prove the session within ``timeout``; say Hello again if the daemon forgot it
@@ -993,9 +1016,48 @@ class AsyncOffloadClient:
         request = UpdateHolds(self._core.next_id(), list(hold), list(release), ack)
         return self._core.expect(await self._request(request), HoldResult)
 
+    async def post_reserve(
+        self,
+        keys: Sequence[bytes],
+        *,
+        holds: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        ack: int = 0,
+        lookups: Sequence[Sequence[bytes]] = (),
+    ) -> list[int]:
+        """(Scheduler) ``reserve`` without awaiting the reply, with a ``Lookup`` of each of
+        ``lookups`` (key runs) in the same message. Returns the request ids whose replies the
+        reader task keeps for ``take_answers`` (the ``Reserved`` first, then one per lookup).
+        Never suspends: raises DaemonUnavailable when the frame cannot be queued at once
+        (nothing is sent then), as ``OffloadClient.post_reserve``."""
+        return self._post_awaited(self._core.reserve(keys, holds, release, ack, lookups))
+
+    async def post_update_holds(
+        self,
+        hold: Sequence[HoldKeys] = (),
+        release: Sequence[HoldKeys] = (),
+        *,
+        ack: int = 0,
+        lookups: Sequence[Sequence[bytes]] = (),
+    ) -> list[int]:
+        """(Scheduler) ``update_holds`` without awaiting the reply; as ``post_reserve``."""
+        return self._post_awaited(self._core.update_holds(hold, release, ack, lookups))
+
+    async def post_ping(self) -> int:
+        """Prove the session without awaiting the reply: its ``Ok`` (count 0: the daemon no
+        longer knows this session) arrives with ``take_answers``. Raises DaemonUnavailable
+        as ``post_reserve``."""
+        return self._post_awaited(self._core.ping())[0]
+
+    def take_answers(self) -> list[Reply]:
+        """Replies to posted requests the reader task received so far, in arrival order;
+        taken once."""
+        return self._core.take_answers()
+
     async def ack(self, seq: int) -> None:
-        """(Scheduler) Acknowledge key changes up to ``seq``."""
-        self._core.expect(await self._request(Ack(self._core.next_id(), seq)), Ok)
+        """(Scheduler) Acknowledge key changes up to ``seq``, without awaiting the reply (the
+        reader task drops it); raises DaemonUnavailable as ``post_reserve``."""
+        self._post(Ack(self._core.next_id(), seq))
 
     def take_notices(self) -> list[KeysChanged]:
         """(Scheduler) Key changes received since the last call, oldest first."""
@@ -1130,6 +1192,26 @@ class AsyncOffloadClient:
             ) from None
         finally:
             self._pending.pop(request_id, None)
+
+    def _post(self, request: Request) -> None:
+        """Queue ``request`` now, without awaiting its reply; DaemonUnavailable if it would
+        have to wait for room (nothing is queued then)."""
+        if self._closed:
+            raise OffloaddError("client is closed")
+        sent = cast("asyncio.Future[object]", self._sock.send(encode(request), zmq.DONTWAIT))
+        if not sent.done():
+            sent.cancel()  # queued behind a send that waits for room: it would wait too
+        elif (error := sent.exception()) is None:
+            self._core.sent += 1
+            return
+        elif not isinstance(error, zmq.Again):
+            raise error
+        raise DaemonUnavailable(f"cannot reach {self.endpoint}")
+
+    def _post_awaited(self, request: Reserve | UpdateHolds | Ping) -> list[int]:
+        # Booked right after the send, before the reader task can run and see the reply.
+        self._post(request)
+        return self._core.posted(request)
 
     async def _heartbeat_loop(self) -> None:
         while True:

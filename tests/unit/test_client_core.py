@@ -7,7 +7,17 @@ import pytest
 from offloadd.client import _ClientCore
 from offloadd.errors import ConfigMismatch, JobError, NotReady, RequestFailed
 from protocol.errors import ErrorCode
-from protocol.messages import Error, Hello, JobDone, LookupResult, decode_reply, encode
+from protocol.messages import (
+    Error,
+    Hello,
+    HoldKeys,
+    JobDone,
+    LookupResult,
+    Ok,
+    Reserved,
+    decode_reply,
+    encode,
+)
 from tests.integration.harness import make_config
 
 
@@ -57,3 +67,52 @@ def test_decode_records_job_results_and_ignores_garbage() -> None:
     assert reply == decode_reply(encode(JobDone(4, True, [], 1, 0.0)))
     assert core.finished[4].ok and core.submitted == set()
     assert core.decode(b"\xc1garbage") is None
+
+
+def test_a_posted_reserve_numbers_itself_before_its_lookups_and_books_their_replies() -> None:
+    core = _core()
+    request = core.reserve([b"k1"], [HoldKeys("t", [b"k0"])], [], 3, [[b"k0"], [b"k2"]])
+    assert (request.keys, request.holds, request.ack) == ([b"k1"], [HoldKeys("t", [b"k0"])], 3)
+    assert [lookup.keys for lookup in request.lookups] == [[b"k0"], [b"k2"]]
+    ids = core.posted(request)
+    assert ids == [request.request_id, *(lookup.request_id for lookup in request.lookups)]
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    # Their replies are kept in arrival order; one nobody posted for is not.
+    core.decode(encode(LookupResult(ids[2], 0, [])))
+    core.decode(encode(Reserved(ids[0], [0])))
+    core.decode(encode(LookupResult(ids[2] + 1, 1, [])))
+    assert core.take_answers() == [LookupResult(ids[2], 0, []), Reserved(ids[0], [0])]
+    assert core.take_answers() == []
+    # A late second reply under a taken id is not an answer again.
+    core.decode(encode(Reserved(ids[0], [0])))
+    core.decode(encode(LookupResult(ids[1], 1, [])))
+    assert core.take_answers() == [LookupResult(ids[1], 1, [])]
+
+
+def test_posted_update_holds_and_ping_are_answered_through_take_answers() -> None:
+    core = _core()
+    holds = core.update_holds([HoldKeys("a", [b"k"])], [HoldKeys("b", [b"j"])], 7, [[b"k"]])
+    assert (holds.hold, holds.release, holds.ack) == (
+        [HoldKeys("a", [b"k"])],
+        [HoldKeys("b", [b"j"])],
+        7,
+    )
+    hold_id, lookup_id = core.posted(holds)
+    assert lookup_id == holds.lookups[0].request_id > hold_id
+    (ping_id,) = core.posted(core.ping())
+    core.decode(encode(Ok(ping_id, 1)))
+    core.decode(encode(Error(hold_id, ErrorCode.WRONG_ROLE, "only schedulers")))
+    assert core.take_answers() == [
+        Ok(ping_id, 1),
+        Error(hold_id, ErrorCode.WRONG_ROLE, "only schedulers"),
+    ]
+    assert core.awaited == {lookup_id}
+
+
+def test_a_lost_session_forgets_posted_requests_and_their_answers() -> None:
+    core = _core()
+    first, second = core.posted(core.ping()), core.posted(core.ping())
+    core.decode(encode(Ok(first[0], 1)))
+    core.lost_session()
+    core.decode(encode(Ok(second[0], 0)))  # a reply of the old session, come late
+    assert core.take_answers() == []
