@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
+from offloadd.cache.index import Entry
+from offloadd.server.daemon import Daemon
 from offloadd.settings import DiskSettings
 from offloadd.vllm import step_hook
 from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import OffloaddWorker
+from protocol.messages import TierState
 from tests.integration.harness import DaemonThread
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
 
@@ -202,22 +205,34 @@ def _harness(tmp_path: Path, daemon: DaemonThread, n: int) -> VllmHarness:
     )
 
 
-def _load_and_check(h: VllmHarness, counts: _Counts, prompts: list[list[int]]) -> None:
-    """N requests sharing the prompts' 2 chunks: each loads both, with their bytes."""
+def _load_and_check(
+    h: VllmHarness,
+    counts: _Counts,
+    prompts: list[list[int]],
+    stored: Collection[int] | None = None,
+) -> list[int]:
+    """N requests sharing the prompts' 2 chunks: each loads both, with their bytes (with
+    ``stored``: those prompts' loaders; the others may load less, or nothing). Every page
+    loaded is checked against its prefix's bytes, and every output. Returns each loader's
+    tokens from the connector."""
+    stored = set(range(len(prompts))) if stored is None else set(stored)
     h.reset_prefix_cache()  # drop the GPU prefix cache and zero every rank's KV
     loaders = [
         h.add_request(p[: 2 * BLOCK] + _prompt(10_000 + i, 5), 2) for i, p in enumerate(prompts)
     ]
     counts.run(h)
+    external = [h.external_tokens(req) for req in loaders]
     for index, (req, prompt) in enumerate(zip(loaders, prompts, strict=True)):
-        assert h.external_tokens(req) == 2 * BLOCK
-        assert h.assert_loaded_pages(req) == 2 * NUM_LAYERS * TP
+        if index in stored:
+            assert external[index] == 2 * BLOCK, (index, external)
+        assert h.assert_loaded_pages(req) == external[index] // BLOCK * NUM_LAYERS * TP
         tokens = prompt[: 2 * BLOCK] + _prompt(10_000 + index, 5)
         expected = []
         for _ in range(2):
             expected.append(sampled_token(tokens))
             tokens.append(expected[-1])
         assert h.outputs[req] == expected
+    return external
 
 
 def _assert_bounds(counts: _Counts) -> None:
@@ -288,9 +303,71 @@ def test_without_the_hook_jobs_leave_at_get_finished(
     assert before_finished and set(before_finished) == {0}, counts.early
 
 
+class _Handed:
+    """The chunks the daemon's commits handed its tiers to write (a rank store's commit;
+    a promotion, from the disk, is not written back to it), key by key: what a wave really
+    committed, which is less than it asked to store where a store went unreserved (the
+    step's answer came late) or its reservation expired, as a loaded machine may have it."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        tiers = daemon._tiers
+        assert tiers is not None
+        self.keys: list[bytes] = []  # appended on the daemon's loop, read here
+        committed = tiers.committed
+
+        def spy(namespace: str, entries: list[Entry], source: str = "") -> None:
+            if not source:
+                self.keys.extend(entry.key for entry in entries)
+            committed(namespace, entries, source)
+
+        setattr(tiers, "committed", spy)  # noqa: B010 (an instance's method)
+
+
+def _asked(manager: OffloaddManager) -> dict[str, list[bytes]]:
+    """Each request's keys as vLLM asks the manager to store them (``prepare_store``)."""
+    asked: dict[str, list[bytes]] = {}
+    prepare = manager.prepare_store
+
+    def spy(keys: Any, req_context: Any) -> Any:
+        asked.setdefault(req_context.req_id, []).extend(keys)
+        return prepare(keys, req_context)
+
+    setattr(manager, "prepare_store", spy)  # noqa: B010 (an instance's method)
+    return asked
+
+
+def _demoted(daemon: Daemon, manager: OffloaddManager, handed: _Handed, wave: int) -> TierState:
+    """Wait until the wave's stores have all ended (every step answered, no copy running,
+    no reservation open: nothing more of it commits) and every chunk they committed left
+    the disk tier's queue: written there (``demotions``) or skipped (evicted before its
+    turn, ``demotions_skipped``), nothing queued."""
+    deadline = time.monotonic() + 60
+    while True:
+        with manager.lock:
+            answered = manager.steps_answered()
+        stats = daemon.stats()
+        (tier,) = stats.tiers
+        ended = answered and stats.jobs_in_flight == 0 and stats.entries == stats.committed_entries
+        left = tier.demotions + tier.demotions_skipped == len(handed.keys)
+        if ended and left and tier.queued_bytes == 0:
+            return tier
+        assert time.monotonic() < deadline, (
+            f"wave {wave}: {len(handed.keys)} chunks committed; steps answered {answered}; "
+            f"manager refused_keys {manager.refused_keys} unsent_steps {manager.unsent_steps} "
+            f"refused_steps {manager.refused_steps}",
+            tier,
+            stats,
+        )
+        time.sleep(0.02)
+
+
 def test_keys_only_in_the_disk_tier_are_asked_in_the_one_message(tmp_path: Path) -> None:
     """N requests whose chunks the arena evicted to its disk tier: the steps that look them
-    up send their tier probes inside the one message; the chunks promoted load right."""
+    up send their tier probes inside the one message; the chunks promoted load right.
+
+    A loaded machine may leave some of a wave's stores uncached (a step's answer too late
+    for its ranks' stores, a reservation expired): the waits count what each wave really
+    committed, and only the prompts whose chunks reached the disk must load."""
     n = 16
     chunk = 8192  # one key's shards, both ranks together (4 KiB each)
     disk = DiskSettings(path=str(tmp_path / "disk"), capacity=64 << 20)
@@ -298,26 +375,39 @@ def test_keys_only_in_the_disk_tier_are_asked_in_the_one_message(tmp_path: Path)
     try:
         assert d.daemon is not None
         daemon = d.daemon
+        handed = _Handed(daemon)
         first = [_prompt(seed, 2 * BLOCK + 3) for seed in range(n)]
         second = [_prompt(500 + seed, 2 * BLOCK + 3) for seed in range(n)]
         with _harness(tmp_path, d, n) as h:
+            manager = h.offloading_manager
+            assert isinstance(manager, OffloaddManager)
+            asked = _asked(manager)
             counts = _Counts(h)
+            waves: list[list[str]] = []
+            on_disk: set[bytes] = set()
             for wave, prompts in enumerate((first, second)):  # the second evicts the first
-                for prompt in prompts:
-                    h.add_request(prompt, max_tokens=1)
+                waves.append([h.add_request(prompt, max_tokens=1) for prompt in prompts])
                 counts.run(h)
-                deadline = time.monotonic() + 60
-                while True:  # on disk before the next wave evicts them
-                    (tier,) = daemon.stats().tiers
-                    if tier.demotions >= 2 * n * (wave + 1) and tier.queued_bytes == 0:
-                        break
-                    assert time.monotonic() < deadline, (tier, daemon.stats())
-                    time.sleep(0.02)
-            # The arena holds 2N chunks: the second wave's evicted the first's.
-            assert daemon.stats().evictions >= 2 * n
-            _load_and_check(h, counts, first)
+                # On disk before the next wave evicts them.
+                tier = _demoted(daemon, manager, handed, wave)
+                if wave == 0:
+                    # Nothing was evicted yet (the arena holds 2N chunks), so none was
+                    # skipped: every chunk the first wave committed is on disk.
+                    assert tier.demotions_skipped == 0, (tier, daemon.stats())
+                    on_disk = set(handed.keys)
+            # The first wave's prompts whose chunks were stored (both reached the disk).
+            stored = [
+                index
+                for index, req in enumerate(waves[0])
+                if len(asked.get(req, ())) == 2 and on_disk.issuperset(asked[req])
+            ]
+            # At least half the first wave's chunks go to disk and back: what the test
+            # shows (a step's tier probes, many requests' worth, inside its one message)
+            # needs many; a loaded machine may lose some stores (of either wave), not most.
+            assert len(stored) >= n // 2, (len(stored), tier, daemon.stats())
+            loaders = _load_and_check(h, counts, first, stored)
             (tier,) = daemon.stats().tiers
-            assert tier.promotions >= 2 * n and tier.promotion_failures == 0
+            assert tier.promotions >= n and tier.promotion_failures == 0, (tier, loaders)
             _assert_bounds(counts)
     finally:
         d.stop()
