@@ -59,6 +59,7 @@ from protocol.messages import (
     HoldResult,
     JobAccepted,
     JobDone,
+    JobsDone,
     KeysChanged,
     Load,
     Lookup,
@@ -259,6 +260,9 @@ class _ClientCore:
         match reply:
             case JobDone():
                 self.record(reply)
+            case JobsDone():
+                for done in reply.dones:
+                    self.record(done)
             case Ok() | Error() if reply.request_id in self.steps:
                 self.step_answered(reply)
             case EngineReady():

@@ -9,7 +9,8 @@ Conversation of one rank:
     Hello -> Welcome (then EngineReady once every rank of the engine said Hello)
     Lookup -> LookupResult
     Store / Load -> JobAccepted, later JobDone(job_id)
-    StepJobs (a step's Stores and Loads) -> Ok(count), later one JobDone per job
+    StepJobs (a step's Stores and Loads) -> Ok(count), later one JobDone per job (those
+        whose copies ended together in one JobsDone)
     Reserve -> Reserved; UpdateHolds -> HoldResult; Ack -> Ok   (schedulers)
         (a Reserve's or UpdateHolds' ``lookups``: one LookupResult each, after its reply)
     KeysChanged arrives unasked at a scheduler that asked for the key mirror
@@ -324,6 +325,13 @@ class JobDone(msgspec.Struct, frozen=True, tag="done"):
     code: int = 0
 
 
+class JobsDone(msgspec.Struct, frozen=True, tag="dones"):
+    """Jobs of one StepJobs that finished together (their copy was one): each one's JobDone,
+    in one frame, so that a rank polling meanwhile sees all of them or none."""
+
+    dones: list[JobDone]
+
+
 class Reserved(msgspec.Struct, frozen=True, tag="reserved"):
     """Reply to Reserve: indices of the keys that got room (the ranks now store them);
     ``missing``: the held keys that were not held (as ``HoldResult.missing``; a daemon
@@ -471,6 +479,7 @@ Reply = (
     | LookupResult
     | JobAccepted
     | JobDone
+    | JobsDone
     | WaitResult
     | StatsResult
     | Ok

@@ -38,11 +38,14 @@ socket's bulk lane, behind the Lookups and Reserves waiting, or at once when non
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 
 from offloadd.cache.index import ChunkCache
 from offloadd.logs import LogLimiter
@@ -52,17 +55,39 @@ from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Registry
 from offloadd.server.state import Accepted, Job, SessionState, Waiter, wait_result
 from offloadd.settings import ServerSettings
+from offloadd.transfer.copies import ChunkRuns
 from offloadd.transfer.engine import CopyEngine
 from offloadd.transfer.handles import HandleTable, Import
 from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
-from protocol.messages import JobAccepted, JobDone, Reply, Wait
+from protocol.messages import JobAccepted, JobDone, JobsDone, Reply, Wait
 
 __all__ = ["REFUSED_DRAINING", "Job", "Jobs", "Waiter", "wait_result"]
 
 logger = logging.getLogger(__name__)
 
 REFUSED_DRAINING = "draining"  # store keys refused while the daemon stops (GetStats reasons)
+
+
+@dataclass(eq=False)
+class _Booked:
+    """A job booked for its copy: the session's imports it holds, and what it moves."""
+
+    job: Job
+    imports: list[Import]
+    moves: Sequence[Triple] | ChunkRuns
+    wait_event: bytes
+
+
+def _planned(parts: list[Sequence[Triple] | ChunkRuns]) -> Sequence[Triple]:
+    """The copies of ``parts`` (jobs of one session and direction), in order, as one job's."""
+    runs = [part for part in parts if isinstance(part, ChunkRuns)]
+    if len(runs) == len(parts):
+        return ChunkRuns.joined(runs).copies()  # a step's chunks alike: one run, planned once
+    if len(parts) == 1:
+        assert not isinstance(parts[0], ChunkRuns)
+        return parts[0]
+    return list(chain.from_iterable(p.copies() if isinstance(p, ChunkRuns) else p for p in parts))
 
 
 class Jobs:
@@ -95,6 +120,7 @@ class Jobs:
         self.in_flight = 0
         self.parked = 0  # of them, stores waiting for their room (park, unpark)
         self.draining = False
+        self._batch: list[_Booked] | None = None  # jobs booked inside ``batch``, not started
         self._idle = asyncio.Event()
         # One line per failure would let one client's broken copies flood the log (the
         # failures are each counted: offloadd_jobs_total{outcome="failed"}).
@@ -164,54 +190,100 @@ class Jobs:
         state: SessionState,
         request_id: int,
         job: Job,
-        moves: Sequence[Triple],
+        moves: Sequence[Triple] | ChunkRuns,
         wait_event: bytes = b"",
     ) -> Accepted:
-        """Book ``job`` and start its copy; see the module docstring."""
+        """Book ``job`` and start its copy (inside ``batch``: when the batch closes); see the
+        module docstring. ``moves``: the copies, or the chunks to plan them from."""
         if not moves:
             error = self._commit_store(job, ok=True) if job.direction is Direction.STORE else ""
             return self.accept_without_copy(state, request_id, job, error)
         assert self._handles is not None
         for imported in state.imports:
             self._handles.retain(imported)
-        imports = list(state.imports)
+        booked = _Booked(job, list(state.imports), moves, wait_event)
         state.jobs[job.job_id] = job
         self.in_flight += 1
-        loop = asyncio.get_running_loop()
-        try:
-            future = self._copy.submit(
-                job.direction,
-                moves,
-                device=state.imports[0].device if state.imports else -1,
-                wait_event=wait_event or None,
-            )
-        except Exception as exc:
-            # Nothing was queued: undo the booking, or the job would stay in flight forever
-            # (Wait never answered, drain never finished).
-            self._unbook(job, imports)
-            self._warn_unstarted(
-                logging.ERROR,
-                "%s: job %d not started: %s",
-                state.session.describe(),
-                job.job_id,
-                exc,
-            )
-            raise Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
+        if self._batch is not None:
+            self._batch.append(booked)
+        else:
+            try:
+                self._launch([booked])
+            except Exception as exc:
+                self._not_started([booked], exc)
+                raise Refused(
+                    ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}"
+                ) from None
+        return Accepted(JobAccepted(request_id, job.job_id))
 
-        store = job.direction is Direction.STORE
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Jobs submitted inside start when it closes, each direction's as one copy with one
+        end: a step's 256 loads cost the copy engine and the loop one hand-over each way, not
+        256 (and no copy thread takes the GIL while the step is still being planned). A copy
+        that fails fails all of its jobs; one the engine refuses gets each its JobDone."""
+        if self._batch is not None:  # nested: the outer batch starts them
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            booked, self._batch = self._batch, None
+            for direction in Direction:
+                group = [b for b in booked if b.job.direction is direction]
+                if not group:
+                    continue
+                try:
+                    self._launch(group)
+                except Exception as exc:
+                    self._not_started(group, exc)
+                    message = f"the copy engine refused the job: {exc}"
+                    for b in group:
+                        job = b.job
+                        self.refuse(job.state, job.job_id, job.keys, ErrorCode.INTERNAL, message)
+
+    def _launch(self, group: list[_Booked]) -> None:
+        """Hand ``group`` (jobs of one session and direction) to the copy engine as one copy."""
+        first = group[0].job
+        state, direction = first.state, first.direction
+        moves = _planned([b.moves for b in group])
+        # The rank records each job's event on one stream, in order: the last covers all.
+        wait_event = next((b.wait_event for b in reversed(group) if b.wait_event), b"")
+        future = self._copy.submit(
+            direction,
+            moves,
+            device=state.imports[0].device if state.imports else -1,
+            wait_event=wait_event or None,
+        )
+        loop = asyncio.get_running_loop()
+        store = direction is Direction.STORE
 
         def on_done(done: Future[float]) -> None:
             def finished() -> None:
-                work = partial(self._copy_finished, job, imports, done)
+                work = partial(self._copies_finished, group, done)
                 loop.call_soon_threadsafe(self._bulk, work)
 
             if store and not done.cancelled() and done.exception() is None:
-                self._committer.seal(job.writes, finished)  # off the loop, before it can commit
+                writes = [w for b in group for w in b.job.writes]
+                self._committer.seal(writes, finished)  # off the loop, before it can commit
                 return
             finished()
 
         future.add_done_callback(on_done)
-        return Accepted(JobAccepted(request_id, job.job_id))
+
+    def _not_started(self, group: list[_Booked], exc: Exception) -> None:
+        """Undo the booking of jobs the copy engine refused to start: else they would stay in
+        flight forever (Wait never answered, drain never finished)."""
+        for b in group:
+            self._unbook(b.job, b.imports)
+            self._warn_unstarted(
+                logging.ERROR,
+                "%s: job %d not started: %s",
+                b.job.state.session.describe(),
+                b.job.job_id,
+                exc,
+            )
 
     def _unbook(self, job: Job, imports: list[Import]) -> None:
         """Undo ``submit``'s booking of a job the copy engine refused to start."""
@@ -226,20 +298,42 @@ class Jobs:
         if self.in_flight == 0:
             self._idle.set()
 
-    def _copy_finished(self, job: Job, imports: list[Import], future: Future[float]) -> None:
-        self.in_flight -= 1
+    def _copies_finished(self, group: list[_Booked], future: Future[float]) -> None:
         try:
             seconds = future.result()
             error = ""
         except Exception as exc:
+            first = group[0].job
             self._warn_failed(
                 logging.ERROR,
-                "%s: job %d copy failed: %s",
-                job.state.session.describe(),
-                job.job_id,
+                "%s: copy failed for %d jobs (job %d first): %s",
+                first.state.session.describe(),
+                len(group),
+                first.job_id,
                 exc,
             )
             seconds, error = 0.0, f"copy failed: {exc}"
+        total = sum(b.job.nbytes for b in group)
+        dones: list[JobDone] = []
+        for b in group:
+            # Each job's share of the copy's time, for the throughput metrics.
+            share = seconds * b.job.nbytes / total if len(group) > 1 and total else seconds
+            done = self._copy_finished(b.job, b.imports, share, error)
+            if done is not None:
+                dones.append(done)
+        if self.in_flight == 0:
+            self._idle.set()
+        if not dones:
+            return
+        state = group[0].job.state
+        self._send(state.identity, dones[0] if len(dones) == 1 else JobsDone(dones))
+        self._wake_waiters(state)
+
+    def _copy_finished(
+        self, job: Job, imports: list[Import], seconds: float, error: str
+    ) -> JobDone | None:
+        """Finish ``job``'s cache side; its JobDone to send (None: nobody to answer)."""
+        self.in_flight -= 1
         copied = not error
         if job.direction is Direction.STORE:
             refused = self._commit_store(job, ok=copied and not job.abandoned)
@@ -253,9 +347,7 @@ class Jobs:
         self.release_imports(imports)
         if not copied:
             job.failed_keys = list(job.keys)
-        self.complete(job, ok=copied and not job.failed_keys, seconds=seconds, error=error)
-        if self.in_flight == 0:
-            self._idle.set()
+        return self._finished(job, ok=copied and not job.failed_keys, seconds=seconds, error=error)
 
     def _commit_store(self, job: Job, *, ok: bool) -> str:
         """End the store's writes through the committer; why some did not commit, or ""."""
@@ -269,6 +361,14 @@ class Jobs:
 
     def complete(self, job: Job, *, ok: bool, seconds: float, error: str) -> None:
         """Count ``job`` finished; unless its session is gone, send and keep its JobDone."""
+        done = self._finished(job, ok=ok, seconds=seconds, error=error)
+        if done is not None:
+            self._send(job.state.identity, done)
+            self._wake_waiters(job.state)
+
+    def _finished(self, job: Job, *, ok: bool, seconds: float, error: str) -> JobDone | None:
+        """``complete`` but for the sending: the JobDone kept for Wait, None when its session
+        is gone (nobody to answer)."""
         state = job.state
         state.jobs.pop(job.job_id, None)
         engine_id, dp = state.session.engine_key
@@ -283,13 +383,12 @@ class Jobs:
         if not ok:
             self.counters.jobs_failed += 1
         if job.abandoned or not state.alive:
-            return
+            return None
         done = JobDone(job.job_id, ok, job.failed_keys, job.nbytes, seconds, error)
         state.done[job.job_id] = done
         while len(state.done) > self.settings.recent_jobs:
             state.done.popitem(last=False)
-        self._send(state.identity, done)
-        self._wake_waiters(state)
+        return done
 
     def abandon(self, state: SessionState) -> None:
         """The session is gone; see the module docstring."""

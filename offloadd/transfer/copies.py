@@ -6,7 +6,8 @@ operations over all of the chunk's regions and blocks at once, instead of one Py
 per copy, and ``offloadd.transfer.batch.move_arrays`` takes its ``table()`` as is. Nothing
 is merged here: the engine merges once, over the whole job. The daemon plans through
 ``ChunkRuns``: consecutive chunks alike (same spans, first sub-block and block count) go in
-as one ``add_chunks``, the same copies in the same order as chunk after chunk.
+as one ``add_chunks``, the same copies in the same order as chunk after chunk; the jobs of
+one step are joined and planned at once (``offloadd.server.jobs``' batch).
 
 ``windows`` (set by the daemon) lists the rank's shared-memory files in the plan's address
 space (``offloadd.transfer.guarded``): copies touching them are made through the files'
@@ -148,20 +149,20 @@ _NONE: Table = np.zeros(0, np.int64)
 
 
 class ChunkRuns:
-    """Plans a job's chunks into ``copies`` a run at a time: consecutive chunks with the same
-    spans, first sub-block and block count (most of a job, often all of it) become one
-    ``Copies.add_chunks``. ``add`` the chunks in order, then ``flush``."""
+    """A job's chunks, kept as runs of consecutive chunks alike (same spans, first sub-block
+    and block count: most of a job, often all of it) and planned by ``copies()`` into one
+    ``Copies``, each run one ``Copies.add_chunks``. ``add`` the chunks in order. ``joined``
+    puts several jobs' runs end to end (a step's jobs, whose runs alike then merge), so that
+    they are planned once; ``nbytes`` and truth (any byte to copy) are known before."""
 
-    __slots__ = ("_addresses", "_copies", "_ids", "_key", "_load", "_spans", "nbytes")
+    __slots__ = ("_load", "_runs", "nbytes", "windows")
 
-    def __init__(self, copies: Copies, *, load: bool = False) -> None:
-        self._copies = copies
+    def __init__(self, windows: Sequence[FileWindow] = (), *, load: bool = False) -> None:
+        self.windows = tuple(windows)
         self._load = load
-        self._spans: Sequence[Span] = ()
-        self._key: tuple[int, int, int] | None = None  # (id(spans), first, count)
-        self._ids: list[int] = []
-        self._addresses: list[int] = []
-        self.nbytes = 0  # bytes planned so far (flushed runs)
+        # Each run: its key (id(spans), first sub-block, block count), spans, ids, addresses.
+        self._runs: list[tuple[tuple[int, int, int], Sequence[Span], list[int], list[int]]] = []
+        self.nbytes = 0
 
     def add(
         self,
@@ -170,27 +171,45 @@ class ChunkRuns:
         shard_address: int,
         first_sub_block: int = 0,
     ) -> None:
-        """One more chunk (``add_chunk``'s arguments)."""
+        """One more chunk (``Copies.add_chunk``'s arguments)."""
+        if not block_ids or not spans:
+            return
         key = (id(spans), first_sub_block, len(block_ids))
-        if key != self._key:
-            self.flush()
-            self._key, self._spans = key, spans
-        self._ids.extend(block_ids)
-        self._addresses.append(shard_address)
+        runs = self._runs
+        if not runs or runs[-1][0] != key:
+            runs.append((key, spans, [], []))
+        _, _, ids, addresses = runs[-1]
+        ids.extend(block_ids)
+        addresses.append(shard_address)
+        self.nbytes += _span_arrays(spans).page_sum * len(block_ids)
 
-    def flush(self) -> int:
-        """Plan the run in progress; returns the bytes of every chunk added so far."""
-        if self._addresses:
-            assert self._key is not None
-            self.nbytes += self._copies.add_chunks(
-                self._spans,
-                self._ids,
-                self._addresses,
-                first_sub_block=self._key[1],
-                load=self._load,
-            )
-            self._ids, self._addresses = [], []
-        return self.nbytes
+    def __bool__(self) -> bool:
+        return self.nbytes > 0
+
+    @classmethod
+    def joined(cls, parts: Sequence[ChunkRuns]) -> ChunkRuns:
+        """The chunks of ``parts`` (of one rank and direction), in order, as one job's."""
+        first = parts[0]
+        if any(p.windows != first.windows or p._load != first._load for p in parts):
+            raise ValueError("chunk runs of different ranks or directions cannot be joined")
+        joined = cls(first.windows, load=first._load)
+        runs = joined._runs
+        for part in parts:
+            for key, spans, ids, addresses in part._runs:
+                if runs and runs[-1][0] == key:
+                    runs[-1][2].extend(ids)
+                    runs[-1][3].extend(addresses)
+                else:
+                    runs.append((key, spans, list(ids), list(addresses)))
+            joined.nbytes += part.nbytes
+        return joined
+
+    def copies(self) -> Copies:
+        """The copies of every chunk added, in order."""
+        copies = Copies(self.windows)
+        for (_, first, _), spans, ids, addresses in self._runs:
+            copies.add_chunks(spans, ids, addresses, first_sub_block=first, load=self._load)
+        return copies
 
 
 # The daemon passes the same spans tuple (cached per session and group) for every chunk, so the

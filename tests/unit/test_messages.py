@@ -33,6 +33,7 @@ from protocol.messages import (
     HoldResult,
     JobAccepted,
     JobDone,
+    JobsDone,
     KeysChanged,
     Load,
     Lookup,
@@ -224,6 +225,7 @@ replies: st.SearchStrategy[Reply] = st.one_of(
     ),
     st.builds(JobAccepted, request_id=wire_ints, job_id=wire_ints),
     job_dones,
+    st.builds(JobsDone, dones=st.lists(job_dones, max_size=4)),
     st.builds(
         WaitResult,
         request_id=wire_ints,
@@ -373,6 +375,7 @@ REPLY_TAGS: dict[type, str] = {
     LookupResult: "lookup_r",
     JobAccepted: "accepted",
     JobDone: "done",
+    JobsDone: "dones",
     WaitResult: "wait_r",
     StatsResult: "stats_r",
     Ok: "ok",
