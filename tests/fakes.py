@@ -65,7 +65,7 @@ class FakeCopyEngine:
       and wait while ``gate`` is clear (it starts set), to catch jobs mid-flight; ``started``
       is released as each reaches the gate. Other directions copy at once.
     - With ``manual``, nothing is copied: each ``submit`` appends a future to ``futures`` for
-      the test to resolve.
+      the test to resolve, and what it was handed to ``handed`` (direction, moves, event).
     """
 
     def __init__(
@@ -88,6 +88,7 @@ class FakeCopyEngine:
         self.gate.set()
         self.started = threading.Semaphore(0)
         self.futures: list[Future[float]] = []
+        self.handed: list[tuple[Direction, list[Triple], bytes | None]] = []
 
     def submit(
         self,
@@ -103,6 +104,7 @@ class FakeCopyEngine:
         if self.manual:
             future: Future[float] = Future()
             self.futures.append(future)
+            self.handed.append((direction, list(moves), wait_event))
             return future
         if direction not in self.held:
             return self.inner.submit(direction, moves)

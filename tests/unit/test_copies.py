@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offloadd.transfer.batch import move_arrays
-from offloadd.transfer.copies import Copies
+from offloadd.transfer.copies import ChunkRuns, Copies
 from offloadd.transfer.plan import GroupLayout, chunk_copies, group_spans
 from offloadd.transfer.types import Direction, Span
 from protocol.handles import KVRegion
@@ -91,3 +91,27 @@ def test_a_run_needs_equal_chunks() -> None:
     with pytest.raises(ValueError, match="3 block ids for 2 chunks of equal length"):
         copies.add_chunks(spans, [0, 1, 2], [5000, 6000])
     assert len(copies) == 0
+
+
+def test_chunk_runs_plan_their_chunks_in_order_and_join_across_jobs() -> None:
+    spans = (Span(1000, 128, 64, 0), Span(9000, 64, 64, 64 * 2))
+    other = (Span(20_000, 128, 64, 0),)
+    first, second = ChunkRuns(load=True), ChunkRuns(load=True)
+    assert not first and first.nbytes == 0
+    first.add(spans, [3, 1], 50_000)
+    first.add(spans, [0, 2], 60_000)  # alike: the same run
+    first.add(spans, [], 65_000)  # nothing to copy
+    second.add(spans, [4, 5], 70_000)  # alike the first's last run: merged when joined
+    second.add(other, [1], 80_000, first_sub_block=1)
+    assert first and first.nbytes == 2 * 2 * 128 and second.nbytes == 2 * 128 + 64
+    one_by_one = Copies()
+    for ids, address in (([3, 1], 50_000), ([0, 2], 60_000), ([4, 5], 70_000)):
+        one_by_one.add_chunk(spans, ids, address, load=True)
+    one_by_one.add_chunk(other, [1], 80_000, first_sub_block=1, load=True)
+    joined = ChunkRuns.joined([first, second])
+    assert joined.nbytes == first.nbytes + second.nbytes
+    assert list(joined.copies()) == list(one_by_one)
+    assert list(first.copies()) == list(one_by_one)[: len(first.copies())]
+    assert len(joined._runs) == 2  # the three chunks alike are one add_chunks
+    with pytest.raises(ValueError, match="cannot be joined"):
+        ChunkRuns.joined([first, ChunkRuns(load=False)])

@@ -25,7 +25,7 @@ from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.settings import ServerSettings
 from offloadd.transfer.types import Direction
 from protocol.errors import ErrorCode
-from protocol.messages import JobAccepted, JobDone, Reply, Wait, WaitResult
+from protocol.messages import JobAccepted, JobDone, JobsDone, Reply, Wait, WaitResult
 from tests.fakes import MOVES, FakeCopyEngine, FakeHandles, FakeImport
 from tests.helpers import register_engine
 
@@ -251,3 +251,70 @@ async def test_the_drain_gives_up_after_its_grace(
     assert "1 jobs still in flight after" in caplog.text
     rig.copies.futures[0].set_result(0.1)
     await settle(lambda: rig.jobs.in_flight == 0)
+
+
+def _booked(rig: Rig, job_id: int, direction: Direction, nbytes: int, event: bytes) -> Job:
+    job = rig.job(job_id, direction)
+    job.nbytes = nbytes
+    moves = [(job_id * 1000, job_id * 1000 + 100_000, nbytes)]
+    assert rig.jobs.submit(rig.state, 0, job, moves, event).reply == JobAccepted(0, job_id)
+    return job
+
+
+@pytest.mark.asyncio
+async def test_a_batch_starts_each_direction_as_one_copy_and_answers_in_one_frame(
+    rig: Rig,
+) -> None:
+    with rig.jobs.batch():
+        for job_id, nbytes in ((1, 100), (2, 300)):
+            _booked(rig, job_id, Direction.LOAD, nbytes, b"event%d" % job_id)
+        _booked(rig, 3, Direction.LOAD, 0, b"")  # no event of its own: the last one covers it
+        _booked(rig, 4, Direction.STORE, 64, b"")
+        assert not rig.copies.futures and rig.jobs.in_flight == 4  # booked, not started
+    stores, loads = sorted(rig.copies.handed, key=lambda h: h[0] is Direction.LOAD)
+    assert loads == (
+        Direction.LOAD,
+        [(1000, 101_000, 100), (2000, 102_000, 300), (3000, 103_000, 0)],
+        b"event2",
+    )
+    assert stores == (Direction.STORE, [(4000, 104_000, 64)], None)
+    load_future = rig.copies.futures[[h[0] for h in rig.copies.handed].index(Direction.LOAD)]
+    load_future.set_result(0.8)
+    await settle(lambda: rig.jobs.in_flight == 1)
+    (frame,) = rig.replies(JobsDone)
+    assert [(d.job_id, d.ok, d.nbytes) for d in frame.dones] == [
+        (1, True, 100),
+        (2, True, 300),
+        (3, True, 0),
+    ]
+    assert [d.seconds for d in frame.dones] == pytest.approx([0.2, 0.6, 0.0])  # by bytes
+    assert rig.cache.calls.count(("finish_load", 0)) == 3 and not rig.replies(JobDone)
+    assert list(rig.state.done) == [1, 2, 3]  # kept for Wait as lone jobs are
+
+
+@pytest.mark.asyncio
+async def test_a_batch_the_engine_refuses_answers_each_job_and_unbooks_it(rig: Rig) -> None:
+    rig.copies.refuse.set()
+    with rig.jobs.batch():
+        _booked(rig, 1, Direction.LOAD, 10, b"")
+        _booked(rig, 2, Direction.LOAD, 10, b"")
+    dones = rig.replies(JobDone)
+    refused = (False, ErrorCode.INTERNAL)
+    assert [(d.job_id, d.ok, d.code) for d in dones] == [(1, *refused), (2, *refused)]
+    assert all("refused the job: no lane" in d.error for d in dones)
+    assert rig.jobs.in_flight == 0 and not rig.state.jobs and rig.imported.refs == 1
+
+
+@pytest.mark.asyncio
+async def test_a_batch_whose_copy_fails_fails_every_job_it_carried(rig: Rig) -> None:
+    with rig.jobs.batch():
+        _booked(rig, 1, Direction.STORE, 10, b"")
+        _booked(rig, 2, Direction.STORE, 20, b"")
+    (future,) = rig.copies.futures
+    future.set_exception(OSError("bus error"))
+    await settle(lambda: rig.jobs.in_flight == 0)
+    (frame,) = rig.replies(JobsDone)
+    assert [(d.job_id, d.ok) for d in frame.dones] == [(1, False), (2, False)]
+    assert all(d.error == "copy failed: bus error" for d in frame.dones)
+    assert rig.cache.calls == [("finish_store", False), ("finish_store", False)]
+    assert rig.imported.refs == 1 and rig.counters.jobs_failed == 2

@@ -35,7 +35,7 @@ from offloadd.settings import DiskSettings
 from offloadd.vllm import step_hook
 from offloadd.vllm.manager import OffloaddManager
 from offloadd.vllm.worker import OffloaddWorker
-from protocol.messages import TierState
+from protocol.messages import JobDone, JobsDone, TierState
 from tests.integration.harness import DaemonThread
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
 
@@ -85,11 +85,12 @@ class _ScheduleSocket:
 class _Counts:
     """Per step and rank: messages sent, stores and loads submitted, and the messages sent
     by the rank's first forward pass and by its ``get_finished``; per step: the scheduler's
-    messages inside ``schedule()``."""
+    messages inside ``schedule()``; per rank: the frames that brought its loads' ends."""
 
     def __init__(self, h: VllmHarness) -> None:
         self.workers: list[OffloaddWorker] = []
         self.jobs: list[dict[str, int]] = []
+        self.load_end_frames: list[int] = []
         self._before: list[int] = []
         # this step, per rank: messages sent when its forward pass / get_finished began
         self._at: list[dict[str, int]] = []
@@ -101,6 +102,7 @@ class _Counts:
             jobs = {"store": 0, "load": 0}
             self.jobs.append(jobs)
             finished = worker.get_finished
+            self._count_load_ends(worker)
 
             def get_finished(_f: Any = finished, _i: int = index) -> Any:
                 self._mark(_i, "finished")
@@ -142,6 +144,24 @@ class _Counts:
             forward(state, *args)
 
         setattr(h, "_forward", marked_forward)  # noqa: B010 (an instance's method)
+
+    def _count_load_ends(self, worker: OffloaddWorker) -> None:
+        client = worker._client
+        assert client is not None
+        core = client._core
+        decode = core.decode
+        self.load_end_frames.append(0)
+        rank = len(self.load_end_frames) - 1
+
+        def counted(frame: bytes) -> Any:
+            reply = decode(frame)
+            dones = reply.dones if isinstance(reply, JobsDone) else [reply]
+            jobs = [worker._jobs.get(d.job_id) for d in dones if isinstance(d, JobDone)]
+            if any(job is not None and job.load for job in jobs):
+                self.load_end_frames[rank] += 1
+            return reply
+
+        setattr(core, "decode", counted)  # noqa: B010 (an instance's method)
 
     def _mark(self, rank: int, moment: str) -> None:
         self._at[rank].setdefault(moment, self._sent(self.workers[rank]) - self._before[rank])
@@ -273,6 +293,10 @@ def _store_then_load(tmp_path: Path, daemon: DaemonThread, n: int) -> _Counts:
         _load_and_check(h, counts, prompts)
         assert any(all(load == n for _, _, load in step) for step in counts.steps)
         _assert_bounds(counts)
+        # A step's loads end together: one frame brings them all (JobsDone), not one each.
+        for rank, frames in enumerate(counts.load_end_frames):
+            steps = sum(1 for step in counts.steps if step[rank][2])
+            assert 0 < frames <= steps, (rank, frames, steps)
     return counts
 
 
