@@ -49,7 +49,7 @@ def check_keys(keys: list[bytes], engine: Engine, limits: Limits | None = None) 
     # The fast pass, at C speed: every key's length is within bounds and it ends with one of
     # the groups' ids. Anything else goes through the precise checks below for its message.
     lengths = list(map(len, keys))
-    suffixes = {group.to_bytes(4, "big") for group in groups if 0 <= group < 1 << 32}
+    suffixes = engine.group_suffixes
     if (
         min(lengths, default=5) >= 5
         and max(lengths, default=0) <= limits.settings.key_bytes

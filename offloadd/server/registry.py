@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import itemgetter
 from typing import Any
 
@@ -166,10 +167,15 @@ class Engine:
     # vLLM's canonical layout: who writes which canonical bytes (set when it becomes ready).
     canonical: CanonicalPlan | None = None
 
-    @property
+    @cached_property  # asked for every job's keys; the config never changes
     def group_positions(self) -> dict[int, int]:
-        """Group id (what keys name) -> position in ``config.groups``."""
+        """Group id (what keys name) -> position in ``config.groups`` (not to be changed)."""
         return {group_id: index for index, group_id in enumerate(self.config.group_ids())}
+
+    @cached_property
+    def group_suffixes(self) -> frozenset[bytes]:
+        """The 4-byte big-endian group ids keys of this engine end with."""
+        return frozenset(g.to_bytes(4, "big") for g in self.group_positions if 0 <= g < 1 << 32)
 
     @property
     def mirrored(self) -> bool:
