@@ -390,7 +390,7 @@ def test_store_to_a_frozen_daemon_is_given_up_at_its_deadline_and_never_committe
                 deadlines.append(job.deadline)
             return bool(result)
 
-        worker.submit_store = submit_store  # type: ignore[method-assign]
+        worker.submit_store = submit_store
         prompt = prompt_of(100, seed=21)
         try:
             y = h.add_request(prompt, max_tokens=40)
@@ -401,7 +401,7 @@ def test_store_to_a_frozen_daemon_is_given_up_at_its_deadline_and_never_committe
                 if deadlines and time.monotonic() > max(deadlines):
                     steps_past += 1
                 h.step()
-            worker.submit_store = real_submit  # type: ignore[method-assign]
+            worker.submit_store = real_submit
             assert deadlines and all(deadlines)  # each store carried its deadline
             assert steps_past <= 2, f"given up {steps_past} steps after the deadline"
             h.run_until_finished(timeout=60)

@@ -220,6 +220,16 @@ def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
         VllmHarness(tmp_path, extra)
 
 
+@pytest.mark.parametrize("value", [0, -1.0, "nan", "inf"])
+def test_a_store_timeout_that_is_not_a_positive_number_is_a_clear_error(
+    tmp_path: Path, value: object
+) -> None:
+    extra: dict[str, object] = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
+    extra |= {"offloadd_endpoint": f"ipc://{tmp_path}/d.sock", "offloadd_store_timeout": value}
+    with pytest.raises(ValueError, match="offloadd_store_timeout must be"):
+        VllmHarness(tmp_path, extra)
+
+
 def test_optional_daemon_starts_offloading_when_it_appears(tmp_path: Path) -> None:
     d = DaemonThread(capacity=64 << 20)
     extra = {
