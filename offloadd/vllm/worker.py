@@ -501,6 +501,8 @@ class OffloaddWorker(OffloadingWorker):
     def _result(self, job_id: int, job: _Job, done: JobDone) -> TransferResult:
         if done.code == ErrorCode.SHUTTING_DOWN and not job.load:
             logger.debug("offloadd: store job %d not taken: the daemon is stopping", job_id)
+        elif done.code == ErrorCode.DEADLINE_PASSED:  # a late daemon: nothing cached, no harm
+            logger.debug("offloadd: store job %d not taken: %s", job_id, done.error)
         elif done.code:
             logger.warning(
                 "offloadd: %s job %d refused: %s",
