@@ -288,6 +288,7 @@ class _ClientCore:
         segments: Sequence[Segment],
         reserved: bool,
         wait_event: bytes,
+        deadline: float = 0.0,
     ) -> Store:
         return Store(
             self.next_id(),
@@ -297,6 +298,7 @@ class _ClientCore:
             wait_event,
             list(segments),
             reserved,
+            deadline,
         )
 
     def load(
@@ -557,14 +559,20 @@ class OffloadClient:
         segments: Sequence[Segment] = (),
         reserved: bool = False,
         wait_event: bytes = b"",
+        deadline: float = 0.0,
     ) -> None:
         """Start storing this rank's shard of ``keys`` from ``block_ids``.
 
         ``segments`` for chunks that are not full (see ``Segment``); ``reserved``: write only
         keys a scheduler reserved; ``wait_event``: a CUDA IPC event handle recorded after the
-        compute that wrote these blocks (else synchronize before calling).
+        compute that wrote these blocks (else synchronize before calling); ``deadline``: the
+        ``time.monotonic()`` after which the daemon neither starts nor commits it (0: none;
+        meaningful only when ``welcome.shared_clock``).
         """
-        self._submit(self._core.store(job_id, keys, block_ids, segments, reserved, wait_event))
+        request = self._core.store(
+            job_id, keys, block_ids, segments, reserved, wait_event, deadline
+        )
+        self._submit(request)
 
     def load(
         self,
@@ -775,7 +783,7 @@ class OffloadClient:
     def _registered(self, hello: Hello) -> Hello:
         """``hello`` with a fresh registration token."""
         token = self._core.registered(self.endpoint, self.timeout)
-        return msgspec.structs.replace(hello, token=token)
+        return msgspec.structs.replace(hello, token=token, monotonic=time.monotonic())
 
     def _request(self, request: Request, timeout: float | None = None) -> Reply:
         """Send and wait for the reply; says Hello again once if the session was lost."""
@@ -977,9 +985,12 @@ class AsyncOffloadClient:
         segments: Sequence[Segment] = (),
         reserved: bool = False,
         wait_event: bytes = b"",
+        deadline: float = 0.0,
     ) -> None:
         """Start storing this rank's shard of ``keys`` (see ``OffloadClient.store``)."""
-        request = self._core.store(job_id, keys, block_ids, segments, reserved, wait_event)
+        request = self._core.store(
+            job_id, keys, block_ids, segments, reserved, wait_event, deadline
+        )
         await self._submit(request)
 
     async def load(
@@ -1147,7 +1158,7 @@ class AsyncOffloadClient:
     async def _registered(self, hello: Hello) -> Hello:
         """``hello`` with a fresh registration token (registering off the loop)."""
         token = await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
-        return msgspec.structs.replace(hello, token=token)
+        return msgspec.structs.replace(hello, token=token, monotonic=time.monotonic())
 
     async def _until(self, condition: Callable[[], bool]) -> None:
         while not condition():

@@ -23,3 +23,4 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 13  # frame or request above the daemon's limits
     UNAUTHENTICATED = 14  # Hello without a valid registration token (see protocol.peer)
     NOT_PERMITTED = 15  # the peer's user may not do this (another user's engine or session)
+    DEADLINE_PASSED = 16  # a Store's deadline (the rank's clock) passed before it started

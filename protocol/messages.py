@@ -65,6 +65,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     # binds the session to the peer's kernel identity (uid, gid, pid) and to the region
     # descriptors it passed. On an ipc:// endpoint a Hello without a valid one is refused.
     token: bytes = b""
+    # The sender's CLOCK_MONOTONIC (time.monotonic()) as it sends this Hello: the daemon
+    # compares it with its own to tell the rank whether a Store's ``deadline`` is on a clock
+    # both read (``Welcome.shared_clock``). 0: not said (no deadlines then).
+    monotonic: float = 0.0
 
 
 class Segment(msgspec.Struct, frozen=True, array_like=True):
@@ -112,6 +116,10 @@ class Store(msgspec.Struct, frozen=True, tag="store"):
     # Write only keys a scheduler reserved (``Reserve``); others are skipped, never allocated,
     # so such a store is never refused for lack of room.
     reserved: bool = False
+    # The rank's CLOCK_MONOTONIC time after which it may give the store up and reuse the
+    # blocks (sent only when ``Welcome.shared_clock``): the daemon starts no store past it and
+    # commits none whose copy ended past it. 0: no deadline.
+    deadline: float = 0.0
 
 
 class Load(msgspec.Struct, frozen=True, tag="load"):
@@ -283,6 +291,9 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     # The tiers below the daemon's arena ("disk", "mooncake"): a Lookup may then report keys
     # as pending while it promotes them from one.
     tiers: list[str] = []
+    # The Hello's ``monotonic`` was within 1 s of the daemon's own at receipt: the two read
+    # one CLOCK_MONOTONIC (no time namespace between them), so a Store may carry a deadline.
+    shared_clock: bool = False
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
@@ -396,7 +407,7 @@ class TierState(msgspec.Struct, frozen=True):
 
 
 # The reasons ``DaemonStats.stores_refused_by_reason`` may carry (metrics export each, 0 included).
-REFUSAL_REASONS = ("full", "ack", "budget", "tenant", "expired", "draining")
+REFUSAL_REASONS = ("full", "ack", "budget", "tenant", "expired", "draining", "late")
 
 
 class DaemonStats(msgspec.Struct, frozen=True):
@@ -435,7 +446,9 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # engine's protected share; not in ``stores_refused``), "tenant" (beyond the share of the
     # engine's tenant, all its engines together; not in it either), "expired" (reserved, not
     # stored within limits.reservation_seconds, dropped), "draining" (reserved or stored while
-    # the daemon was stopping; not in ``stores_refused``). Empty from a daemon before it.
+    # the daemon was stopping; not in ``stores_refused``), "late" (a store's deadline passed
+    # before it started or before its copy ended: not committed; not in ``stores_refused``).
+    # Empty from a daemon before it.
     stores_refused_by_reason: dict[str, int] = {}
     # False: the node-wide counters (cache fill, lookups, bytes, sessions, tiers' counts) are
     # withheld from this asker and read 0: they add up every tenant's work, so only root and

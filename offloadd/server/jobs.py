@@ -15,6 +15,10 @@ socket's bulk lane, behind the Lookups and Reserves waiting, or at once when non
   store's chunks commit through ``offloadd.server.commit``; a load's entries are let go), the
   imports released, and ``complete`` sends ``JobDone``, keeps it for ``Wait`` (the last
   ``server.recent_jobs`` per session) and answers the waiters it satisfies.
+- A store with a deadline (``Job.deadline``, the rank's CLOCK_MONOTONIC) whose copy ends past
+  it is not committed (its writes end not-ok, its JobDone says why, its keys are counted under
+  ``REFUSED_LATE``); ``refuse_late(deadline, keys)`` raises ``Refused(DEADLINE_PASSED)`` for
+  one not started by then (requests and waiting stores call it).
 - ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted``, then ``JobDone`` at
   once, for a job with nothing to copy.
 - ``wait(state, request, reply)`` (DEFERRED): ``reply(WaitResult)`` at once when none of the
@@ -41,6 +45,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -62,11 +67,17 @@ from offloadd.transfer.types import Direction, Triple
 from protocol.errors import ErrorCode
 from protocol.messages import JobAccepted, JobDone, JobsDone, Reply, Wait
 
-__all__ = ["REFUSED_DRAINING", "Job", "Jobs", "Waiter", "wait_result"]
+__all__ = ["REFUSED_DRAINING", "REFUSED_LATE", "Job", "Jobs", "Waiter", "late", "wait_result"]
 
 logger = logging.getLogger(__name__)
 
 REFUSED_DRAINING = "draining"  # store keys refused while the daemon stops (GetStats reasons)
+REFUSED_LATE = "late"  # store keys not started or not committed: their deadline had passed
+
+
+def late(deadline: float) -> bool:
+    """A store's ``deadline`` (the rank's CLOCK_MONOTONIC; 0: none) has passed."""
+    return deadline > 0.0 and time.monotonic() > deadline
 
 
 @dataclass(eq=False)
@@ -171,6 +182,21 @@ class Jobs:
             self.complete(job, ok=not job.failed_keys, seconds=0.0, error=error)
 
         return Accepted(JobAccepted(request_id, job.job_id), then=done)
+
+    def refuse_late(self, deadline: float, keys: Sequence[bytes]) -> None:
+        """Refuse a store whose deadline has passed (its keys counted under ``late``): the
+        rank may have given its blocks back already."""
+        if not late(deadline):
+            return
+        self._count_late(len(keys))
+        raise Refused(
+            ErrorCode.DEADLINE_PASSED,
+            f"the store's deadline passed {time.monotonic() - deadline:.3f}s ago: not started",
+        )
+
+    def _count_late(self, keys: int) -> None:
+        refused = self.counters.refused
+        refused[REFUSED_LATE] = refused.get(REFUSED_LATE, 0) + keys
 
     def refuse(
         self, state: SessionState, job_id: int, keys: list[bytes], code: ErrorCode, message: str
@@ -336,9 +362,22 @@ class Jobs:
         self.in_flight -= 1
         copied = not error
         if job.direction is Direction.STORE:
-            refused = self._commit_store(job, ok=copied and not job.abandoned)
+            # Checked once the copy has ended: a commit then means every byte was read before
+            # the deadline, so before the rank could give its blocks back to vLLM (it gives a
+            # store up only past it, on the same clock). However long the daemon was frozen
+            # in between, bytes of reused blocks are never committed.
+            overdue = copied and not job.abandoned and late(job.deadline)
+            if overdue:
+                self._count_late(len(job.writes))
+                overrun = time.monotonic() - job.deadline
+                error = (
+                    f"store deadline passed ({overrun:.3f}s ago) as its copy ended: not committed"
+                )
+            refused = self._commit_store(job, ok=copied and not job.abandoned and not overdue)
             error = error or refused
-            if copied:
+            if overdue:
+                job.failed_keys = list(job.keys)
+            elif copied:
                 self.counters.bytes_stored += job.nbytes
         else:
             self._cache.finish_load(job.entries)

@@ -109,7 +109,8 @@ class Counters:
     bytes_loaded: int = 0
     jobs_failed: int = 0
     # Store keys the daemon refused before the cache saw them, by reason ("draining": asked
-    # to reserve or store while stopping); GetStats adds them to the cache's reasons.
+    # to reserve or store while stopping; "late": past the store's deadline); GetStats adds
+    # them to the cache's reasons.
     refused: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -495,7 +496,7 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         "ack (its room waited on a mirror's acknowledgement), budget (beyond the engine's "
         "protected share), tenant (beyond its user's protected share), expired (reserved but "
         "not stored within limits.reservation_seconds), draining (asked while the daemon was "
-        "stopping)",
+        "stopping), late (the store's deadline passed before it started or its copy ended)",
         labels=["reason"],
     )
     evictions = CounterMetricFamily("offloadd_evictions", "Chunks evicted to make room")

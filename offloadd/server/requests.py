@@ -24,6 +24,8 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   reserved keys whose room waits on another mirror's acknowledgement waits for it
   (``offloadd.server.waiting``): answered ``JobAccepted`` now, started when the keys are
   placed (the engine still ready, the files not shrunk), else its ``JobDone`` says why not.
+  A Store whose ``deadline`` has passed is refused (``DEADLINE_PASSED``), when it arrives and
+  when a waiting one would start: the rank may have given its blocks back to vLLM.
 - ``step_jobs``: each Store and Load of a rank's step handled as above, in order, none
   answered ``JobAccepted``; a job refused (or failing inside the daemon) gets its ``JobDone``
   with the code and the next job still runs; the message is answered ``Ok(jobs started)``.
@@ -250,6 +252,7 @@ class CacheRequests:
         engine, namespace = self._worker_job_checks(
             state, request.job_id, request.keys, files_checked=files_checked
         )
+        self._jobs.refuse_late(request.deadline, request.keys)  # its blocks may be reused
         bpc = namespace.blocks_per_chunk
         if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
             raise Refused(
@@ -262,6 +265,7 @@ class CacheRequests:
         check_offloaded(request.keys, namespace)
         session = state.session
         job = Job(request.job_id, state, Direction.STORE, request.keys, [], 0)
+        job.deadline = request.deadline
         if namespace.replicated and session.rank != 0:
             # Replicated layout: rank 0's shard is every rank's; the others ack at once.
             return self._jobs.accept_without_copy(state, request.request_id, job)
@@ -291,6 +295,7 @@ class CacheRequests:
         try:
             ready_engine(self.registry, state.session)
             self._check_files(state)
+            self._jobs.refuse_late(job.deadline, job.keys)  # it waited past the rank's bound
             accepted = self._start_store(state, request, job, ranges, namespace, mine)
         except Refused as refused:
             job.failed_keys = list(job.keys)

@@ -9,10 +9,11 @@ Contract of ``Sessions`` (the event loop's thread only):
   check the Hello against the limits and the tenancy, open its regions from those
   descriptors, register the session under the peer's tenant and uid (replacing any earlier
   session of the same peer or engine rank, of the same uid), answer ``Welcome``, and send
-  ``EngineReady`` to the whole engine when its last rank arrived. On a cuda daemon the CUDA
-  IPC imports block, so they run on the import thread: the peer's later requests are held in
-  the ``RequestGate`` until the Hello is answered, then handled in arrival order. Every
-  import opened is released, and the registration closed, on every path.
+  ``EngineReady`` to the whole engine when its last rank arrived. ``Welcome.shared_clock``
+  says whether the Hello's ``monotonic`` was the daemon's clock at receipt (``shared_clock``).
+  On a cuda daemon the CUDA IPC imports block, so they run on the import thread: the peer's
+  later requests are held in the ``RequestGate`` until the Hello is answered, then handled in
+  arrival order. Every import opened is released, and the registration closed, on every path.
 - A session ends when the process that registered exits (its pidfd, taken when it
   registered, watched on the loop), when it is silent for ``server.session_timeout`` and no
   pidfd watches it
@@ -65,9 +66,11 @@ from protocol.handles import CudaIpcHandle, ShmHandle
 from protocol.messages import Bye, EngineReady, Hello, Ok, Ping, Reply, Welcome
 from protocol.peer import peer_socket_path
 
-__all__ = ["Sessions", "close_on"]
+__all__ = ["SHARED_CLOCK_SECONDS", "Sessions", "close_on", "shared_clock"]
 
 logger = logging.getLogger(__name__)
+
+SHARED_CLOCK_SECONDS = 1.0  # a Hello's clock this close to the daemon's is the same clock
 
 
 class Sessions:
@@ -171,6 +174,7 @@ class Sessions:
     def hello(self, identity: bytes, hello: Hello) -> None:
         """Register the sender and answer it (OFF_LOOP: ``offloadd.server.dispatch``)."""
         # The token is used up by any Hello that brings it, refused or not.
+        shared = shared_clock(hello.monotonic)  # at receipt, before any import's wait
         peers = self._peers
         taken = peers.take(hello.token, identity) if peers is not None else None
         try:
@@ -187,7 +191,7 @@ class Sessions:
             def imported(future: Future[list[Import]]) -> None:
                 try:
                     loop.call_soon_threadsafe(
-                        self._hello_imported, identity, hello, registration, future
+                        self._hello_imported, identity, hello, registration, future, shared
                     )
                 except RuntimeError:  # the loop is gone: nothing to answer
                     registration.close()
@@ -201,7 +205,8 @@ class Sessions:
             self._gate.close(identity)  # before _hello_imported can run: it runs on this loop
             return
         try:
-            self._register(identity, hello, self._open_regions(hello, registration), registration)
+            imports = self._open_regions(hello, registration)
+            self._register(identity, hello, imports, registration, shared)
         finally:
             registration.close()  # the table keeps its own descriptors; the session its pidfd
 
@@ -268,13 +273,14 @@ class Sessions:
         hello: Hello,
         registration: Registration,
         future: Future[list[Import]],
+        shared: bool,
     ) -> None:
         """Finish a Hello whose regions were imported off the loop, then its held requests."""
         try:
             if self._handles is None:
                 return  # closed meanwhile; the table's close unmapped everything
             try:
-                self._register(identity, hello, future.result(), registration)
+                self._register(identity, hello, future.result(), registration, shared)
             except Refused as refused:
                 self._protocol_error(identity, hello.request_id, refused.code, str(refused))
             except Exception:
@@ -288,7 +294,12 @@ class Sessions:
                     self._handle_frames(identity, frames)
 
     def _register(
-        self, identity: bytes, hello: Hello, imports: list[Import], registration: Registration
+        self,
+        identity: bytes,
+        hello: Hello,
+        imports: list[Import],
+        registration: Registration,
+        shared: bool,
     ) -> None:
         """The rest of a Hello once its regions are imported: register, answer Welcome."""
         session_id = identity.hex()
@@ -343,6 +354,7 @@ class Sessions:
                 engine.state(),
                 *events,
                 tiers=self._tier_names,
+                shared_clock=shared,
             ),
         )
         if outcome.became_ready:
@@ -538,6 +550,13 @@ def _wrong_memory(index: int, *, cuda: bool) -> str:
         f"region {index} is CUDA memory, but this daemon runs the cpu copy engine: use a "
         'daemon with server.copy_engine = "cuda" on a GPU node, or shared-memory regions'
     )
+
+
+def shared_clock(monotonic: float) -> bool:
+    """A Hello's ``monotonic`` was read on this daemon's CLOCK_MONOTONIC: within 1 s of it now
+    (the clock is system-wide on Linux but for time namespaces, whose offsets are set by hand;
+    the margin is the Hello's time in flight). 0: the sender did not say."""
+    return monotonic > 0.0 and abs(time.monotonic() - monotonic) < SHARED_CLOCK_SECONDS
 
 
 def _region_files_problem(hello: Hello, registration: Registration) -> str:

@@ -67,6 +67,8 @@ class Job:
     abandoned: bool = False
     # A store waiting for its room (offloadd.server.waiting): the end of its wait.
     waiting: asyncio.TimerHandle | None = None
+    # A store's ``Store.deadline`` (CLOCK_MONOTONIC; 0: none): committed only by then.
+    deadline: float = 0.0
 
 
 @dataclass(eq=False)

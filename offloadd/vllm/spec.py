@@ -12,6 +12,9 @@ process: the scheduler asks it for a manager, each rank for a worker. Keys read 
 - ``offloadd_timeout``: seconds to wait for the daemon's answers (default 10);
 - ``offloadd_load_timeout``: seconds after which a load still not finished fails loudly
   (default 60).
+- ``offloadd_store_timeout``: seconds after which a store the daemon has not finished is given
+  up (done, nothing cached; the daemon commits none of it later): how long a stalled daemon
+  holds a request's GPU blocks (default 10, > 0).
 ``block_size`` / ``blocks_per_chunk``, ``namespace`` and ``private_cache`` are read by vLLM and
 the daemon as usual; ``canonical_layout: true`` (vLLM's parallelism-free host layout) makes each
 rank send its canonical page mappings with its regions, and engines of the same model in that
@@ -26,6 +29,7 @@ manager (``offloadd.vllm.stats``): the CPU spec's, so its dashboards work unchan
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -74,6 +78,12 @@ class OffloaddSpec(OffloadingSpec):
         self.optional = bool(extra.get("offloadd_optional", False))
         self.timeout = float(extra.get("offloadd_timeout", 10.0))
         self.load_timeout = float(extra.get("offloadd_load_timeout", 60.0))
+        self.store_timeout = float(extra.get("offloadd_store_timeout", 10.0))
+        if not (math.isfinite(self.store_timeout) and self.store_timeout > 0):
+            raise ValueError(
+                f"offloadd_store_timeout must be a finite number of seconds > 0, got "
+                f"{extra.get('offloadd_store_timeout')!r}"
+            )
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -104,6 +114,7 @@ class OffloaddSpec(OffloadingSpec):
                 optional=self.optional,
                 load_timeout=self.load_timeout,
                 timeout=self.timeout,
+                store_timeout=self.store_timeout,
             )
             # The step's jobs leave once vLLM submitted them all (before the forward pass
             # where it can), not at get_finished: see step_hook.

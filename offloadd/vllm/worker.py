@@ -17,6 +17,12 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
 - A store that the daemon could not complete is harmless (the chunk is just not cached), so it
   is reported as done. A load that fails is not: vLLM has no way to recompute it, so the
   worker raises ``LoadFailed`` instead of letting the engine run on wrong KV.
+- A store the daemon does not answer is given up (done, nothing cached) once its deadline,
+  ``offloadd_store_timeout`` after its submit, has passed: the Store carries that deadline
+  and the daemon neither starts nor commits it past it, so the blocks go back to vLLM safe
+  even from a frozen daemon that resumes later. Only when the Welcome said the daemon reads
+  the rank's clock (``shared_clock``); else no deadline is sent and a store is given up after
+  ``offloadd_load_timeout`` (docs/design.md says why that is unsafe, and rare).
 - A daemon that is away (killed, restarting, stopped) fails no load: a load that could not be
   sent, or whose session the daemon lost, waits for the daemon to answer again (at most
   ``offloadd_load_timeout`` from its submit), says Hello again and is sent again by key
@@ -61,6 +67,7 @@ from offloadd.errors import (
     OffloaddError,
     RequestFailed,
 )
+from offloadd.logs import LogLimiter
 from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
@@ -88,6 +95,9 @@ class _Job:
     # A load: what to send again by key if the daemon loses it (keys, block ids, segments).
     redo: tuple[list[bytes], list[int], list[Segment]] | None = None
     sent: bool = True  # False: waiting for the daemon to answer, then sent by key
+    # A store's Store.deadline (time.monotonic(); 0: none, the daemon's clock is not ours):
+    # given up once past it, never before (the daemon commits nothing copied past it).
+    deadline: float = 0.0
 
 
 def segments_for(
@@ -168,6 +178,7 @@ class OffloaddWorker(OffloadingWorker):
         optional: bool,
         load_timeout: float = 60.0,
         timeout: float = 10.0,
+        store_timeout: float = 10.0,
     ) -> None:
         self._config = config
         self._endpoint = endpoint
@@ -182,6 +193,8 @@ class OffloaddWorker(OffloadingWorker):
         self._cuda = any(t.tensor.is_cuda for t in kv_caches.tensors)
         self._device = next((t.tensor.device for t in kv_caches.tensors if t.tensor.is_cuda), None)
         self._load_timeout = load_timeout
+        self._store_timeout = store_timeout
+        self._warn_given_up = LogLimiter(logger)  # a frozen daemon gives up every store
         self._jobs: dict[int, _Job] = {}
         self._step: list[Store | Load] = []  # this step's jobs, sent together by _flush
         self._posted = False  # this step's jobs went out (get_finished then pings not)
@@ -189,6 +202,7 @@ class OffloaddWorker(OffloadingWorker):
         self._checked = time.monotonic()  # the last proof of the session (_tend)
         self._away_until = 0.0  # the daemon did not answer: not asked again before this
         self.loads_resent = 0  # loads sent again by key to a daemon that came back
+        self.stores_given_up = 0  # stores reported done unanswered, past their bound
         self._lock = threading.Lock()  # guards the hand-over of a late connection
         self._client: OffloadClient | None = None
         try:
@@ -225,8 +239,12 @@ class OffloaddWorker(OffloadingWorker):
                 keys, block_ids, segments, self._bpc, skipped
             )
         job = _Job(load=False, started=time.perf_counter())
+        welcome = client.welcome
+        if welcome is not None and welcome.shared_clock:
+            job.deadline = time.monotonic() + self._store_timeout
         wait_event, job.event = self._record_event()
-        self._step.append(Store(0, job_id, keys, block_ids, wait_event, segments, True))
+        store = Store(0, job_id, keys, block_ids, wait_event, segments, True, job.deadline)
+        self._step.append(store)
         self._jobs[job_id] = job
         return True
 
@@ -441,7 +459,7 @@ class OffloaddWorker(OffloadingWorker):
         return bytes(event.ipc_handle()), event  # type: ignore[no-untyped-call]
 
     def _collect(self, client: OffloadClient) -> None:
-        now = time.perf_counter()
+        now, clock = time.perf_counter(), time.monotonic()
         for job_id, job in list(self._jobs.items()):
             done = client.finished.get(job_id) if job.sent else None
             if done is not None and job.load and not done.ok and _retry(done):
@@ -451,16 +469,31 @@ class OffloaddWorker(OffloadingWorker):
                 job.sent = False
                 done = None
             if done is None:
-                if now - job.started <= self._load_timeout:
+                if job.deadline:
+                    # Past its deadline the daemon commits none of its bytes: the blocks are
+                    # vLLM's again, whatever the daemon does with the copy later.
+                    if clock <= job.deadline:
+                        continue
+                elif now - job.started <= self._load_timeout:
                     continue
                 if job.load:
                     raise LoadFailed(
                         f"offloadd: load job {job_id} did not finish within "
                         f"{self._load_timeout:.0f}s (daemon at {self._endpoint} gone?)"
                     )
-                # A store that never ends (the daemon went away) must not hold the blocks
-                # forever: vLLM gets it back as done, nothing was cached.
-                logger.warning("offloadd: store job %d did not finish; given up", job_id)
+                # A store that never ends (the daemon went away or froze) must not hold the
+                # blocks: vLLM gets it back as done, nothing was cached.
+                bound = "offloadd_store_timeout" if job.deadline else "offloadd_load_timeout"
+                self._warn_given_up(
+                    logging.WARNING,
+                    "offloadd: store job %d to the daemon at %s not done within %s=%gs; "
+                    "given up (nothing cached)",
+                    job_id,
+                    self._endpoint,
+                    bound,
+                    self._store_timeout if job.deadline else self._load_timeout,
+                )
+                self.stores_given_up += 1
                 done = JobDone(job_id, False, [], 0, 0.0, "timed out")
             del self._jobs[job_id]
             self._results.append(self._result(job_id, job, done))
@@ -468,6 +501,8 @@ class OffloaddWorker(OffloadingWorker):
     def _result(self, job_id: int, job: _Job, done: JobDone) -> TransferResult:
         if done.code == ErrorCode.SHUTTING_DOWN and not job.load:
             logger.debug("offloadd: store job %d not taken: the daemon is stopping", job_id)
+        elif done.code == ErrorCode.DEADLINE_PASSED:  # a late daemon: nothing cached, no harm
+            logger.debug("offloadd: store job %d not taken: %s", job_id, done.error)
         elif done.code:
             logger.warning(
                 "offloadd: %s job %d refused: %s",

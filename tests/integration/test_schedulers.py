@@ -336,6 +336,28 @@ def test_a_store_waits_for_the_room_another_mirror_must_acknowledge() -> None:
         s.close()
 
 
+def test_a_waiting_store_past_its_deadline_when_its_room_comes_never_starts() -> None:
+    s = Shared()
+    try:
+        assert s.ra.client is not None
+        deadline = time.monotonic() + 0.2
+        s.ra.client.store(
+            2, s.keys[4:], chunk_block_ids([4], BPC), reserved=True, deadline=deadline
+        )
+        s.ra.client.poll(0.2)
+        assert s.stats().stores_waiting == 1
+        while time.monotonic() <= deadline:  # the rank may give it up now
+            s.ra.client.poll(0.05)
+        s.ack_b()
+        (done,) = s.ra.client.wait([2], raise_on_failure=False)
+        assert not done.ok and "deadline" in done.error and done.failed_keys == s.keys[4:]
+        stats = s.stats()
+        assert stats.stores_waiting == 0 and stats.jobs_in_flight == 0
+        assert stats.committed_entries == 2 and stats.stores_refused_by_reason == {"late": 1}
+    finally:
+        s.close()
+
+
 def test_a_waiting_store_of_a_rank_that_leaves_never_starts() -> None:
     s = Shared()
     try:

@@ -318,3 +318,51 @@ async def test_a_batch_whose_copy_fails_fails_every_job_it_carried(rig: Rig) -> 
     assert all(d.error == "copy failed: bus error" for d in frame.dones)
     assert rig.cache.calls == [("finish_store", False), ("finish_store", False)]
     assert rig.imported.refs == 1 and rig.counters.jobs_failed == 2
+
+
+def _store_with_deadline(rig: Rig, job_id: int, deadline: float) -> Job:
+    job = rig.job(job_id)
+    job.deadline = deadline
+    job.writes = [object()]  # type: ignore[list-item]  # the fake cache takes any write
+    assert rig.jobs.submit(rig.state, 0, job, MOVES).reply == JobAccepted(0, job_id)
+    return job
+
+
+@pytest.mark.asyncio
+async def test_a_store_whose_copy_ends_past_its_deadline_is_not_committed(rig: Rig) -> None:
+    # The deadline passes while the copy is in flight (a daemon frozen past it, say).
+    _store_with_deadline(rig, 1, time.monotonic() + 0.01)
+    await settle(lambda: time.monotonic() > rig.state.jobs[1].deadline)
+    rig.copies.futures[0].set_result(0.5)
+    await settle(lambda: rig.jobs.in_flight == 0)
+    (done,) = rig.replies(JobDone)
+    assert not done.ok and done.failed_keys == [b"k" * 8 + bytes(4)]
+    assert "store deadline passed" in done.error and "not committed" in done.error
+    assert rig.cache.calls == [("finish_store", False)]  # nothing visible, its room freed
+    assert rig.announcer.committed[0][1] == [] and rig.counters.bytes_stored == 0
+    assert rig.counters.refused == {"late": 1} and rig.counters.jobs_failed == 1
+    assert rig.imported.refs == 1
+
+
+@pytest.mark.asyncio
+async def test_a_store_whose_copy_ends_before_its_deadline_commits(rig: Rig) -> None:
+    with rig.jobs.batch():  # checked per job at the copy's end, batched or not
+        _store_with_deadline(rig, 1, time.monotonic() + 3600.0)
+        _store_with_deadline(rig, 2, time.monotonic() - 1.0)  # already past as it ends
+    (future,) = rig.copies.futures
+    future.set_result(0.5)
+    await settle(lambda: rig.jobs.in_flight == 0)
+    (frame,) = rig.replies(JobsDone)
+    assert [(d.job_id, d.ok) for d in frame.dones] == [(1, True), (2, False)]
+    assert rig.cache.calls == [("finish_store", True), ("finish_store", False)]
+    assert rig.counters.refused == {"late": 1} and rig.counters.bytes_stored == 4096
+
+
+def test_refuse_late_refuses_only_a_store_past_its_deadline(rig: Rig) -> None:
+    rig.jobs.refuse_late(0.0, [b"k"])  # no deadline: today's behaviour
+    rig.jobs.refuse_late(time.monotonic() + 3600.0, [b"k"])
+    assert rig.counters.refused == {}
+    with pytest.raises(Refused) as refused:
+        rig.jobs.refuse_late(time.monotonic() - 0.5, [b"a", b"b"])
+    assert refused.value.code == ErrorCode.DEADLINE_PASSED and "deadline" in str(refused.value)
+    assert rig.counters.refused == {"late": 2}

@@ -416,6 +416,7 @@ def test_messages_are_maps_keyed_by_field_name() -> None:
         "wait_event": b"",
         "segments": [],
         "reserved": False,
+        "deadline": 0.0,
     }
 
 

@@ -354,3 +354,71 @@ def test_daemon_frozen_past_the_plugin_timeouts_keeps_only_live_sessions(tmp_pat
     finally:
         serve.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_store_to_a_frozen_daemon_is_given_up_at_its_deadline_and_never_committed(
+    tmp_path: Path, serve: ServeProcess
+) -> None:
+    """SIGSTOP right as the rank submits a step's stores: each is given up (done, nothing
+    cached) within a step or two of its deadline (offloadd_store_timeout after its submit),
+    not after offloadd_load_timeout, so the request's blocks go back to vLLM and are reused.
+    After SIGCONT the daemon takes the queued stores and commits none of them: their copies
+    would read blocks vLLM has since given to other requests."""
+    serve.start()
+    extra = extra_for(serve) | {"offloadd_store_timeout": 1.0}
+    with VllmHarness(tmp_path, extra) as h:
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        worker = h.ranks[0].offloading_worker
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        client = worker._client
+        assert client is not None and client.welcome is not None and client.welcome.shared_clock
+        process = serve.process
+        assert process is not None
+        frozen_keys: list[bytes] = []
+        deadlines: list[float] = []
+        real_submit = worker.submit_store
+
+        def submit_store(job_id: int, src: Any, dst: Any) -> bool:
+            if not frozen_keys:
+                process.send_signal(signal.SIGSTOP)  # the scheduler already reserved them
+            frozen_keys.extend(dst.keys)
+            result = real_submit(job_id, src, dst)
+            job = worker._jobs.get(job_id)
+            if job is not None:
+                deadlines.append(job.deadline)
+            return bool(result)
+
+        worker.submit_store = submit_store
+        prompt = prompt_of(100, seed=21)
+        try:
+            y = h.add_request(prompt, max_tokens=40)
+            steps_past = 0  # steps begun once every frozen store's deadline had passed
+            bound = time.monotonic() + 60  # a wall bound on the loop, not a timing assertion
+            while not (deadlines and worker.stores_given_up >= len(deadlines)):
+                assert time.monotonic() < bound, "stores to the frozen daemon never given up"
+                if deadlines and time.monotonic() > max(deadlines):
+                    steps_past += 1
+                h.step()
+            worker.submit_store = real_submit
+            assert deadlines and all(deadlines)  # each store carried its deadline
+            assert steps_past <= 2, f"given up {steps_past} steps after the deadline"
+            h.run_until_finished(timeout=60)
+            assert h.outputs[y] == expected_output(prompt, 40)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        # The daemon runs the queued StepJobs now: every frozen store is late, none commits.
+        deadline = time.monotonic() + 30
+        while True:
+            stats = stats_of(serve)
+            late = stats.stores_refused_by_reason.get("late", 0)
+            if late >= len(frozen_keys) and not worker._away():
+                break
+            assert time.monotonic() < deadline, f"{late} late keys of {len(frozen_keys)}"
+            time.sleep(0.05)
+        settle(h, 6)
+        assert not set(frozen_keys) & manager._mirror.keys
+        print(f"\nfrozen: {len(deadlines)} stores ({len(frozen_keys)} keys) given up "
+              f"{steps_past} steps past their deadline; late {late}")  # fmt: skip
+        offload_resumes(h, seed=300)

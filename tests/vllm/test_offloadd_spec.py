@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -217,6 +218,56 @@ def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
     extra: dict[str, object] = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
     extra |= {"offloadd_endpoint": endpoint, "offloadd_timeout": 0.5}
     with pytest.raises(DaemonUnavailable, match=r"nobody\.sock"):
+        VllmHarness(tmp_path, extra)
+
+
+def test_stores_carry_a_deadline_only_on_a_shared_clock(
+    tmp_path: Path, daemon: DaemonThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that does not read the rank's clock (another time namespace) gets no
+    deadlines: its stores run as before, given up only after offloadd_load_timeout."""
+    from offloadd.server import sessions
+    from protocol.messages import Store
+
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(sessions, "shared_clock", lambda monotonic: False)
+        extra = extra_for(daemon, offloadd_store_timeout=5.0)
+        with VllmHarness(tmp_path / str(shared), extra) as h:
+            worker = h.ranks[0].offloading_worker
+            client = worker._client
+            assert client is not None and client.welcome.shared_clock is shared
+            sent: list[Store] = []
+            post = client.post_jobs
+
+            def post_jobs(jobs: list[Store], sent: list[Store] = sent, post: Any = post) -> None:
+                sent.extend(job for job in jobs if isinstance(job, Store))
+                post(jobs)
+
+            client.post_jobs = post_jobs
+            start = time.monotonic()
+            compute(h, prompt_of(100, seed=40 + shared))
+            assert sent, "no store was sent"
+            if shared:
+                assert all(start < job.deadline <= time.monotonic() + 5.0 for job in sent)
+            else:
+                assert all(job.deadline == 0.0 for job in sent)
+            stored = {key for job in sent for key in job.keys}
+            manager = h.offloading_manager
+            assert isinstance(manager, OffloaddManager)
+            bound = time.monotonic() + 30  # committed either way
+            while not stored <= manager._mirror.keys:
+                assert time.monotonic() < bound, "the stores were not committed"
+                time.sleep(0.01)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "nan", "inf"])
+def test_a_store_timeout_that_is_not_a_positive_number_is_a_clear_error(
+    tmp_path: Path, value: object
+) -> None:
+    extra: dict[str, object] = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
+    extra |= {"offloadd_endpoint": f"ipc://{tmp_path}/d.sock", "offloadd_store_timeout": value}
+    with pytest.raises(ValueError, match="offloadd_store_timeout must be"):
         VllmHarness(tmp_path, extra)
 
 
