@@ -19,6 +19,10 @@ socket's bulk lane, behind the Lookups and Reserves waiting, or at once when non
   it is not committed (its writes end not-ok, its JobDone says why, its keys are counted under
   ``REFUSED_LATE``); ``refuse_late(deadline, keys)`` raises ``Refused(DEADLINE_PASSED)`` for
   one not started by then (requests and waiting stores call it).
+- ``batch()`` (a context): jobs submitted inside are booked at once and started when it
+  closes, those of one session and direction as one copy with one end; their JobDones go in
+  one ``JobsDone`` frame. A copy that fails fails all the jobs it carried; one the engine
+  refuses gets each its JobDone (``refuse``, INTERNAL) instead of raising.
 - ``accept_without_copy(state, request_id, job, error)``: ``JobAccepted``, then ``JobDone`` at
   once, for a job with nothing to copy.
 - ``wait(state, request, reply)`` (DEFERRED): ``reply(WaitResult)`` at once when none of the
@@ -256,10 +260,10 @@ class Jobs:
             yield
         finally:
             booked, self._batch = self._batch, None
-            for direction in Direction:
-                group = [b for b in booked if b.job.direction is direction]
-                if not group:
-                    continue
+            groups: dict[tuple[int, Direction], list[_Booked]] = {}
+            for b in booked:  # one copy per session and direction (its windows, its device)
+                groups.setdefault((id(b.job.state), b.job.direction), []).append(b)
+            for group in groups.values():
                 try:
                     self._launch(group)
                 except Exception as exc:
