@@ -151,8 +151,7 @@ class Jobs:
         if not self.draining:
             return
         if store_keys:
-            refused = self.counters.refused
-            refused[REFUSED_DRAINING] = refused.get(REFUSED_DRAINING, 0) + store_keys
+            self._count_refused(REFUSED_DRAINING, store_keys)
         raise Refused(
             ErrorCode.SHUTTING_DOWN,
             "the daemon is shutting down: no new jobs, reservations or holds until it is back",
@@ -192,15 +191,16 @@ class Jobs:
         rank may have given its blocks back already."""
         if not late(deadline):
             return
-        self._count_late(len(keys))
+        self._count_refused(REFUSED_LATE, len(keys))
         raise Refused(
             ErrorCode.DEADLINE_PASSED,
             f"the store's deadline passed {time.monotonic() - deadline:.3f}s ago: not started",
         )
 
-    def _count_late(self, keys: int) -> None:
+    def _count_refused(self, reason: str, keys: int) -> None:
+        """Count ``keys`` store keys refused for ``reason`` (GetStats, metrics)."""
         refused = self.counters.refused
-        refused[REFUSED_LATE] = refused.get(REFUSED_LATE, 0) + keys
+        refused[reason] = refused.get(reason, 0) + keys
 
     def refuse(
         self, state: SessionState, job_id: int, keys: list[bytes], code: ErrorCode, message: str
@@ -372,7 +372,7 @@ class Jobs:
             # in between, bytes of reused blocks are never committed.
             overdue = copied and not job.abandoned and late(job.deadline)
             if overdue:
-                self._count_late(len(job.writes))
+                self._count_refused(REFUSED_LATE, len(job.writes))
                 overrun = time.monotonic() - job.deadline
                 error = (
                     f"store deadline passed ({overrun:.3f}s ago) as its copy ended: not committed"
