@@ -216,12 +216,13 @@ class ServerProcess:
         assert self.process.stdout is not None
         stdout = self.process.stdout
         deadline = time.monotonic() + timeout
+        poller = select.poll()  # not select(): a pytest run may hold descriptors past 1024
+        poller.register(stdout, select.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"{self.mode} server did not answer within {timeout:.0f}s")
-            ready, _, _ = select.select([stdout], [], [], min(remaining, 0.5))
-            if ready:
+            if poller.poll(min(remaining, 0.5) * 1000):
                 line = stdout.readline()
                 if not line:
                     raise RuntimeError(f"{self.mode} server exited (status {self.process.poll()})")

@@ -204,6 +204,13 @@ class Entry:
             return []
         return self._cache._row_offsets(row)
 
+    def offset(self, shard: int) -> int:
+        """``offsets[shard]``, without building the list (a load's plan reads one per key)."""
+        row = self._row
+        if row < 0:
+            raise IndexError(f"{self!r}: its extents are freed")
+        return self._cache._shard_offset(row, shard)
+
     @property
     def written(self) -> int:
         """Bitmask of the shards written."""
@@ -1057,13 +1064,16 @@ class ChunkCache:
     def begin_load_held(self, owner: str, token: str, keys: Sequence[bytes]) -> LoadReservation:
         """Like ``begin_load``, for keys held under ``(owner, token)`` (removed ones too)."""
         held = self._holds.get((owner, token), {})
-        missing = [key for key in keys if key not in held]
-        if missing:
-            return LoadReservation([], missing)
-        rows = [held[key][0] for key in keys]
-        for row in rows:
-            self._add_reader(row)
-        return LoadReservation([self._handle(row) for row in rows], [])
+        try:
+            rows = [held[key][0] for key in keys]
+        except KeyError:
+            return LoadReservation([], [key for key in keys if key not in held])
+        readers, state, step = self._readers, self._state.v, lifecycle.step
+        for row in rows:  # _add_reader's, inlined: a step's loads read thousands of rows
+            readers[row] = readers.get(row, 0) + 1
+            state[row] = step(state[row], _START_READ)
+        handle = self._handle
+        return LoadReservation([handle(row) for row in rows], [])
 
     def _add_reader(self, row: int) -> None:
         self._readers[row] = self._readers.get(row, 0) + 1
@@ -1384,6 +1394,11 @@ class ChunkCache:
         count = len(self._shapes[self._shape.v[row]])
         pool, align = self._offsets.v, self._align
         return [pool[slot] * align for slot in range(base, base + count)]
+
+    def _shard_offset(self, row: int, shard: int) -> int:
+        if not 0 <= shard < len(self._shapes[self._shape.v[row]]):
+            raise IndexError(f"row {row} has no shard {shard}")
+        return self._offsets.v[self._base.v[row] + shard] * self._align
 
     def _written_mask(self, row: int) -> int:
         if self._state.v[row] & _COMMITTED:

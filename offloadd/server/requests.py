@@ -177,13 +177,23 @@ class CacheRequests:
         )
         return Ok(request.request_id, len(keys))
 
-    def _worker_job_checks(
-        self, state: SessionState, job_id: int, keys: list[bytes], *, files_checked: bool = False
-    ) -> tuple[Engine, Namespace]:
-        self._jobs.refuse_while_draining()
+    def _worker_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
+        """A worker rank of a ready engine: that engine and its namespace."""
         if state.session.role != "worker":
             raise Refused(ErrorCode.WRONG_ROLE, "only worker ranks store and load")
-        engine, namespace = ready_engine(self.registry, state.session)
+        return ready_engine(self.registry, state.session)
+
+    def _worker_job_checks(
+        self,
+        state: SessionState,
+        job_id: int,
+        keys: list[bytes],
+        step: tuple[Engine, Namespace] | None,
+    ) -> tuple[Engine, Namespace]:
+        """The checks of one job; ``step``: its StepJobs' ``_worker_checks``, whose files
+        were checked too (once for all its jobs)."""
+        self._jobs.refuse_while_draining()
+        engine, namespace = self._worker_checks(state) if step is None else step
         if job_id in state.jobs:
             raise Refused(ErrorCode.DUPLICATE_JOB, f"job {job_id} is still running")
         most = self._limits.settings.jobs_per_session
@@ -192,7 +202,7 @@ class CacheRequests:
                 ErrorCode.TOO_LARGE, f"{most} jobs in flight already (limits.jobs_per_session)"
             )
         check_keys(keys, engine, self._limits)
-        if not files_checked:
+        if step is None:
             self._check_files(state)
         state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
         return engine, namespace
@@ -207,27 +217,35 @@ class CacheRequests:
     def step_jobs(self, state: SessionState, request: StepJobs) -> Reply:
         """Run each job of the step as its lone request would run; see the module docstring."""
         started = 0
+        step: tuple[Engine, Namespace] | None = None
+        problem: Refused | None = None
         try:
             # Once for the step's jobs, planned in this one turn of the loop: an fstat per
             # job gave the GIL to a copy thread each time, and took 0.2 ms to get it back.
+            step = self._worker_checks(state)
             self._check_files(state)
-            problem = None
         except Refused as refused:
             problem = refused
         with self._jobs.batch():
             for job in request.jobs:
-                started += self._step_job(state, job, problem)
+                started += self._step_job(state, job, step, problem)
         return Ok(request.request_id, started)
 
-    def _step_job(self, state: SessionState, job: Store | Load, problem: Refused | None) -> int:
+    def _step_job(
+        self,
+        state: SessionState,
+        job: Store | Load,
+        step: tuple[Engine, Namespace] | None,
+        problem: Refused | None,
+    ) -> int:
         """One job of a StepJobs: 1 if it started, else 0 (its JobDone says why)."""
         try:
             if problem is not None:
                 raise problem
             accepted = (
-                self.store(state, job, files_checked=True)
+                self.store(state, job, step=step)
                 if isinstance(job, Store)
-                else self.load(state, job, files_checked=True)
+                else self.load(state, job, step=step)
             )
         except Refused as refused:
             self._jobs.refuse(state, job.job_id, job.keys, refused.code, str(refused))
@@ -244,14 +262,12 @@ class CacheRequests:
         return 1
 
     def store(
-        self, state: SessionState, request: Store, *, files_checked: bool = False
+        self, state: SessionState, request: Store, *, step: tuple[Engine, Namespace] | None = None
     ) -> Accepted:
-        """Reserve the rank's shard of each key and copy its blocks into the arena
-        (``files_checked``: the rank's files were just found whole)."""
+        """Reserve the rank's shard of each key and copy its blocks into the arena (``step``:
+        see ``_worker_job_checks``)."""
         self._jobs.refuse_while_draining(len(request.keys))
-        engine, namespace = self._worker_job_checks(
-            state, request.job_id, request.keys, files_checked=files_checked
-        )
+        engine, namespace = self._worker_job_checks(state, request.job_id, request.keys, step)
         self._jobs.refuse_late(request.deadline, request.keys)  # its blocks may be reused
         bpc = namespace.blocks_per_chunk
         if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
@@ -359,11 +375,12 @@ class CacheRequests:
         job.nbytes += runs.nbytes
         return self._jobs.submit(state, request.request_id, job, runs, request.wait_event)
 
-    def load(self, state: SessionState, request: Load, *, files_checked: bool = False) -> Accepted:
-        """Copy committed chunks into the rank's blocks: every key, or none."""
-        engine, namespace = self._worker_job_checks(
-            state, request.job_id, request.keys, files_checked=files_checked
-        )
+    def load(
+        self, state: SessionState, request: Load, *, step: tuple[Engine, Namespace] | None = None
+    ) -> Accepted:
+        """Copy committed chunks into the rank's blocks: every key, or none (``step``: see
+        ``_worker_job_checks``)."""
+        engine, namespace = self._worker_job_checks(state, request.job_id, request.keys, step)
         bpc = namespace.blocks_per_chunk
         skip = request.skip
         expected = len(request.keys) * bpc - skip
@@ -402,7 +419,7 @@ class CacheRequests:
             spans, shard_bytes = self._spans(state, positions[group_of_key(entry.key)], bpc)
             if shard_bytes > entry.sizes[shard]:
                 raise AssertionError("shard plan exceeds its slot")
-            address = arena_address + entry.offsets[shard]
+            address = arena_address + entry.offset(shard)
             runs.add(spans, block_ids[position : position + count], address, sub_block)
             position += count
         job.nbytes += runs.nbytes
@@ -451,13 +468,13 @@ class CacheRequests:
         Building them checks every region's geometry against what the daemon really mapped,
         so block ids validated against ``num_blocks`` can never address outside a region.
         """
-        layout = state.session.layouts[group]
-        spans = state.spans.get(group)
-        if spans is None:
+        planned = state.spans.get(group)
+        if planned is None:
+            layout = state.session.layouts[group]
             mappings = [(imported.address, imported.size) for imported in state.imports]
             spans = group_spans(layout, state.session.regions, mappings, blocks_per_chunk=bpc)
-            state.spans[group] = spans
-        return spans, layout.shard_bytes(bpc)
+            planned = state.spans[group] = (spans, layout.shard_bytes(bpc))
+        return planned
 
 
 def _block_offsets(ranges: Sequence[tuple[int, int]]) -> list[int]:

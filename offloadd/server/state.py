@@ -33,7 +33,8 @@ class SessionState:
     waiters: list[Waiter] = field(default_factory=list)
     alive: bool = True
     last_seen: float = field(default_factory=time.monotonic)
-    spans: dict[int, tuple[Span, ...]] = field(default_factory=dict)  # by group, built lazily
+    # By group, built lazily: its resolved spans and shard bytes (the namespace's chunk size).
+    spans: dict[int, tuple[tuple[Span, ...], int]] = field(default_factory=dict)
     pidfd: int | None = None  # watched with the loop: readable once the process exited
     peer: Peer = REMOTE  # who the kernel says the peer is (offloadd.peer)
     windows: tuple[FileWindow, ...] = ()  # its shared-memory files, reached by descriptor

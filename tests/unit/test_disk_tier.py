@@ -155,9 +155,10 @@ def test_a_chunk_is_visible_only_once_whole(
         rename(source, target)
 
     monkeypatch.setattr(os, "rename", checked_rename)
-    assert tier.put([chunk], arena).stored == [True]
-    assert seen == [(False, False, True, FILE_SIZE)]  # whole before the rename, hidden until it
-    assert final.exists() and tier.contains(NS, [b"a"]) == [True]
+    with tier:
+        assert tier.put([chunk], arena).stored == [True]
+        assert seen == [(False, False, True, FILE_SIZE)]  # whole before the rename, hidden till it
+        assert final.exists() and tier.contains(NS, [b"a"]) == [True]
 
 
 def test_temp_files_of_a_killed_run_are_removed_at_open(
@@ -172,10 +173,10 @@ def test_temp_files_of_a_killed_run_are_removed_at_open(
     temp = final.with_name(final.name + chunkfile.TEMP_SUFFIX)
     temp.write_bytes(final.read_bytes()[: FILE_SIZE // 2])
     final.unlink()
-    reopened = DiskTier(str(tmp_path), 1 << 20)
-    assert not temp.exists()
-    assert reopened.contains(NS, [b"kept", b"torn"]) == [True, False]
-    assert reopened.stats().chunks == 1 and reopened.stats().used_bytes == FILE_SIZE
+    with DiskTier(str(tmp_path), 1 << 20) as reopened:
+        assert not temp.exists()
+        assert reopened.contains(NS, [b"kept", b"torn"]) == [True, False]
+        assert reopened.stats().chunks == 1 and reopened.stats().used_bytes == FILE_SIZE
 
 
 def test_lru_eviction_within_capacity(tmp_path: Path, arena: Arena, chunks: Chunks) -> None:
