@@ -1034,8 +1034,7 @@ class ChunkCache:
                 rows.append(row)
         if missing:
             return LoadReservation([], missing)
-        for row in rows:
-            self._add_reader(row)
+        self._add_readers(rows)
         self._policy.touch(rows)
         return LoadReservation([self._handle(row) for row in rows], [])
 
@@ -1068,16 +1067,14 @@ class ChunkCache:
             rows = [held[key][0] for key in keys]
         except KeyError:
             return LoadReservation([], [key for key in keys if key not in held])
+        self._add_readers(rows)
+        return LoadReservation([self._handle(row) for row in rows], [])
+
+    def _add_readers(self, rows: Sequence[int]) -> None:
         readers, state, step = self._readers, self._state.v, lifecycle.step
-        for row in rows:  # _add_reader's, inlined: a step's loads read thousands of rows
+        for row in rows:  # one call for a load's rows: a step's loads read thousands
             readers[row] = readers.get(row, 0) + 1
             state[row] = step(state[row], _START_READ)
-        handle = self._handle
-        return LoadReservation([handle(row) for row in rows], [])
-
-    def _add_reader(self, row: int) -> None:
-        self._readers[row] = self._readers.get(row, 0) + 1
-        self._state.v[row] = lifecycle.step(self._state.v[row], _START_READ)
 
     # -- holds ------------------------------------------------------------------------------
 
