@@ -343,29 +343,54 @@ class Jobs:
                 exc,
             )
             seconds, error = 0.0, f"copy failed: {exc}"
-        total = sum(b.job.nbytes for b in group)
+        jobs = [b.job for b in group]
+        copied = not error
+        # The cache side of all of them at once: a step's 256 stores commit as one journal
+        # record, one mirror message and one event batch, not 256 of each.
+        if jobs[0].direction is Direction.STORE:
+            errors = self._end_stores(jobs, copied=copied)
+        else:
+            self._cache.finish_load([entry for job in jobs for entry in job.entries])
+            errors = [""] * len(jobs)
+            if copied:
+                self.counters.bytes_loaded += sum(job.nbytes for job in jobs)
+        total = sum(job.nbytes for job in jobs)
         dones: list[JobDone] = []
-        for b in group:
-            # Each job's share of the copy's time, for the throughput metrics.
-            share = seconds * b.job.nbytes / total if len(group) > 1 and total else seconds
-            done = self._copy_finished(b.job, b.imports, share, error)
+        nbytes: list[int] = []
+        failed = 0
+        for b, why in zip(group, errors, strict=True):
+            job = b.job
+            self.in_flight -= 1
+            self.release_imports(b.imports)
+            if not copied:
+                job.failed_keys = list(job.keys)
+            ok = copied and not job.failed_keys
+            # Each job's share of the copy's time, for its JobDone.
+            share = seconds * job.nbytes / total if len(group) > 1 and total else seconds
+            done = self._settled(job, ok=ok, seconds=share, error=error or why)
+            nbytes.append(0 if error or why else job.nbytes)
+            failed += not ok
             if done is not None:
                 dones.append(done)
+        engine_id, dp = jobs[0].state.session.engine_key
+        self.metrics.jobs_finished(
+            jobs[0].direction.value, engine_id, dp, nbytes, seconds=seconds, failed=failed
+        )
         if self.in_flight == 0:
             self._idle.set()
         if not dones:
             return
-        state = group[0].job.state
+        state = jobs[0].state
         self._send(state.identity, dones[0] if len(dones) == 1 else JobsDone(dones))
         self._wake_waiters(state)
 
-    def _copy_finished(
-        self, job: Job, imports: list[Import], seconds: float, error: str
-    ) -> JobDone | None:
-        """Finish ``job``'s cache side; its JobDone to send (None: nobody to answer)."""
-        self.in_flight -= 1
-        copied = not error
-        if job.direction is Direction.STORE:
+    def _end_stores(self, jobs: list[Job], *, copied: bool) -> list[str]:
+        """End the writes of one copy's stores (of one session): those copied in time commit
+        together; why each job failed ("" when it did not)."""
+        errors = [""] * len(jobs)
+        commit: list[Job] = []
+        give_up: list[Job] = []
+        for index, job in enumerate(jobs):
             # Checked once the copy has ended: a commit then means every byte was read before
             # the deadline, so before the rank could give its blocks back to vLLM (it gives a
             # store up only past it, on the same clock). However long the daemon was frozen
@@ -374,55 +399,57 @@ class Jobs:
             if overdue:
                 self._count_refused(REFUSED_LATE, len(job.writes))
                 overrun = time.monotonic() - job.deadline
-                error = (
+                errors[index] = (
                     f"store deadline passed ({overrun:.3f}s ago) as its copy ended: not committed"
                 )
-            refused = self._commit_store(job, ok=copied and not job.abandoned and not overdue)
-            error = error or refused
-            if overdue:
                 job.failed_keys = list(job.keys)
             elif copied:
                 self.counters.bytes_stored += job.nbytes
-        else:
-            self._cache.finish_load(job.entries)
-            if copied:
-                self.counters.bytes_loaded += job.nbytes
-        self.release_imports(imports)
-        if not copied:
-            job.failed_keys = list(job.keys)
-        return self._finished(job, ok=copied and not job.failed_keys, seconds=seconds, error=error)
+            (commit if copied and not job.abandoned and not overdue else give_up).append(job)
+        refused = dict(zip(map(id, commit), self._commit_stores(commit, ok=True), strict=True))
+        self._commit_stores(give_up, ok=False)  # nothing commits: nothing refused
+        return [errors[i] or refused.get(id(job), "") for i, job in enumerate(jobs)]
 
     def _commit_store(self, job: Job, *, ok: bool) -> str:
         """End the store's writes through the committer; why some did not commit, or ""."""
-        engine = self.registry.engine(job.state.session.engine_key)
+        return self._commit_stores([job], ok=ok)[0]
+
+    def _commit_stores(self, jobs: Sequence[Job], *, ok: bool) -> list[str]:
+        """End the writes of one session's stores as one commit; for each job, why some of
+        its chunks did not commit (their keys join its ``failed_keys``), or ""."""
+        if not jobs:
+            return []
+        engine = self.registry.engine(jobs[0].state.session.engine_key)
         namespace = engine.namespace if engine is not None else None
-        outcome = self._committer.commit(namespace, job.writes, ok=ok)
+        writes = [write for job in jobs for write in job.writes]
+        outcome = self._committer.commit(namespace, writes, ok=ok)
         if not outcome.lost:
-            return ""
-        job.failed_keys = job.failed_keys + [entry.key for entry in outcome.lost]
-        return f"not committed: {outcome.reason}"
+            return [""] * len(jobs)
+        lost = {entry.key for entry in outcome.lost}
+        reasons = []
+        for job in jobs:
+            keys = [w.entry.key for w in job.writes if w.entry.key in lost]
+            job.failed_keys = job.failed_keys + keys
+            reasons.append(f"not committed: {outcome.reason}" if keys else "")
+        return reasons
 
     def complete(self, job: Job, *, ok: bool, seconds: float, error: str) -> None:
         """Count ``job`` finished; unless its session is gone, send and keep its JobDone."""
-        done = self._finished(job, ok=ok, seconds=seconds, error=error)
+        engine_id, dp = job.state.session.engine_key
+        nbytes = 0 if error else job.nbytes
+        self.metrics.job_finished(
+            job.direction.value, engine_id, dp, nbytes=nbytes, seconds=seconds, ok=ok
+        )
+        done = self._settled(job, ok=ok, seconds=seconds, error=error)
         if done is not None:
             self._send(job.state.identity, done)
             self._wake_waiters(job.state)
 
-    def _finished(self, job: Job, *, ok: bool, seconds: float, error: str) -> JobDone | None:
-        """``complete`` but for the sending: the JobDone kept for Wait, None when its session
-        is gone (nobody to answer)."""
+    def _settled(self, job: Job, *, ok: bool, seconds: float, error: str) -> JobDone | None:
+        """``complete`` but for the metrics and the sending: the JobDone kept for Wait, None
+        when its session is gone (nobody to answer)."""
         state = job.state
         state.jobs.pop(job.job_id, None)
-        engine_id, dp = state.session.engine_key
-        self.metrics.job_finished(
-            job.direction.value,
-            engine_id,
-            dp,
-            nbytes=0 if error else job.nbytes,
-            seconds=seconds,
-            ok=ok,
-        )
         if not ok:
             self.counters.jobs_failed += 1
         if job.abandoned or not state.alive:

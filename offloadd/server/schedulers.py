@@ -141,19 +141,19 @@ class Schedulers:
             check_keys(item.keys, engine, self._limits)
         for item in release:
             cache.release_hold(owner, item.token, item.keys)
-        held, missing = 0, []
-        for item in hold:
-            # Missing keys, then those beyond the engine's or its tenant's budget.
-            lost = cache.hold(
+        # Missing keys, then those beyond the engine's or its tenant's budget.
+        missing = (
+            cache.hold_tokens(
                 namespace.name,
                 owner,
-                item.token,
-                item.keys,
+                [(item.token, item.keys) for item in hold],
                 account=engine.key,
                 tenant=engine.tenant,
             )
-            held += len(item.keys) - len(lost)
-            missing.extend(lost)
+            if hold
+            else []
+        )
+        held = sum(len(item.keys) for item in hold) - len(missing)
         if missing:
             logger.warning(
                 "%s: %d held keys were not in the cache", state.session.describe(), len(missing)

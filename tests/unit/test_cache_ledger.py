@@ -260,3 +260,21 @@ def test_lapsed_reservations_make_room_for_another_store() -> None:
     clock.now = 5.0
     res = cache.begin_store(NS, other, 0, sized)
     assert res.refused == [] and len(cache.finish_store(res.writes, ok=True)) == 4
+
+
+def test_holding_a_steps_tokens_in_one_call_is_holding_them_in_turn() -> None:
+    keys = [bytes([i % 3, i]) for i in range(8)]  # 8, 16 or 24 bytes each
+    holds = [("t1", [*keys[:3], b"\0gone"]), ("t2", keys[2:6]), ("t1", keys[5:])]
+    one_call, in_turn = (ChunkCache(1 << 16, align=8, budget=96, clock=Clock()) for _ in "ab")
+    for cache in (one_call, in_turn):
+        commit(cache, keys)
+    lost = one_call.hold_tokens(NS, "s1", holds, account=ENGINE)
+    lost_in_turn = [
+        key for token, held in holds for key in in_turn.hold(NS, "s1", token, held, account=ENGINE)
+    ]
+    assert sorted(lost) == sorted(lost_in_turn)
+    assert lost[0] == b"\0gone"  # the missing key first, then those beyond the budget
+    assert len(lost) > 1  # the budget (96 bytes) refused some
+    assert protected_sum(one_call, "s1") == protected_sum(in_turn, "s1") <= 96
+    assert one_call._holds == in_turn._holds
+    assert one_call.stats().held == in_turn.stats().held

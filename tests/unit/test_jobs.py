@@ -10,14 +10,15 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from offloadd.server.checks import Refused
-from offloadd.server.commit import Committer
+from offloadd.server.commit import Commit, Committer
 from offloadd.server.jobs import Jobs
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.server.registry import Namespace, Registry
@@ -288,7 +289,8 @@ async def test_a_batch_starts_each_direction_as_one_copy_and_answers_in_one_fram
         (3, True, 0),
     ]
     assert [d.seconds for d in frame.dones] == pytest.approx([0.2, 0.6, 0.0])  # by bytes
-    assert rig.cache.calls.count(("finish_load", 0)) == 3 and not rig.replies(JobDone)
+    # The three loads' entries are let go in one call, their JobDones sent in one frame.
+    assert rig.cache.calls == [("finish_load", 0)] and not rig.replies(JobDone)
     assert list(rig.state.done) == [1, 2, 3]  # kept for Wait as lone jobs are
 
 
@@ -316,7 +318,7 @@ async def test_a_batch_whose_copy_fails_fails_every_job_it_carried(rig: Rig) -> 
     (frame,) = rig.replies(JobsDone)
     assert [(d.job_id, d.ok) for d in frame.dones] == [(1, False), (2, False)]
     assert all(d.error == "copy failed: bus error" for d in frame.dones)
-    assert rig.cache.calls == [("finish_store", False), ("finish_store", False)]
+    assert rig.cache.calls == [("finish_store", False)]  # both jobs' writes, none committed
     assert rig.imported.refs == 1 and rig.counters.jobs_failed == 2
 
 
@@ -356,6 +358,49 @@ async def test_a_store_whose_copy_ends_before_its_deadline_commits(rig: Rig) -> 
     assert [(d.job_id, d.ok) for d in frame.dones] == [(1, True), (2, False)]
     assert rig.cache.calls == [("finish_store", True), ("finish_store", False)]
     assert rig.counters.refused == {"late": 1} and rig.counters.bytes_stored == 4096
+
+
+@dataclass
+class LosingCommitter:
+    """Commits every write but those of ``lose``, which its journal refuses."""
+
+    lose: set[bytes]
+    commits: list[int] = field(default_factory=list)
+
+    def seal(self, writes: list[Any], then: Callable[[], object]) -> None:
+        then()
+
+    def commit(self, namespace: Any, writes: list[Any], *, ok: bool = True) -> Commit:
+        self.commits.append(len(writes))
+        entries = [write.entry for write in writes] if ok else []
+        lost = [entry for entry in entries if entry.key in self.lose]
+        return Commit([e for e in entries if e not in lost], lost, "journal full")
+
+
+@pytest.mark.asyncio
+async def test_a_batch_of_stores_commits_once_and_fails_only_the_job_that_lost_a_chunk(
+    rig: Rig,
+) -> None:
+    committer = rig.jobs._committer = LosingCommitter({b"b2"})  # type: ignore[assignment]
+    with rig.jobs.batch():
+        for job_id, keys in ((1, [b"a1"]), (2, [b"b1", b"b2"]), (3, [b"c1"])):
+            job = rig.job(job_id)
+            job.keys = keys
+            job.writes = [SimpleNamespace(entry=SimpleNamespace(key=k)) for k in keys]  # type: ignore[misc]
+            assert rig.jobs.submit(rig.state, 0, job, MOVES).reply == JobAccepted(0, job_id)
+    (future,) = rig.copies.futures
+    future.set_result(0.5)
+    await settle(lambda: rig.jobs.in_flight == 0)
+    assert committer.commits == [4]  # the four writes of three jobs, as one commit
+    (frame,) = rig.replies(JobsDone)
+    assert [(d.job_id, d.ok, d.failed_keys) for d in frame.dones] == [
+        (1, True, []),
+        (2, False, [b"b2"]),
+        (3, True, []),
+    ]
+    assert frame.dones[1].error == "not committed: journal full"
+    assert frame.dones[0].error == frame.dones[2].error == ""
+    assert rig.counters.jobs_failed == 1
 
 
 def test_refuse_late_refuses_only_a_store_past_its_deadline(rig: Rig) -> None:

@@ -52,6 +52,28 @@ def test_job_finished_moves_bytes_seconds_jobs_and_sizes() -> None:
     assert value(metrics, "offloadd_job_bytes_sum", direction="store") == 3_001_000
 
 
+def test_jobs_of_one_copy_count_as_their_jobs_one_by_one() -> None:
+    one_call, by_job = Metrics(), Metrics()
+    copied, outcomes = [4096, 0, 2_000_000, 4096], [True, False, True, False]
+    one_call.jobs_finished("load", "engine-a", 0, copied, seconds=0.5, failed=2)
+    for nbytes, ok in zip(copied, outcomes, strict=True):
+        by_job.job_finished("load", "engine-a", 0, nbytes=nbytes, seconds=0.125, ok=ok)
+
+    labels = {"direction": "load", "engine": "engine-a", "dp": "0"}
+    for name, sample_labels in (
+        ("offloadd_bytes_total", labels),
+        ("offloadd_copy_seconds_total", labels),
+        ("offloadd_jobs_total", {"direction": "load", "outcome": "ok"}),
+        ("offloadd_jobs_total", {"direction": "load", "outcome": "failed"}),
+        ("offloadd_job_bytes_count", {"direction": "load"}),
+        ("offloadd_job_bytes_sum", {"direction": "load"}),
+        ("offloadd_job_bytes_bucket", {"direction": "load", "le": "1e+06"}),
+    ):
+        assert value(one_call, name, **sample_labels) == value(by_job, name, **sample_labels)
+    assert value(one_call, "offloadd_job_bytes_count", direction="load") == 3
+    assert value(one_call, "offloadd_jobs_total", direction="load", outcome="failed") == 2
+
+
 def test_job_bytes_buckets_are_vllms() -> None:
     metrics = Metrics()
     metrics.job_finished("store", "e", 0, nbytes=1, seconds=0.0, ok=True)
