@@ -229,9 +229,9 @@ def _serve(args: argparse.Namespace) -> int:
     from offloadd.cache.journal import JournalError
     from offloadd.endpoint import EndpointInUse, EndpointRefused
     from offloadd.safety import UnsafePath
-    from offloadd.server.daemon import run
     from offloadd.server.metrics import MetricsError
     from offloadd.server.preflight import PreflightError
+    from offloadd.server.process import run
     from offloadd.server.publisher import EventBindError
 
     configure_logging(settings.log)

@@ -73,13 +73,14 @@ async def _serve_commands(handler: Handler | None, extra: list[asyncio.Task[Any]
 
 
 async def _daemon(args: dict[str, Any]) -> None:
-    from offloadd.server.daemon import Daemon, freeze_heap
+    from offloadd.server.daemon import Daemon
+    from offloadd.server.process import freeze_startup_heap
     from offloadd.settings import Settings
 
     settings = msgspec.json.decode(json.dumps(args["settings"]).encode(), type=Settings)
     stop = asyncio.Event()
     async with Daemon(settings) as daemon:
-        freeze_heap()  # as ``offloadd serve`` does
+        freeze_startup_heap()  # as ``offloadd serve`` does
         serving = asyncio.create_task(daemon.serve(stop))
         try:
             await _serve_commands(None, [])

@@ -17,24 +17,17 @@ start and close.
 Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT stops new
 jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
 the drain forces the exit: the drain is cancelled, nothing waits for copies still running
-(their imports and the arena stay mapped until the process ends), and ``run`` returns
+(their imports and the arena stay mapped until the process ends), and ``serve`` returns
 128 + that signal's number for ``offloadd serve`` to exit with at once.
-
-The collector: ``offloadd serve`` (``run``) freezes the heap its startup built (modules, the
-index replayed from the journal) before it serves, as vLLM's EngineCore does
-(``freeze_gc_heap``): a full collection otherwise walks all of it, 30-80 ms on a 2-core host,
-inside whichever request crossed the threshold (a step's Store or Load). A daemon served
-inside another process (tests) leaves that process's collector alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -435,34 +428,17 @@ async def serve(
     *,
     shutdown: asyncio.Event | None = None,
     force: asyncio.Event | None = None,
-    freeze_startup_heap: bool = False,
+    ready: Callable[[], None] | None = None,
 ) -> int:
     """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given; a
     second signal, or ``force``, during the drain forces the exit. Returns the exit status
-    (``offloadd.server.shutdown``). ``freeze_startup_heap``: the process is the daemon's
-    own (see the module docstring)."""
+    (``offloadd.server.shutdown``). ``ready()``: once the daemon is built, before it serves."""
     stopping = Shutdown(shutdown, force)
     if shutdown is None:
         stopping.install(asyncio.get_running_loop())
     async with Daemon(settings) as daemon:
-        if freeze_startup_heap:
-            freeze_heap()
+        if ready is not None:
+            ready()
         await daemon.serve(stopping.stop, force=stopping.force)
     logger.info("offloadd stopped%s", " without finishing its drain" if daemon.forced else "")
     return stopping.exit_status(daemon.forced)
-
-
-def freeze_heap() -> None:
-    """Keep the collector off every object alive now, for good (see the module docstring):
-    for a process that serves a daemon, once the daemon is built."""
-    gc.collect()  # what startup left as garbage is freed, not frozen
-    gc.freeze()
-
-
-def run(settings: Settings) -> int:
-    """Blocking entry point for ``offloadd serve`` (uvloop when installed): its exit status."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency, but keep serving without
-        return asyncio.run(serve(settings, freeze_startup_heap=True))
-    return uvloop.run(serve(settings, freeze_startup_heap=True))

@@ -164,3 +164,43 @@ def test_a_first_start_that_fails_after_the_arena_leaves_none(
         finally:
             if os.path.exists(daemon.arena_path):
                 os.unlink(daemon.arena_path)
+
+
+_FROZEN_AFTER_SERVE = """
+import gc, os, signal, sys, threading, time
+from offloadd.cli import main
+endpoint = sys.argv[1]
+
+def stop_once_listening():
+    while not os.path.exists(endpoint.removeprefix("ipc://")):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=stop_once_listening, daemon=True).start()
+status = main(["serve", "--endpoint", endpoint, "--arena", sys.argv[2], "--capacity", "16MiB",
+               "--no-persist", "--events-endpoint", "", "--metrics-address", "",
+               "--log-level", "WARNING"])
+print(status, gc.get_freeze_count())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_serve_freezes_its_startup_heap_for_the_collector(tmp_path: Path) -> None:
+    # A full collection over the startup heap took 30-80 ms inside a step's Store or Load.
+    arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+    endpoint = f"ipc://{tmp_path}/control.sock"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _FROZEN_AFTER_SERVE, endpoint, arena],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        if os.path.exists(arena):
+            os.unlink(arena)
+    status, frozen = result.stdout.split()
+    assert status == "0", result.stderr
+    assert int(frozen) > 10_000, result.stdout  # every module and object startup built
