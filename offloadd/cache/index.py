@@ -33,7 +33,8 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 - Schedulers (vLLM's manager) work ahead of their ranks: ``reserve`` allocates new keys for a
   later ``begin_store(..., allocate=False)`` and protects them from eviction until they commit
   or ``release_reservations``; ``hold`` protects committed keys for one request until
-  ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile).
+  ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile);
+  ``hold_tokens`` holds for several requests in one call.
 - Protected bytes have one ledger (``offloadd.cache.ledger``), kept here as pins, holds and
   reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` (per
   engine) or ``tenant_budget`` (per tenant, all its engines together) and an ``account`` and

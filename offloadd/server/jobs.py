@@ -14,7 +14,9 @@ socket's bulk lane, behind the Lookups and Reserves waiting, or at once when non
 - When the copy ends (and a store's shards are sealed), the cache side is finished (a
   store's chunks commit through ``offloadd.server.commit``; a load's entries are let go), the
   imports released, and ``complete`` sends ``JobDone``, keeps it for ``Wait`` (the last
-  ``server.recent_jobs`` per session) and answers the waiters it satisfies.
+  ``server.recent_jobs`` per session) and answers the waiters it satisfies. The jobs of one
+  copy finish together: their stores in one commit (one journal record, one mirror message,
+  one event batch), their loads' entries in one call, their metrics once.
 - A store with a deadline (``Job.deadline``, the rank's CLOCK_MONOTONIC) whose copy ends past
   it is not committed (its writes end not-ok, its JobDone says why, its keys are counted under
   ``REFUSED_LATE``); ``refuse_late(deadline, keys)`` raises ``Refused(DEADLINE_PASSED)`` for

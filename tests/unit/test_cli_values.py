@@ -27,7 +27,7 @@ import pytest
 
 import offloadd.bench
 import offloadd.demo
-import offloadd.server.daemon
+import offloadd.server.process
 import offloadd.status
 from offloadd import cli
 from offloadd.settings import ENV_PREFIX, Settings
@@ -127,7 +127,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
         return call
 
-    monkeypatch.setattr(offloadd.server.daemon, "run", run)
+    monkeypatch.setattr(offloadd.server.process, "run", run)
     monkeypatch.setattr(cli, "configure_logging", lambda log: None)  # keep the root logger
     monkeypatch.setattr(cli, "_watch_events", watch)
     monkeypatch.setattr(offloadd.demo, "main", named("demo"))
