@@ -390,8 +390,8 @@ class Jobs:
         """End the writes of one copy's stores (of one session): those copied in time commit
         together; why each job failed ("" when it did not)."""
         errors = [""] * len(jobs)
-        commit: list[Job] = []
-        give_up: list[Job] = []
+        commit: list[int] = []  # indexes into jobs
+        give_up: list[int] = []
         for index, job in enumerate(jobs):
             # Checked once the copy has ended: a commit then means every byte was read before
             # the deadline, so before the rank could give its blocks back to vLLM (it gives a
@@ -407,10 +407,12 @@ class Jobs:
                 job.failed_keys = list(job.keys)
             elif copied:
                 self.counters.bytes_stored += job.nbytes
-            (commit if copied and not job.abandoned and not overdue else give_up).append(job)
-        refused = dict(zip(map(id, commit), self._commit_stores(commit, ok=True), strict=True))
-        self._commit_stores(give_up, ok=False)  # nothing commits: nothing refused
-        return [errors[i] or refused.get(id(job), "") for i, job in enumerate(jobs)]
+            (commit if copied and not job.abandoned and not overdue else give_up).append(index)
+        refused = self._commit_stores([jobs[i] for i in commit], ok=True)
+        for index, why in zip(commit, refused, strict=True):
+            errors[index] = why
+        self._commit_stores([jobs[i] for i in give_up], ok=False)  # nothing commits
+        return errors
 
     def _commit_store(self, job: Job, *, ok: bool) -> str:
         """End the store's writes through the committer; why some did not commit, or ""."""
