@@ -1110,6 +1110,8 @@ class ChunkCache:
         """``hold`` for each ``(token, keys)`` in turn, as one call: the room is worked out
         once and the policy touched once (a step holds for hundreds of requests). Returns
         every token's missing keys, then every token's keys beyond the room."""
+        if not holds:
+            return []  # an UpdateHolds that only releases: no room to work out
         table = self._tables.get(namespace, _NO_ROWS)
         state = self._state.v
         missing: list[bytes] = []

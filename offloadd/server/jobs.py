@@ -397,7 +397,8 @@ class Jobs:
             # the deadline, so before the rank could give its blocks back to vLLM (it gives a
             # store up only past it, on the same clock). However long the daemon was frozen
             # in between, bytes of reused blocks are never committed.
-            overdue = copied and not job.abandoned and late(job.deadline)
+            commits = copied and not job.abandoned
+            overdue = commits and late(job.deadline)
             if overdue:
                 self._count_refused(REFUSED_LATE, len(job.writes))
                 overrun = time.monotonic() - job.deadline
@@ -407,7 +408,7 @@ class Jobs:
                 job.failed_keys = list(job.keys)
             elif copied:
                 self.counters.bytes_stored += job.nbytes
-            (commit if copied and not job.abandoned and not overdue else give_up).append(index)
+            (commit if commits and not overdue else give_up).append(index)
         refused = self._commit_stores([jobs[i] for i in commit], ok=True)
         for index, why in zip(commit, refused, strict=True):
             errors[index] = why

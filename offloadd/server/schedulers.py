@@ -142,16 +142,12 @@ class Schedulers:
         for item in release:
             cache.release_hold(owner, item.token, item.keys)
         # Missing keys, then those beyond the engine's or its tenant's budget.
-        missing = (
-            cache.hold_tokens(
-                namespace.name,
-                owner,
-                [(item.token, item.keys) for item in hold],
-                account=engine.key,
-                tenant=engine.tenant,
-            )
-            if hold
-            else []
+        missing = cache.hold_tokens(
+            namespace.name,
+            owner,
+            [(item.token, item.keys) for item in hold],
+            account=engine.key,
+            tenant=engine.tenant,
         )
         held = sum(len(item.keys) for item in hold) - len(missing)
         if missing:
