@@ -19,6 +19,7 @@ import errno
 import fcntl
 import ipaddress
 import os
+import socket
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -259,3 +260,30 @@ def connectable(endpoint: str) -> str:
     if sep and host in _WILDCARD_HOSTS:
         return f"tcp://{_WILDCARD_HOSTS[host]}:{port}"
     return endpoint
+
+
+def nobody_listens(endpoint: str) -> bool:
+    """Whether a connection to ``endpoint`` is refused at once: no process serves it (a
+    daemon that died, even leaving its socket file, or has not started yet).
+
+    A frozen daemon's socket still takes connections into its listen backlog (False): only
+    its answer is late. ``inproc://``, other schemes, and hosts that do not resolve: False.
+    """
+    path = ipc_path(endpoint)
+    address: str | tuple[str, int]
+    if path is not None:
+        family = socket.AF_UNIX
+        address = "\0" + path[1:] if path.startswith("@") else path  # abstract namespace
+    elif endpoint.startswith("tcp://"):
+        host, _, port = connectable(endpoint)[len("tcp://") :].rpartition(":")
+        family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+        address = (host.strip("[]"), int(port))
+    else:
+        return False
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.1)
+            code = probe.connect_ex(address)
+    except (OSError, ValueError):
+        return False
+    return code in (errno.ENOENT, errno.ECONNREFUSED)

@@ -22,6 +22,8 @@ import urllib.request
 
 import pytest
 
+from tests.ports import free_ports
+
 _START_TIMEOUT = 30.0
 
 
@@ -52,13 +54,6 @@ def require_mooncake() -> None:
     pytest.skip(problem, allow_module_level=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class MooncakeMaster:
     """One master process on loopback; a context manager that kills it at exit."""
 
@@ -67,9 +62,7 @@ class MooncakeMaster:
         if binary is None:
             raise RuntimeError("mooncake_master is not installed")
         self._binary = binary
-        self.rpc_port = free_port()
-        self.http_port = free_port()
-        self.metrics_port = free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         self._lease_ms = lease_ms
         # Closed (and removed) in __exit__, after the process that writes it is gone.
         self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log")  # noqa: SIM115

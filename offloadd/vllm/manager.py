@@ -76,6 +76,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offloadd.client import OffloadClient
+from offloadd.endpoint import nobody_listens
 from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed, error_from_reply
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.probes import Probe, TierProbes
@@ -109,8 +110,11 @@ ANSWER_TIMEOUT_SECONDS = 5.0
 # its holds lost), so a stalled daemon is not handed a backlog of stale reservations.
 MAX_UNANSWERED_STEPS = 8
 RECONNECT_MAX_SECONDS = 16.0  # the longest pause between attempts to connect again
-# The exchanges still awaited (cache reset, the capacity once; connecting, off the lock)
-# wait at most this long.
+# Connecting again (off the lock: schedule() never waits for it) waits this long for the
+# Welcome and its snapshot: a daemon just restarted on a loaded node can take longer than
+# a step's bound, and an attempt that times out doubles the pause before the next.
+RECONNECT_TIMEOUT_SECONDS = 2.0
+# The exchanges still awaited (cache reset, the capacity once) wait at most this long.
 STEP_TIMEOUT_SECONDS = 0.3
 # What a step waits for the daemon, at most, whatever the daemon does: nothing (no step
 # message is awaited, the background thread never waits holding the lock).
@@ -582,15 +586,20 @@ class OffloaddManager(OffloadingManager):
     def _try_reconnect(self) -> None:
         """Connect again (off the lock), once a second; while attempts time out (a frozen
         daemon, whose listen backlog keeps each attempt's connection until it runs again)
-        the pause doubles up to ``RECONNECT_MAX_SECONDS``, so they do not pile up there."""
+        the pause doubles up to ``RECONNECT_MAX_SECONDS``, so they do not pile up there.
+        Where nobody listens (a daemon that died) the pause stays a second: a restarted
+        daemon gets its sessions back within a second of serving."""
         started = time.monotonic()
         if started - self._last_request < self._reconnect_pause:
             return
         self._last_request = started
+        if nobody_listens(self._endpoint):
+            self._reconnect_pause = KEEPALIVE_SECONDS
+            return
         try:
-            client = self._connect(STEP_TIMEOUT_SECONDS)
+            client = self._connect(RECONNECT_TIMEOUT_SECONDS)
         except OffloaddError:
-            if time.monotonic() - started >= STEP_TIMEOUT_SECONDS:  # it waited: frozen
+            if time.monotonic() - started >= RECONNECT_TIMEOUT_SECONDS:  # it waited: frozen
                 self._reconnect_pause = min(2 * self._reconnect_pause, RECONNECT_MAX_SECONDS)
             return
         self._reconnect_pause = KEEPALIVE_SECONDS

@@ -34,6 +34,9 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   one, its refused stores are done (nothing cached). A step that sends its jobs
   pings not: the daemon's answer to the ``StepJobs`` proves the session (a ping goes only
   once an answer is ``RECONNECT_SECONDS`` late, or the daemon said it forgot the session).
+  An idle rank (an engine without requests calls nothing) proves its session from a
+  background thread once a second, never during one of vLLM's calls: a restarted daemon
+  hears every rank again at once (its engine, and so the scheduler's mirror, waits for them).
 
 Ordering against the GPU: on CUDA every store and load carries an interprocess event recorded
 on the current stream, and the daemon's copy waits for it; CPU tensors need no event (the
@@ -43,13 +46,14 @@ forward pass has finished writing when vLLM submits).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
@@ -76,6 +80,9 @@ from protocol.handles import KVRegion
 from protocol.messages import JobDone, Load, Segment, Store
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 RECONNECT_SECONDS = 1.0  # how often an idle or waiting rank proves its session
 STEP_TIMEOUT_SECONDS = 0.3  # an exchange inside a step waits at most this long
@@ -166,6 +173,22 @@ def without_skipped(
     return out_keys, out_blocks, out
 
 
+def _taking_turns(
+    method: Callable[Concatenate[OffloaddWorker, _P], _R],
+) -> Callable[Concatenate[OffloaddWorker, _P], _R]:
+    """vLLM's call, holding the worker's lock (the background thread waits its turn)."""
+
+    @functools.wraps(method)
+    def taking_turns(self: OffloaddWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._called = time.monotonic()
+
+    return taking_turns
+
+
 class OffloaddWorker(OffloadingWorker):
     """vLLM's rank-side worker backed by offloadd; see the module docstring."""
 
@@ -203,7 +226,11 @@ class OffloaddWorker(OffloadingWorker):
         self._away_until = 0.0  # the daemon did not answer: not asked again before this
         self.loads_resent = 0  # loads sent again by key to a daemon that came back
         self.stores_given_up = 0  # stores reported done unanswered, past their bound
-        self._lock = threading.Lock()  # guards the hand-over of a late connection
+        # vLLM's calls and the background thread take turns on the client (one at a time).
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._called = time.monotonic()  # the end of vLLM's latest call
+        self.idle_messages = 0  # sent by the background thread, none of a step's
         self._client: OffloadClient | None = None
         try:
             self._client = self._connect(timeout)
@@ -215,12 +242,11 @@ class OffloaddWorker(OffloadingWorker):
                     '"offloadd_optional": true'
                 ) from None
             logger.warning("offloadd: no daemon at %s; rank runs without offload", endpoint)
-            threading.Thread(
-                target=self._connect_later, name="offloadd-connect", daemon=True
-            ).start()
+        threading.Thread(target=self._background, name="offloadd-rank", daemon=True).start()
 
     # -- vLLM's interface --------------------------------------------------------------------
 
+    @_taking_turns
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
@@ -248,6 +274,7 @@ class OffloaddWorker(OffloadingWorker):
         self._jobs[job_id] = job
         return True
 
+    @_taking_turns
     def submit_load(
         self,
         job_id: int,
@@ -272,12 +299,14 @@ class OffloaddWorker(OffloadingWorker):
         self._step.append(Load(0, job_id, keys, block_ids, 0, wait_event, segments, src_spec.hold))
         return True
 
+    @_taking_turns
     def send_step(self) -> None:
         """vLLM's last submission of the step is in (``step_hook``): send the step's jobs."""
         client = self._connected()
         if client is not None:
             self._flush(client)
 
+    @_taking_turns
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call; never blocks. Sends the step's jobs not sent."""
         client = self._connected()
@@ -294,6 +323,7 @@ class OffloaddWorker(OffloadingWorker):
         results, self._results = self._results, []
         return results
 
+    @_taking_turns
     def wait(self, job_ids: set[int]) -> None:
         """Block until ``job_ids`` are finished (their results still come from get_finished)."""
         client = self._connected()
@@ -315,8 +345,10 @@ class OffloaddWorker(OffloadingWorker):
                 break
             self._tend(client, now=True)
 
+    @_taking_turns
     def shutdown(self) -> None:
         """End the session."""
+        self._stop.set()
         client, self._client = self._client, None
         if client is not None:
             client.close()
@@ -345,18 +377,55 @@ class OffloaddWorker(OffloadingWorker):
         client.timeout = min(timeout, STEP_TIMEOUT_SECONDS)  # asked inside vLLM's steps
         return client
 
+    def _background(self) -> None:
+        """Once a second: connect (an optional daemon that was not there at start), or, while
+        vLLM calls nothing, prove the session (``_keep_idle_session``); never while vLLM is
+        in a call."""
+        while not self._stop.wait(RECONNECT_SECONDS):
+            if self._client is None:
+                self._connect_later()
+            elif self._lock.acquire(blocking=False):
+                try:
+                    self._keep_idle_session()
+                except Exception:
+                    logger.exception("offloadd: rank keepalive failed")
+                finally:
+                    self._lock.release()
+
     def _connect_later(self) -> None:
-        while self._client is None:
-            time.sleep(RECONNECT_SECONDS)
-            try:
-                client = self._connect(0.5)
-            except OffloaddError:
-                continue
-            with self._lock:
-                self._client = client
-            logger.info(
-                "offloadd: rank %d connected to %s", self._config.parallel.rank, self._endpoint
-            )
+        try:
+            client = self._connect(0.5)
+        except OffloaddError:
+            return
+        with self._lock:
+            if self._stop.is_set():
+                client.close()
+                return
+            self._client = client
+        logger.info("offloadd: rank %d connected to %s", self._config.parallel.rank, self._endpoint)
+
+    def _keep_idle_session(self) -> None:
+        """A rank vLLM has not called for a second proves its session, saying Hello again to
+        a daemon that restarted: the engine there, and so its scheduler's mirror, waits for
+        every rank's Hello, and an engine without requests calls nothing. What that does to
+        jobs in flight (a lost session fails them) waits for vLLM's next call (``_tend``
+        sends loads again, ``_collect`` reports)."""
+        client = self._client
+        clock = time.monotonic()
+        if client is None or clock - max(self._called, self._checked) < RECONNECT_SECONDS:
+            return
+        self._checked = clock
+        sent = client.sent
+        try:
+            client.keepalive(PROBE_TIMEOUT_SECONDS)
+        except OffloaddError as exc:
+            # Not noted as away: a busy daemon's late answer must not skip the next step's
+            # stores; vLLM's own calls decide that (and raise a refusal that matters).
+            logger.debug("offloadd: rank %d keepalive: %s", self._config.parallel.rank, exc)
+        else:
+            self._away_until = 0.0
+        finally:
+            self.idle_messages += client.sent - sent
 
     def _away(self) -> bool:
         return time.monotonic() < self._away_until
@@ -444,8 +513,7 @@ class OffloaddWorker(OffloadingWorker):
             )
 
     def _connected(self) -> OffloadClient | None:
-        with self._lock:
-            return self._client
+        return self._client  # under the lock: vLLM's calls take turns with the background
 
     def _record_event(self) -> tuple[bytes, Any]:
         """An interprocess CUDA event after the current stream's work, for the daemon to wait

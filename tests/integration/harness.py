@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,6 @@ __all__ = [
     "ServeProcess",
     "chain_keys",
     "chunk_block_ids",
-    "free_port_pair",
     "make_config",
     "make_rank",
     "shm_leftovers",
@@ -150,21 +148,6 @@ class DaemonThread:
         self.begin_stop()
         self._thread.join(30)
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 both free on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return int(port)
-    raise AssertionError("no two consecutive free ports")
 
 
 def with_token(endpoint: str, identity: bytes, hello: Hello, fds: Sequence[int] = ()) -> Hello:

@@ -35,6 +35,7 @@ from offloadd.settings import (
 )
 from offloadd.shm import SharedKVTensor
 from tests.integration.harness import LAYERS, DaemonThread, make_config
+from tests.ports import free_port
 
 
 def test_ipc_socket_is_not_world_accessible(daemon: DaemonThread) -> None:
@@ -85,7 +86,7 @@ def test_a_curve_secret_others_can_read_is_refused(keys: Path) -> None:
     secret.chmod(0o640)
     with pytest.raises(EndpointRefused, match="chmod 600"):
         check_tcp_security("tcp://127.0.0.1:5555", str(secret))
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = DaemonThread(endpoint=endpoint, curve_secret_key_file=str(secret))
     try:
         with pytest.raises(EndpointRefused, match="readable or writable by group or others"):
@@ -344,13 +345,6 @@ def test_events_and_metrics_off_loopback_are_logged_as_warnings(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def keys() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="od-keys-") as directory:
@@ -366,7 +360,7 @@ def keys() -> Iterator[Path]:
 
 
 def test_curve_admits_only_listed_clients(keys: Path) -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = DaemonThread(
         endpoint=endpoint,
         curve_secret_key_file=str(keys / "server.key_secret"),

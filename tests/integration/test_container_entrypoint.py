@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 from tests.deploy_series import ROOT
+from tests.ports import free_port
 
 ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
 CONTAINERFILE = ROOT / "deploy" / "Containerfile"
@@ -80,13 +80,6 @@ class Container:
         )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def container() -> Iterator[Container]:
     if not (BIN / "offloadd").exists():
@@ -117,7 +110,7 @@ def container() -> Iterator[Container]:
     os.mkdir(f"{root}/run", 0o750)
     os.mkdir(f"{root}/state", 0o700)
     arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
-    metrics = f"127.0.0.1:{_free_port()}"
+    metrics = f"127.0.0.1:{free_port()}"
     env.update(
         OFFLOADD_CONFIG=str(config),
         RUNTIME_DIRECTORY=f"{root}/run",

@@ -19,9 +19,9 @@ from tests.integration.harness import (
     Rank,
     chain_keys,
     chunk_block_ids,
-    free_port_pair,
     make_rank,
 )
+from tests.ports import free_port_pair
 
 BPC = 2
 

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from tests.deploy_series import (
     rule_expressions,
     used_series,
 )
+from tests.ports import free_port
 
 # Labels that Prometheus adds when it scrapes (the ServiceMonitor's relabeling), not the daemon.
 SCRAPE_LABELS = {"node", "job", "instance", "namespace", "pod"}
@@ -45,13 +45,6 @@ def _env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -71,7 +64,7 @@ class Daemon:
 def daemon() -> Iterator[Daemon]:
     workdir = tempfile.mkdtemp(prefix="od-dash-", dir="/tmp")
     arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
-    endpoint, metrics = f"ipc://{workdir}/d.sock", f"127.0.0.1:{_free_port()}"
+    endpoint, metrics = f"ipc://{workdir}/d.sock", f"127.0.0.1:{free_port()}"
     command = [
         sys.executable, "-m", "offloadd", "serve",
         "--endpoint", endpoint, "--arena", arena, "--capacity", "64MiB", "--no-persist",

@@ -37,7 +37,7 @@ from protocol.events import (
     decode_batch,
     encode_batch,
 )
-from tests.integration.harness import free_port_pair
+from tests.ports import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,7 +28,8 @@ from offloadd.tiers.mooncake import (
     sealed_size,
 )
 from tests.integration.mooncake_peer import SHARDS, Node, cluster_key_file, settings
-from tests.mooncake_master import MooncakeMaster, free_port, require_mooncake
+from tests.mooncake_master import MooncakeMaster, require_mooncake
+from tests.ports import free_port
 
 require_mooncake()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from offloadd.client import OffloadClient
+from offloadd.endpoint import nobody_listens
 from offloadd.errors import DaemonUnavailable, NotReady
 from tests.integration.harness import Rank, ServeProcess, chain_keys, chunk_block_ids, make_rank
 
@@ -107,3 +110,25 @@ def test_clients_see_unavailable_then_reconnect(serve: ServeProcess, ranks: list
     serve.stop(signal.SIGKILL)
     serve.start()
     assert client.lookup(keys).hits == 2
+
+
+def test_only_a_dead_daemon_is_seen_as_nobody_listening(serve: ServeProcess) -> None:
+    """The plugin's reconnect keeps a one-second pause only where nobody listens: a killed
+    daemon (its socket file left behind) or none yet; a frozen one still takes connections
+    into its backlog, and its pause doubles (offloadd.vllm.manager)."""
+    assert nobody_listens(serve.endpoint)  # not started: no socket file
+    serve.start()
+    assert not nobody_listens(serve.endpoint)
+    assert serve.process is not None
+    serve.process.send_signal(signal.SIGSTOP)
+    try:
+        assert not nobody_listens(serve.endpoint)
+    finally:
+        serve.process.send_signal(signal.SIGCONT)
+    with OffloadClient(serve.endpoint, timeout=10, heartbeat=0) as client:
+        assert client.stats().capacity_bytes > 0  # the probes harmed nothing
+    serve.stop(signal.SIGKILL)
+    assert os.path.exists(serve.endpoint.removeprefix("ipc://"))  # left by the crash
+    assert nobody_listens(serve.endpoint)
+    serve.start()
+    assert not nobody_listens(serve.endpoint)

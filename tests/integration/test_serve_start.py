@@ -14,6 +14,7 @@ import pytest
 
 from offloadd.server.publisher import EventBindError
 from tests.integration.harness import DaemonThread
+from tests.ports import free_port
 
 
 @pytest.mark.timeout(90)
@@ -64,7 +65,7 @@ def test_a_control_port_in_use_ends_serve_with_one_line() -> None:
 
 def _serve_args(arena: str, **flags: str) -> list[str]:
     args = {
-        "--endpoint": f"tcp://127.0.0.1:{_free_port()}",
+        "--endpoint": f"tcp://127.0.0.1:{free_port()}",
         "--arena": arena,
         "--capacity": "4GiB",
         "--events-endpoint": "",
@@ -73,13 +74,6 @@ def _serve_args(arena: str, **flags: str) -> list[str]:
         **flags,
     }
     return [item for pair in args.items() for item in pair]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.mark.timeout(90)

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from offloadd.client import OffloadClient
 from offloadd.errors import DaemonUnavailable
 from tests.integration.harness import Rank, chain_keys, chunk_block_ids, make_rank
+from tests.ports import free_port
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -390,13 +391,6 @@ def test_events_without_a_daemon_fails_clearly() -> None:
 # --- metrics ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _scrape(
     address: str, timeout: float = 10
 ) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -418,7 +412,7 @@ def _scrape(
 
 
 def test_metrics_after_store_and_load(served: Served, ranks: list[Rank]) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     served.start("--metrics-address", address)
     served.wait_serving()
     rank = make_rank(served.endpoint, rank=0, tp=1)

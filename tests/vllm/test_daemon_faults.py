@@ -133,7 +133,8 @@ def test_daemon_killed_and_restarted_with_its_arena(
         times = timed_steps(h, lambda: bool(fired) and x in h.finished and manager._client is None)
         assert h.outputs[x] == expected_output(x_prompt)
         assert not manager._mirror.keys
-        print(f"\n{when}: {len(times)} steps while away, slowest {max(times):.2f}s, "
+        print(f"\n{when}: {len(times)} steps in {sum(times):.1f}s while away, "
+              f"slowest {max(times):.2f}s, "
               f"{worker.loads_resent} loads sent again "
               f"(bound {STEP_BOUND_SECONDS:.1f}s)")  # fmt: skip
 
@@ -157,6 +158,33 @@ def test_daemon_killed_and_restarted_with_its_arena(
         g = compute(h, f_prompt[:85] + prompt_of(7, seed=10))
         assert h.external_tokens(g) == 80
         assert h.assert_loaded_pages(g) == 5 * NUM_LAYERS
+
+
+def test_an_idle_engine_gets_its_cache_back_after_a_restart(
+    tmp_path: Path, serve: ServeProcess
+) -> None:
+    """An engine without requests calls nothing of its worker: the rank's background thread
+    says Hello to the restarted daemon by itself, so the engine is ready there and the
+    scheduler's mirror comes back before the next request, which hits at once."""
+    serve.start()
+    with VllmHarness(tmp_path, extra_for(serve)) as h:
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        h.reset_prefix_cache()
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        serve.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while manager._client is not None:  # its keepalive finds the daemon gone
+            assert time.monotonic() < deadline, "the scheduler did not notice"
+            time.sleep(0.01)
+        with manager._lock:  # the background thread empties it right after
+            assert not manager._mirror.keys
+        serve.start()  # no step from here on until the mirror is back
+        settle(h, 6)
+        b = compute(h, b_prompt(85))
+        assert h.external_tokens(b) == 80
+        assert h.assert_loaded_pages(b) == 5 * NUM_LAYERS
 
 
 def test_reset_with_a_store_in_flight(tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ class _Counts:
     def _sent(worker: OffloaddWorker) -> int:
         client = worker._client
         assert client is not None
-        return client.sent
+        return client.sent - worker.idle_messages  # the background's keepalives are no step's
 
     def run(self, h: VllmHarness, seconds: float = 120.0) -> None:
         # Bounded in time, not steps: on a fast machine a step takes microseconds, and the
