@@ -126,6 +126,8 @@ def chunk_ranges(
 
 def block_id_problem(block_ids: Sequence[int], num_blocks: int) -> str | None:
     """Why ``block_ids`` cannot be used with regions of ``num_blocks`` blocks, or None."""
+    if not block_ids or (min(block_ids) >= 0 and max(block_ids) < num_blocks):
+        return None  # the usual case, at C speed; the first bad id is named below
     for block_id in block_ids:
         if not 0 <= block_id < num_blocks:
             return f"block id {block_id} out of range [0, {num_blocks})"
