@@ -483,6 +483,9 @@ class _Ranges(NamedTuple):
     firsts: Sequence[int]
 
 
+_SHAPE_CACHE_KEYS = 32  # jobs of up to this many keys have their ranges kept per shape
+
+
 def _ranges(
     num_keys: int, num_blocks: int, bpc: int, segments: tuple[Segment, ...], skip: int
 ) -> _Ranges:
@@ -492,9 +495,6 @@ def _ranges(
     if num_keys <= _SHAPE_CACHE_KEYS:
         return _cached_shape_ranges(num_keys, num_blocks, bpc, segments, skip)
     return _shape_ranges(num_keys, num_blocks, bpc, segments, skip)
-
-
-_SHAPE_CACHE_KEYS = 32
 
 
 def _shape_ranges(

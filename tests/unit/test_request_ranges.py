@@ -13,6 +13,10 @@ SHAPES = [
     (2, 2, 1, (), 0),
     (3, 10, 4, (), 2),
     (3, 8, 4, (Segment(1, 1, 3), Segment(2, 0, 5)), 0),  # two groups, the last part-filled
+    # Alike but for their segments: a cache keyed on less would answer the second with the
+    # first's ranges (the cases run in order, the cache warm).
+    (2, 5, 4, (Segment(2, 1, 5),), 0),
+    (2, 5, 4, (Segment(2, 3, 5),), 0),
     (40, 160, 4, (), 0),  # longer than the cached shapes
 ]
 
