@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from offloadd.transfer import guarded
 from offloadd.transfer.batch import move_arrays
 from offloadd.transfer.copies import Copies
 from offloadd.transfer.engine import CpuCopyEngine
@@ -133,3 +135,60 @@ def test_what_a_region_file_must_be(window: tuple[FileWindow, str]) -> None:
         assert region_file_problem(memfd) == ""
     finally:
         os.close(memfd)
+
+
+def _shuffled_neighbours(
+    direction: Direction, file: FileWindow, host: int, size: int, count: int, seed: int
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """``count`` copies of ``size`` bytes between consecutive file slots and host slots in
+    a shuffled order (as a step's loads reach the rank's blocks); the file slot of each
+    host slot."""
+    slots = list(range(count))
+    random.Random(seed).shuffle(slots)
+    pairs = [(file.address + slot * size, host + i * size) for i, slot in enumerate(slots)]
+    if direction is Direction.STORE:
+        return [(f, h, size) for f, h in pairs], slots
+    return [(h, f, size) for f, h in pairs], slots
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_neighbours_in_the_file_are_one_call_whatever_their_order(
+    direction: Direction, window: tuple[FileWindow, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies whose file sides follow each other go in one preadv/pwritev of at most
+    IOV_MAX buffers, each buffer's bytes where its own copy says."""
+    file, path = window
+    size, count = 16, 2500  # more than IOV_MAX (1024): three calls
+    host = ctypes.create_string_buffer(os.urandom(size * count), size * count)
+    moves, slots = _shuffled_neighbours(direction, file, ctypes.addressof(host), size, count, 3)
+    name = "_preadv" if direction is Direction.STORE else "_pwritev"
+    real, calls = getattr(guarded, name), []
+
+    def counted(*args: object) -> int:
+        calls.append(args[2])
+        return int(real(*args))
+
+    monkeypatch.setattr(guarded, name, counted)
+    arrays = move_arrays(moves, direction)  # merges the few neighbours on both sides
+    guarded_copy(arrays, direction, [file])
+    assert calls == [1024, 1024, len(arrays) - 2048]
+    with open(path, "rb") as f:
+        data = f.read()
+    for i, slot in enumerate(slots):
+        assert host.raw[i * size : (i + 1) * size] == data[slot * size : (slot + 1) * size]
+
+
+def test_a_file_that_shrank_under_a_run_fails_at_its_end(window: tuple[FileWindow, str]) -> None:
+    """A short preadv (the file ended inside the run) finishes buffer by buffer: the bytes
+    before the end are read, and the error names the byte where the file ended."""
+    file, path = window
+    with open(path, "rb") as f:
+        data = f.read()
+    os.truncate(path, 6144)
+    host = ctypes.create_string_buffer(8192)
+    moves = [
+        (file.address + 4096 + i * 4096, ctypes.addressof(host) + i * 4096, 4096) for i in (1, 0)
+    ]
+    with pytest.raises(OSError, match="ended at byte 6144"):
+        guarded_copy(move_arrays(moves, Direction.STORE), Direction.STORE, [file])
+    assert host.raw[:2048] == data[4096:6144]
