@@ -37,6 +37,7 @@ import fcntl
 import os
 import stat
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -51,18 +52,20 @@ _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_pread = _libc.pread64
-_pread.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
-_pread.restype = ctypes.c_ssize_t
-_pwrite = _libc.pwrite64
-_pwrite.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64)
-_pwrite.restype = ctypes.c_ssize_t
-_preadv = _libc.preadv64
-_preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-_preadv.restype = ctypes.c_ssize_t
-_pwritev = _libc.pwritev64
-_pwritev.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-_pwritev.restype = ctypes.c_ssize_t
+
+
+def _file_call(name: str, count: type[ctypes.c_size_t | ctypes.c_int]) -> Any:
+    """libc's ``name(fd, buffer or iovecs, count, offset) -> ssize_t``."""
+    call = _libc[name]
+    call.argtypes = (ctypes.c_int, ctypes.c_void_p, count, ctypes.c_int64)
+    call.restype = ctypes.c_ssize_t
+    return call
+
+
+_pread = _file_call("pread64", ctypes.c_size_t)
+_pwrite = _file_call("pwrite64", ctypes.c_size_t)
+_preadv = _file_call("preadv64", ctypes.c_int)  # count: of iovecs
+_pwritev = _file_call("pwritev64", ctypes.c_int)
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per preadv/pwritev (1024 on Linux)
 _mmap = _libc.mmap
 _mmap.argtypes = (
