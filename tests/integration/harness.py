@@ -84,7 +84,7 @@ class DaemonThread:
         self.settings = Settings(
             server=ServerSettings(
                 endpoint=self.endpoint,
-                drain_seconds=5.0,
+                drain_seconds=float(server.pop("drain_seconds", 5.0)),  # type: ignore[arg-type]
                 session_timeout=session_timeout,
                 **server,  # type: ignore[arg-type]
             ),

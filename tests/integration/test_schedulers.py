@@ -560,7 +560,8 @@ def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservation
     counted, reason "draining"), the job in flight still finishes, and nothing reaches the
     mirror after the empty snapshot."""
     copies = FakeCopyEngine()
-    d = DaemonThread(copy_engine=copies).start()
+    # A drain longer than the test's slowest run: the job it holds must still be in flight.
+    d = DaemonThread(copy_engine=copies, drain_seconds=60.0).start()
     r = rank(d.endpoint, seed=8)
     sched = scheduler(d.endpoint)
     notices: list[KeysChanged] = []
@@ -593,7 +594,7 @@ def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservation
         assert d.daemon is not None
         assert d.daemon.stats().stores_refused_by_reason == {"draining": 2}
         copies.gate.set()
-        (done,) = r.client.wait([2])  # the drain finished it: committed, journaled
+        (done,) = r.client.wait([2], 30)  # the drain finished it: committed, journaled
         assert done.ok and done.nbytes == KEY_BYTES
         d.stop()
         sched.poll(0.2)
