@@ -27,8 +27,10 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   A Store whose ``deadline`` has passed is refused (``DEADLINE_PASSED``), when it arrives and
   when a waiting one would start: the rank may have given its blocks back to vLLM.
 - ``step_jobs``: each Store and Load of a rank's step handled as above, in order, none
-  answered ``JobAccepted``; a job refused (or failing inside the daemon) gets its ``JobDone``
-  with the code and the next job still runs; the message is answered ``Ok(jobs started)``.
+  answered ``JobAccepted`` (the per-job checks run once over the whole step when all its
+  jobs pass them, each job's alone otherwise: the same refusals either way); a job refused
+  (or failing inside the daemon) gets its ``JobDone`` with the code and the next job still
+  runs; the message is answered ``Ok(jobs started)``.
 - ``release``: drop the session's pins of the keys. ``clear``: drop the engine's namespace.
 """
 
