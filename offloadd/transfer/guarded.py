@@ -10,8 +10,8 @@ maps such a file (only memfds sealed against shrinking, which cannot fault: see
 copies with those addresses like any other, and the cpu copy engine turns the copies touching
 such a window into ``preadv`` (store) or ``pwritev`` (load) calls at the matching file
 offsets, one per run of copies whose file sides follow each other, in whatever order the
-job lists them (``guarded_copy``). ``offloadd bench --only guarded`` measures it against ``memmove``
-through a mapping.
+job lists them (``guarded_copy``). ``offloadd bench --only guarded`` measures it against
+``memmove`` through a mapping.
 
 Contract:
 - ``region_file_problem(fd)``: why a descriptor a peer passed cannot hold KV regions ("" when
@@ -197,9 +197,11 @@ def guarded_copy(arrays: MoveArrays, direction: Direction, windows: Sequence[Fil
     iovecs[:, 0] = host[by_offset]
     iovecs[:, 1] = sizes
     fds = [w.fd for w in ordered]
-    firsts, run_files, run_offsets = edges[:-1], files.tolist(), offsets.tolist()
-    for first, end in zip(firsts, edges[1:], strict=True):
-        fd, offset = fds[run_files[first]], run_offsets[first]
+    firsts = edges[:-1]
+    for first, end, window, offset in zip(
+        firsts, edges[1:], files[firsts].tolist(), offsets[firsts].tolist(), strict=True
+    ):
+        fd = fds[window]
         for piece in range(first, end, _IOV_MAX):
             part = iovecs[piece : min(piece + _IOV_MAX, end)]
             offset += _vector_copy(store, fd, part, offset)

@@ -53,24 +53,24 @@ def _loads() -> list[Load]:
     return [Load(0, 100 + i, _pair(i), _destination(i)) for i in range(STEP)]
 
 
-def _bad_block_id(loads: list[Load]) -> Load:
+def _bad_block_id() -> Load:
     return Load(0, 200, _pair(0), [*_destination(0)[:-1], 10_000])
 
 
-def _unknown_group(loads: list[Load]) -> Load:
+def _unknown_group() -> Load:
     return Load(0, 200, [key[:-4] + (7).to_bytes(4, "big") for key in _pair(0)], _destination(0))
 
 
-def _too_many_keys(loads: list[Load]) -> Load:
+def _too_many_keys() -> Load:
     keys = _pair(0) + _pair(1)[:1]  # keys_per_request is 2 here
     return Load(0, 200, keys, chunk_block_ids(range(3), BPC, 200))
 
 
-def _one_job_too_many(loads: list[Load]) -> Load:
+def _one_job_too_many() -> Load:
     return Load(0, 200, _pair(0), chunk_block_ids([0, 1], BPC, 200))  # jobs_per_session: STEP
 
 
-def _in_flight_id(loads: list[Load]) -> Load:
+def _in_flight_id() -> Load:
     return Load(0, IN_FLIGHT_JOB, _pair(0), chunk_block_ids([0, 1], BPC, 200))
 
 
@@ -122,7 +122,7 @@ def test_a_bad_job_in_a_step_is_refused_alone(
         assert held.started.acquire(timeout=10)
     loads = _loads()
     at = STEP if bad == "one job too many" else 3  # the jobs after a bad one run too
-    step = [*loads[:at], make_bad(loads), *loads[at:]]
+    step = [*loads[:at], make_bad(), *loads[at:]]
     client.post_jobs(step)
     refused = _refusal(client.wait, step[at].job_id, code)
     assert says in refused.error, refused.error
