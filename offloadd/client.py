@@ -113,6 +113,7 @@ class _ClientCore:
         # StepJobs sent and not yet answered: request id -> (when sent, its job ids).
         self.steps: dict[int, tuple[float, list[int]]] = {}
         self.answered_at = 0.0  # monotonic time of the latest StepJobs answer
+        self.heard_at = 0.0  # monotonic time of the latest message from the daemon
         self.session_lost = False  # a StepJobs came back NOT_REGISTERED: say Hello again
         self.sent = 0  # messages sent on the client's socket (the heartbeat's excepted)
         # Posted requests (nothing waits for them) whose replies are kept for ``take_answers``.
@@ -252,6 +253,7 @@ class _ClientCore:
             reply = decode_reply(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
+        self.heard_at = time.monotonic()
         request_id = getattr(reply, "request_id", None)
         if request_id in self.awaited:
             self.awaited.discard(request_id)
@@ -434,8 +436,11 @@ def _configure_dealer(
     # Never queue a request while the daemon is away: delivered late (after a restart) a
     # Store would copy GPU blocks the rank has reused since. Sends wait for a live pipe.
     sock.setsockopt(zmq.IMMEDIATE, 1)
+    # Tried every 100 ms while nobody listens, no backoff: a restarted daemon hears every
+    # rank within 100 ms of its start (a node-local connect costs a syscall; a frozen
+    # daemon's backlog keeps the connection, so it is not retried meanwhile).
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # back off up to 5 s while it is down
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
 
 
 def _pid_namespace() -> int:
@@ -704,6 +709,10 @@ class OffloadClient:
                     self._core.step_unsent(request_id)
                 raise
 
+    def can_send(self) -> bool:
+        """Connected to a daemon: a send goes out now (sends wait for a live connection)."""
+        return not self._closed and bool(self._sock.poll(0, zmq.POLLOUT))
+
     @property
     def session_lost(self) -> bool:
         """A StepJobs came back NOT_REGISTERED: the daemon forgot this session
@@ -714,6 +723,11 @@ class OffloadClient:
     def answered_at(self) -> float:
         """``time.monotonic()`` of the latest StepJobs answer (0: none yet)."""
         return self._core.answered_at
+
+    @property
+    def heard_at(self) -> float:
+        """``time.monotonic()`` of the latest message read from the daemon (0: none yet)."""
+        return self._core.heard_at
 
     @property
     def unanswered_since(self) -> float | None:

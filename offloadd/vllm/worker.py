@@ -85,6 +85,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 RECONNECT_SECONDS = 1.0  # how often an idle or waiting rank proves its session
+AWAY_SECONDS = 1.0  # after a failure, asked nothing at most this long (``_away``)
 STEP_TIMEOUT_SECONDS = 0.3  # an exchange inside a step waits at most this long
 PROBE_TIMEOUT_SECONDS = 0.2  # a ping to a daemon that may be away
 RESEND_POLL_SECONDS = 0.05  # wait(): between tries to resend loads the daemon refused
@@ -224,8 +225,12 @@ class OffloaddWorker(OffloadingWorker):
         self._results: list[TransferResult] = []
         self._checked = time.monotonic()  # the last proof of the session (_tend)
         self._away_until = 0.0  # the daemon did not answer: not asked again before this
+        self._away_since = 0.0  # ... unless it is heard from after this (``_away``)
+        self._away_unreachable = False  # ... or it was unreachable and is connected again
         self.loads_resent = 0  # loads sent again by key to a daemon that came back
         self.stores_given_up = 0  # stores reported done unanswered, past their bound
+        self.stores_unsent = 0  # stores reported done without being sent (no daemon)
+        self.keys_not_stored = 0  # keys of finished stores the daemon did not store
         # vLLM's calls and the background thread take turns on the client (one at a time).
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -256,6 +261,7 @@ class OffloaddWorker(OffloadingWorker):
         client = self._connected()
         skipped = dst_spec.skipped
         if client is None or len(skipped) >= len(dst_spec.keys) or self._away():
+            self.stores_unsent += len(skipped) < len(dst_spec.keys)
             self._results.append(TransferResult(job_id, True))
             return True
         segments = segments_for(dst_spec.keys, src_spec, self._bpc, self._group_ids)
@@ -428,14 +434,32 @@ class OffloaddWorker(OffloadingWorker):
             self.idle_messages += client.sent - sent
 
     def _away(self) -> bool:
-        return time.monotonic() < self._away_until
+        """Noted away (``_note_failure``) and not back: nothing heard from it since (a late
+        answer shows a busy daemon, not a frozen one), nor, where it could not be reached,
+        connected to it again (a restarted daemon, within zmq's reconnect interval of its
+        start). A daemon that is back gets the next step's stores."""
+        if time.monotonic() >= self._away_until:
+            return False
+        client = self._client
+        if client is None:
+            return True
+        with contextlib.suppress(OffloaddError):
+            client.poll(0)  # a late answer waiting here
+        back = client.heard_at > self._away_since or (self._away_unreachable and client.can_send())
+        if back:
+            self._away_until = 0.0
+        return not back
 
     def _note_failure(self, exc: Exception) -> None:
         """After a daemon that did not answer, or is stopping, ask nothing of it until the
-        next check."""
+        next check, or, where it could not be reached at all, until the rank connects to
+        it again."""
         if isinstance(exc, DaemonUnavailable) or _stopping(exc):
-            self._away_until = time.monotonic() + RECONNECT_SECONDS
-            self._checked = time.monotonic()
+            self._away_since = clock = time.monotonic()
+            self._away_until = clock + AWAY_SECONDS
+            client = self._client
+            self._away_unreachable = client is not None and not client.can_send()
+            self._checked = clock
 
     def _flush(self, client: OffloadClient) -> None:
         """Send the step's jobs in one StepJobs; if no daemon takes it, its stores are done
@@ -454,6 +478,7 @@ class OffloaddWorker(OffloadingWorker):
                     job.sent = False
                 else:
                     del self._jobs[spec.job_id]
+                    self.stores_unsent += 1
                     self._results.append(TransferResult(spec.job_id, True))
             return
         self._posted = True
@@ -473,7 +498,7 @@ class OffloaddWorker(OffloadingWorker):
         waiting = any(not job.sent for job in self._jobs.values())
         if not (now or waiting) and clock - self._checked < RECONNECT_SECONDS:
             return
-        if clock < self._away_until or (waiting and not now and clock - self._checked < 0.1):
+        if self._away() or (waiting and not now and clock - self._checked < 0.1):
             return
         self._checked = clock
         try:
@@ -584,6 +609,7 @@ class OffloaddWorker(OffloadingWorker):
                 f"{len(done.failed_keys)} keys); refusing to run on KV that was not loaded"
             )
         if not done.ok:
+            self.keys_not_stored += len(done.failed_keys)
             logger.debug("offloadd: store job %d stored part: %s", job_id, done.error)
         return TransferResult(job_id, True, done.nbytes, done.seconds)
 

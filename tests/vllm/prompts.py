@@ -43,8 +43,24 @@ def settle(h: VllmHarness, chunks: int) -> None:
     assert isinstance(manager, OffloaddManager)
     deadline = time.monotonic() + 30  # a loaded machine delays the mirror, never the bytes
     while len(manager._mirror.keys) < chunks:
-        assert time.monotonic() < deadline, f"mirror has {len(manager._mirror.keys)} chunks"
+        assert time.monotonic() < deadline, (
+            f"mirror has {len(manager._mirror.keys)} chunks; {why_not_stored(h)}"
+        )
         time.sleep(0.01)
+
+
+def why_not_stored(h: VllmHarness) -> str:
+    """What the plugin counted of stores that went nowhere, for a failed wait's message."""
+    manager = h.offloading_manager
+    assert isinstance(manager, OffloaddManager)
+    workers = [rank.offloading_worker for rank in h.ranks]
+    return (
+        f"scheduler: steps unsent {manager.unsent_steps}, refused {manager.refused_steps}, "
+        f"keys not reserved {manager.refused_keys}, session "
+        f"{'up' if manager._client is not None else 'down'}; per rank: stores unsent "
+        f"{[w.stores_unsent for w in workers]}, given up {[w.stores_given_up for w in workers]}, "
+        f"keys not stored {[w.keys_not_stored for w in workers]}"
+    )
 
 
 def extra_for(daemon: DaemonThread, **more: object) -> dict[str, object]:

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from offloadd.client import OffloadClient
+from offloadd.vllm import worker as worker_module
 from offloadd.vllm.manager import STEP_BOUND_SECONDS, OffloaddManager
 from protocol.messages import DaemonStats
 from tests.fakes import FakeCopyEngine
@@ -185,6 +186,80 @@ def test_an_idle_engine_gets_its_cache_back_after_a_restart(
         b = compute(h, b_prompt(85))
         assert h.external_tokens(b) == 80
         assert h.assert_loaded_pages(b) == 5 * NUM_LAYERS
+
+
+def step_until(h: VllmHarness, until: Callable[[], bool], timeout: float = 30) -> None:
+    """Step without pause until ``until()``, a request shorter than a block (nothing to store
+    or load) always running, so that vLLM calls the ranks every step."""
+    fillers = 0
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "not reached while stepping"
+        if not h.has_work():
+            fillers += 1
+            h.add_request(prompt_of(10, seed=1000 + fillers), max_tokens=2)
+        h.step()
+
+
+@pytest.fixture
+def away_for_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that notes its daemon away counts it away for an hour, and its idle keepalive
+    (which ends that when vLLM pauses) never runs: only the daemon coming back can end it."""
+    monkeypatch.setattr(worker_module, "AWAY_SECONDS", 3600.0)
+    monkeypatch.setattr(worker_module.OffloaddWorker, "_keep_idle_session", lambda self: None)
+
+
+def noted_away(worker: Any) -> bool:
+    return bool(worker._away_until > time.monotonic() + 60)
+
+
+@pytest.mark.usefixtures("away_for_an_hour")
+def test_a_rank_stores_again_once_it_reaches_the_restarted_daemon(
+    tmp_path: Path, serve: ServeProcess
+) -> None:
+    """A rank that cannot reach its daemon skips its stores (they would hold vLLM's blocks
+    for nothing); once its socket connects to the restarted daemon (within zmq's reconnect
+    interval of the start, no backoff) it is back: it says Hello from its next step, the
+    scheduler's mirror comes back and the next request is stored, not a timer later."""
+    serve.start()
+    with VllmHarness(tmp_path, extra_for(serve)) as h:
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        worker = h.ranks[0].offloading_worker
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        serve.stop(signal.SIGKILL)
+        step_until(h, lambda: noted_away(worker) and manager._client is None)
+        serve.start()
+        step_until(h, lambda: manager._client is not None and len(manager._mirror.keys) == 6)
+        offload_resumes(h, seed=40)
+
+
+@pytest.mark.usefixtures("away_for_an_hour")
+def test_a_rank_stores_again_once_its_frozen_daemon_answers(
+    tmp_path: Path, serve: ServeProcess
+) -> None:
+    """A daemon that does not answer (SIGSTOP) is noted away by the rank, which skips its
+    stores; the first message read from it after that (the late answer to the ping that
+    timed out) shows it running again, and the next request is stored."""
+    serve.start()
+    with VllmHarness(tmp_path, extra_for(serve)) as h:
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        worker = h.ranks[0].offloading_worker
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        process = serve.process
+        assert process is not None
+        process.send_signal(signal.SIGSTOP)
+        try:
+            step_until(h, lambda: noted_away(worker))
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert worker._client is not None and worker._client.can_send()  # connected all along
+        step_until(h, lambda: not noted_away(worker))  # the daemon's first message since
+        step_until(h, lambda: manager._client is not None and len(manager._mirror.keys) == 6)
+        offload_resumes(h, seed=50)
 
 
 def test_reset_with_a_store_in_flight(tmp_path: Path) -> None:
@@ -362,7 +437,8 @@ def test_daemon_frozen_past_the_plugin_timeouts_keeps_only_live_sessions(tmp_pat
                 # and the rank asks the daemon again: it skips stores while it thinks the daemon
                 # away, and a skipped store leaves its keys reserved until the reservation
                 # expires (a known gap, docs/vllm-restarts.md)
-                back = back and not worker._away()
+                with worker._lock:  # it reads the rank's socket
+                    back = back and not worker._away()
                 if back and engine.schedulers == 1 and stats.sessions == 1 + len(h.ranks):
                     break
                 assert time.monotonic() < deadline, (
