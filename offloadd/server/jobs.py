@@ -7,7 +7,9 @@ Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from th
 engine's threads through ``call_soon_threadsafe``, then runs through ``bulk``: the control
 socket's bulk lane, behind the Lookups and Reserves waiting, or at once when none is given):
 - ``submit(state, request_id, job, moves, wait_event)``: book the job in its session's table,
-  take a reference on the session's imports for the copy, hand the moves to the copy engine,
+  take a reference on the session's imports for the copy (inside ``batch``, one for all the
+  jobs of the copy, taken with its first: a session that ended before the batch closes
+  leaves them mapped), hand the moves to the copy engine,
   answer ``Accepted(JobAccepted)`` (``offloadd.server.dispatch``'s NOTICE mode). Nothing to
   move: the job completes right after its JobAccepted is sent. If the engine refuses the
   job, the booking is undone and ``Refused(INTERNAL)`` raised.
@@ -54,7 +56,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 
@@ -88,12 +90,20 @@ def late(deadline: float) -> bool:
 
 @dataclass(eq=False)
 class _Booked:
-    """A job booked for its copy: the session's imports it holds, and what it moves."""
+    """A job booked for its copy: what it moves."""
 
     job: Job
-    imports: list[Import]
     moves: Sequence[Triple] | ChunkRuns
     wait_event: bytes
+
+
+@dataclass(eq=False)
+class _Copy:
+    """The jobs of one copy (one session and direction) and the one reference on the
+    session's imports they hold together, released when the copy ends."""
+
+    imports: list[Import]
+    booked: list[_Booked] = field(default_factory=list)
 
 
 def _planned(parts: list[Sequence[Triple] | ChunkRuns]) -> Sequence[Triple]:
@@ -137,7 +147,8 @@ class Jobs:
         self.in_flight = 0
         self.parked = 0  # of them, stores waiting for their room (park, unpark)
         self.draining = False
-        self._batch: list[_Booked] | None = None  # jobs booked inside ``batch``, not started
+        # Inside ``batch``: the copies booked, not started, by (session, direction).
+        self._batch: dict[tuple[int, Direction], _Copy] | None = None
         self._idle = asyncio.Event()
         # One line per failure would let one client's broken copies flood the log (the
         # failures are each counted: offloadd_jobs_total{outcome="failed"}).
@@ -230,23 +241,31 @@ class Jobs:
         if not moves:
             error = self._commit_store(job, ok=True) if job.direction is Direction.STORE else ""
             return self.accept_without_copy(state, request_id, job, error)
-        assert self._handles is not None
-        for imported in state.imports:
-            self._handles.retain(imported)
-        booked = _Booked(job, list(state.imports), moves, wait_event)
+        booked = _Booked(job, moves, wait_event)
         state.jobs[job.job_id] = job
         self.in_flight += 1
         if self._batch is not None:
-            self._batch.append(booked)
+            copy = self._batch.get((id(state), job.direction))
+            if copy is None:
+                copy = self._batch[id(state), job.direction] = _Copy(self._retained(state))
+            copy.booked.append(booked)
         else:
+            copy = _Copy(self._retained(state), [booked])
             try:
-                self._launch([booked])
+                self._launch(copy)
             except Exception as exc:
-                self._not_started([booked], exc)
+                self._not_started(copy, exc)
                 raise Refused(
                     ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}"
                 ) from None
         return Accepted(JobAccepted(request_id, job.job_id))
+
+    def _retained(self, state: SessionState) -> list[Import]:
+        """A reference on each of the session's imports, for one copy."""
+        assert self._handles is not None
+        for imported in state.imports:
+            self._handles.retain(imported)
+        return list(state.imports)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -257,26 +276,25 @@ class Jobs:
         if self._batch is not None:  # nested: the outer batch starts them
             yield
             return
-        self._batch = []
+        self._batch = {}
         try:
             yield
         finally:
-            booked, self._batch = self._batch, None
-            groups: dict[tuple[int, Direction], list[_Booked]] = {}
-            for b in booked:  # one copy per session and direction (its windows, its device)
-                groups.setdefault((id(b.job.state), b.job.direction), []).append(b)
-            for group in groups.values():
+            # One copy per session and direction (its windows, its device).
+            copies, self._batch = self._batch, None
+            for copy in copies.values():
                 try:
-                    self._launch(group)
+                    self._launch(copy)
                 except Exception as exc:
-                    self._not_started(group, exc)
+                    self._not_started(copy, exc)
                     message = f"the copy engine refused the job: {exc}"
-                    for b in group:
+                    for b in copy.booked:
                         job = b.job
                         self.refuse(job.state, job.job_id, job.keys, ErrorCode.INTERNAL, message)
 
-    def _launch(self, group: list[_Booked]) -> None:
-        """Hand ``group`` (jobs of one session and direction) to the copy engine as one copy."""
+    def _launch(self, copy: _Copy) -> None:
+        """Hand ``copy`` (jobs of one session and direction) to the copy engine as one."""
+        group = copy.booked
         first = group[0].job
         state, direction = first.state, first.direction
         moves = _planned([b.moves for b in group])
@@ -293,7 +311,7 @@ class Jobs:
 
         def on_done(done: Future[float]) -> None:
             def finished() -> None:
-                work = partial(self._copies_finished, group, done)
+                work = partial(self._copies_finished, copy, done)
                 loop.call_soon_threadsafe(self._bulk, work)
 
             if store and not done.cancelled() and done.exception() is None:
@@ -304,11 +322,12 @@ class Jobs:
 
         future.add_done_callback(on_done)
 
-    def _not_started(self, group: list[_Booked], exc: Exception) -> None:
+    def _not_started(self, copy: _Copy, exc: Exception) -> None:
         """Undo the booking of jobs the copy engine refused to start: else they would stay in
         flight forever (Wait never answered, drain never finished)."""
-        for b in group:
-            self._unbook(b.job, b.imports)
+        self.release_imports(copy.imports)
+        for b in copy.booked:
+            self._unbook(b.job)
             self._warn_unstarted(
                 logging.ERROR,
                 "%s: job %d not started: %s",
@@ -317,11 +336,11 @@ class Jobs:
                 exc,
             )
 
-    def _unbook(self, job: Job, imports: list[Import]) -> None:
-        """Undo ``submit``'s booking of a job the copy engine refused to start."""
+    def _unbook(self, job: Job) -> None:
+        """Undo ``submit``'s booking of a job the copy engine refused to start (its copy's
+        imports are released by the caller)."""
         job.state.jobs.pop(job.job_id, None)
         self.in_flight -= 1
-        self.release_imports(imports)
         cache = self._cache
         if job.direction is Direction.STORE:
             cache.finish_store(job.writes, ok=False)
@@ -330,7 +349,9 @@ class Jobs:
         if self.in_flight == 0:
             self._idle.set()
 
-    def _copies_finished(self, group: list[_Booked], future: Future[float]) -> None:
+    def _copies_finished(self, copy: _Copy, future: Future[float]) -> None:
+        group = copy.booked
+        self.release_imports(copy.imports)
         try:
             seconds = future.result()
             error = ""
@@ -363,7 +384,6 @@ class Jobs:
         for b, why in zip(group, errors, strict=True):
             job = b.job
             self.in_flight -= 1
-            self.release_imports(b.imports)
             if not copied:
                 job.failed_keys = list(job.keys)
             ok = copied and not job.failed_keys

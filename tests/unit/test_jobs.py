@@ -272,6 +272,9 @@ async def test_a_batch_starts_each_direction_as_one_copy_and_answers_in_one_fram
         _booked(rig, 3, Direction.LOAD, 0, b"")  # no event of its own: the last one covers it
         _booked(rig, 4, Direction.STORE, 64, b"")
         assert not rig.copies.futures and rig.jobs.in_flight == 4  # booked, not started
+        # One reference on the imports per copy, taken with its first job (the session's own
+        # is the 1): each copy's jobs end together.
+        assert rig.imported.refs == 1 + 2
     stores, loads = sorted(rig.copies.handed, key=lambda h: h[0] is Direction.LOAD)
     assert loads == (
         Direction.LOAD,
@@ -292,6 +295,7 @@ async def test_a_batch_starts_each_direction_as_one_copy_and_answers_in_one_fram
     # The three loads' entries are let go in one call, their JobDones sent in one frame.
     assert rig.cache.calls == [("finish_load", 0)] and not rig.replies(JobDone)
     assert list(rig.state.done) == [1, 2, 3]  # kept for Wait as lone jobs are
+    assert rig.imported.refs == 1 + 1  # the store's copy still holds its reference
 
 
 @pytest.mark.asyncio
