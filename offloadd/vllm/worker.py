@@ -261,7 +261,8 @@ class OffloaddWorker(OffloadingWorker):
         client = self._connected()
         skipped = dst_spec.skipped
         if client is None or len(skipped) >= len(dst_spec.keys) or self._away():
-            self.stores_unsent += len(skipped) < len(dst_spec.keys)
+            if len(skipped) < len(dst_spec.keys):  # keys the scheduler reserved: lost
+                self.stores_unsent += 1
             self._results.append(TransferResult(job_id, True))
             return True
         segments = segments_for(dst_spec.keys, src_spec, self._bpc, self._group_ids)
@@ -451,9 +452,8 @@ class OffloaddWorker(OffloadingWorker):
         return not back
 
     def _note_failure(self, exc: Exception) -> None:
-        """After a daemon that did not answer, or is stopping, ask nothing of it until the
-        next check, or, where it could not be reached at all, until the rank connects to
-        it again."""
+        """After a daemon that did not answer, could not be reached, or is stopping, ask
+        nothing of it until it is back (``_away``), ``AWAY_SECONDS`` at most."""
         if isinstance(exc, DaemonUnavailable) or _stopping(exc):
             self._away_since = clock = time.monotonic()
             self._away_until = clock + AWAY_SECONDS
