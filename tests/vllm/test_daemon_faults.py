@@ -10,6 +10,7 @@ never raises; offload hits come back once the daemon does.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import tempfile
@@ -60,6 +61,21 @@ def expected_output(prompt: list[int], max_tokens: int = 2) -> list[int]:
     return tokens[len(prompt) :]
 
 
+@contextlib.contextmanager
+def warm_engine(
+    tmp_path: Path, serve: ServeProcess
+) -> Iterator[tuple[VllmHarness, OffloaddManager, Any]]:
+    """The daemon started and an engine on it (harness, scheduler, rank 0's worker) whose
+    mirror shows ``A_PROMPT``'s 6 chunks."""
+    serve.start()
+    with VllmHarness(tmp_path, extra_for(serve)) as h:
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        yield h, manager, h.ranks[0].offloading_worker
+
+
 def at_first_call(
     target: Any, name: str, fault: Callable[[], None], *, before: bool = False
 ) -> list[int]:
@@ -100,13 +116,7 @@ def timed_steps(h: VllmHarness, until: Callable[[], bool], timeout: float = 30) 
 def test_daemon_killed_and_restarted_with_its_arena(
     tmp_path: Path, serve: ServeProcess, when: str
 ) -> None:
-    serve.start()
-    with VllmHarness(tmp_path, extra_for(serve)) as h:
-        manager = h.offloading_manager
-        assert isinstance(manager, OffloaddManager)
-        worker = h.ranks[0].offloading_worker
-        compute(h, A_PROMPT)
-        settle(h, 6)
+    with warm_engine(tmp_path, serve) as (h, manager, worker):
         h.reset_prefix_cache()
 
         def kill() -> None:
@@ -221,13 +231,7 @@ def test_a_rank_stores_again_once_it_reaches_the_restarted_daemon(
     for nothing); once its socket connects to the restarted daemon (within zmq's reconnect
     interval of the start, no backoff) it is back: it says Hello from its next step, the
     scheduler's mirror comes back and the next request is stored, not a timer later."""
-    serve.start()
-    with VllmHarness(tmp_path, extra_for(serve)) as h:
-        manager = h.offloading_manager
-        assert isinstance(manager, OffloaddManager)
-        worker = h.ranks[0].offloading_worker
-        compute(h, A_PROMPT)
-        settle(h, 6)
+    with warm_engine(tmp_path, serve) as (h, manager, worker):
         serve.stop(signal.SIGKILL)
         step_until(h, lambda: noted_away(worker) and manager._client is None)
         serve.start()
@@ -242,13 +246,7 @@ def test_a_rank_stores_again_once_its_frozen_daemon_answers(
     """A daemon that does not answer (SIGSTOP) is noted away by the rank, which skips its
     stores; the first message read from it after that (the late answer to the ping that
     timed out) shows it running again, and the next request is stored."""
-    serve.start()
-    with VllmHarness(tmp_path, extra_for(serve)) as h:
-        manager = h.offloading_manager
-        assert isinstance(manager, OffloaddManager)
-        worker = h.ranks[0].offloading_worker
-        compute(h, A_PROMPT)
-        settle(h, 6)
+    with warm_engine(tmp_path, serve) as (h, manager, worker):
         process = serve.process
         assert process is not None
         process.send_signal(signal.SIGSTOP)
