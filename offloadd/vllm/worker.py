@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
@@ -89,6 +89,8 @@ AWAY_SECONDS = 1.0  # after a failure, asked nothing at most this long (``_away`
 STEP_TIMEOUT_SECONDS = 0.3  # an exchange inside a step waits at most this long
 PROBE_TIMEOUT_SECONDS = 0.2  # a ping to a daemon that may be away
 RESEND_POLL_SECONDS = 0.05  # wait(): between tries to resend loads the daemon refused
+# What ends a rank's note that its daemon is away before ``AWAY_SECONDS`` (``_away``).
+_BackWhen = Literal["heard", "connected", "timer"]
 
 
 class LoadFailed(RuntimeError):
@@ -225,8 +227,8 @@ class OffloaddWorker(OffloadingWorker):
         self._results: list[TransferResult] = []
         self._checked = time.monotonic()  # the last proof of the session (_tend)
         self._away_until = 0.0  # the daemon did not answer: not asked again before this
-        self._away_since = 0.0  # ... unless it is heard from after this (``_away``)
-        self._away_unreachable = False  # ... or it was unreachable and is connected again
+        self._away_since = 0.0  # when it was noted away
+        self._back_when: _BackWhen = "timer"  # ... and what ends that earlier (``_away``)
         self.loads_resent = 0  # loads sent again by key to a daemon that came back
         self.stores_given_up = 0  # stores reported done unanswered, past their bound
         self.stores_unsent = 0  # stores reported done without being sent (no daemon)
@@ -435,18 +437,22 @@ class OffloaddWorker(OffloadingWorker):
             self.idle_messages += client.sent - sent
 
     def _away(self) -> bool:
-        """Noted away (``_note_failure``) and not back: nothing heard from it since (a late
-        answer shows a busy daemon, not a frozen one), nor, where it could not be reached,
-        connected to it again (a restarted daemon, within zmq's reconnect interval of its
-        start). A daemon that is back gets the next step's stores."""
+        """Noted away (``_note_failure``) and not back: a daemon that did not answer is back
+        once a message from it is read (a late answer shows it busy, not frozen); one that
+        could not be reached, once the rank is connected to it again (a restarted daemon,
+        within zmq's reconnect interval of its start); one that is stopping, when the
+        timer ends. A daemon that is back gets the next step's stores."""
         if time.monotonic() >= self._away_until:
             return False
         client = self._client
-        if client is None:
+        if client is None or self._back_when == "timer":
             return True
-        with contextlib.suppress(OffloaddError):
-            client.poll(0)  # a late answer waiting here
-        back = client.heard_at > self._away_since or (self._away_unreachable and client.can_send())
+        if self._back_when == "heard":
+            with contextlib.suppress(OffloaddError):
+                client.poll(0)  # a late answer waiting here
+            back = client.heard_at > self._away_since
+        else:
+            back = client.can_send()
         if back:
             self._away_until = 0.0
         return not back
@@ -454,12 +460,16 @@ class OffloaddWorker(OffloadingWorker):
     def _note_failure(self, exc: Exception) -> None:
         """After a daemon that did not answer, could not be reached, or is stopping, ask
         nothing of it until it is back (``_away``), ``AWAY_SECONDS`` at most."""
-        if isinstance(exc, DaemonUnavailable) or _stopping(exc):
-            self._away_since = clock = time.monotonic()
-            self._away_until = clock + AWAY_SECONDS
-            client = self._client
-            self._away_unreachable = client is not None and not client.can_send()
-            self._checked = clock
+        if not (isinstance(exc, DaemonUnavailable) or _stopping(exc)):
+            return
+        self._away_since = clock = time.monotonic()
+        self._away_until = clock + AWAY_SECONDS
+        self._checked = clock
+        client = self._client
+        if _stopping(exc) or client is None:
+            self._back_when = "timer"  # it answers, refusing: its messages say nothing
+        else:
+            self._back_when = "heard" if client.can_send() else "connected"
 
     def _flush(self, client: OffloadClient) -> None:
         """Send the step's jobs in one StepJobs; if no daemon takes it, its stores are done
