@@ -254,7 +254,8 @@ def test_a_rank_stores_again_once_its_frozen_daemon_answers(
             step_until(h, lambda: noted_away(worker))
         finally:
             process.send_signal(signal.SIGCONT)
-        assert worker._client is not None and worker._client.can_send()  # connected all along
+        with worker._lock:  # it reads the rank's socket
+            assert worker._client is not None and worker._client.can_send()  # connected all along
         step_until(h, lambda: not noted_away(worker))  # the daemon's first message since
         step_until(h, lambda: manager._client is not None and len(manager._mirror.keys) == 6)
         offload_resumes(h, seed=50)
