@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from offloadd.transfer.plan import group_layouts
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.regions import NotShareable, kv_regions, open_region_files, shared_file_of
 from offloadd.vllm.stores import Stores
-from offloadd.vllm.worker import without_skipped
+from offloadd.vllm.worker import segments_for, without_skipped
 from protocol.config import OffloadingGroupConfig
 from protocol.handles import KVRegion, ShmHandle
 from protocol.messages import KeysChanged, Segment
@@ -285,6 +286,49 @@ def test_stores_forget_and_reset() -> None:
     stores.reset()
     assert queued.skipped == {0} and not stores.pending(K[1])
     assert stores.queued_keys() == []
+
+
+def _group_key(group: int, name: int) -> bytes:
+    return bytes([name]) * 8 + group.to_bytes(4, "big")
+
+
+def test_segments_for_reads_each_groups_keys_and_blocks_in_config_order() -> None:
+    # bpc 2. Group 7: 5 blocks from block index 3 (sub-block 1): 3 keys; group 2: none;
+    # group 4: 2 blocks from index 4 (sub-block 0): 1 key.
+    gpu = GPULoadStoreSpec(list(range(7)), [5, 0, 2], [3, 0, 4])
+    keys = [_group_key(7, 0), _group_key(7, 1), _group_key(7, 2), _group_key(4, 3)]
+    assert segments_for(keys, gpu, 2, [7, 2, 4]) == [Segment(3, 1, 5), Segment(1, 0, 2)]
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        # A key of another group where group 7's are due: the groups found are named.
+        (
+            [_group_key(7, 0), _group_key(4, 1), _group_key(7, 2), _group_key(4, 3)],
+            "group 7: 5 blocks from sub-block 1 need 3 keys of that group at position 0; "
+            "the keys name groups [4, 7]",
+        ),
+        # Too few keys for group 4's chunk.
+        (
+            [_group_key(7, 0), _group_key(7, 1), _group_key(7, 2)],
+            "group 4: 2 blocks from sub-block 0 need 1 keys of that group at position 3; "
+            "the keys name groups []",
+        ),
+        # Keys beyond the chunks the blocks fill.
+        (
+            [_group_key(7, 0), _group_key(7, 1), _group_key(7, 2), _group_key(4, 3)] * 2,
+            "8 keys for blocks that fill 4 chunks",
+        ),
+    ],
+)
+def test_segments_for_refuses_keys_that_do_not_match_the_blocks(
+    keys: list[bytes], message: str
+) -> None:
+    gpu = GPULoadStoreSpec(list(range(7)), [5, 0, 2], [3, 0, 4])
+    with pytest.raises(ValueError) as refused:
+        segments_for(keys, gpu, 2, [7, 2, 4])
+    assert str(refused.value) == message
 
 
 def test_without_skipped_splits_segments_at_the_holes() -> None:
