@@ -453,6 +453,8 @@ class OffloaddWorker(OffloadingWorker):
             back = client.heard_at > self._away_since
         else:
             back = client.can_send()
+            if back:  # most likely a new daemon: its engine waits for this rank's Hello
+                self._checked = 0.0  # so the session is proved at the next ``_tend``
         if back:
             self._away_until = 0.0
         return not back
@@ -505,10 +507,12 @@ class OffloaddWorker(OffloadingWorker):
             if late is None or clock - late < RECONNECT_SECONDS:
                 return
         now = now or client.session_lost
+        if self._away():
+            return
         waiting = any(not job.sent for job in self._jobs.values())
         if not (now or waiting) and clock - self._checked < RECONNECT_SECONDS:
             return
-        if self._away() or (waiting and not now and clock - self._checked < 0.1):
+        if waiting and not now and clock - self._checked < 0.1:
             return
         self._checked = clock
         try:

@@ -232,9 +232,21 @@ def test_a_rank_stores_again_once_it_reaches_the_restarted_daemon(
     interval of the start, no backoff) it is back: it says Hello from its next step, the
     scheduler's mirror comes back and the next request is stored, not a timer later."""
     with warm_engine(tmp_path, serve) as (h, manager, worker):
+        old_session = worker._client.welcome
         serve.stop(signal.SIGKILL)
         step_until(h, lambda: noted_away(worker) and manager._client is None)
         serve.start()
+
+        def connected() -> bool:
+            with worker._lock:  # it reads the rank's socket
+                return bool(worker._client.can_send())
+
+        step_until(h, connected)
+        steps = 0
+        while worker._client.welcome is old_session:  # said Hello to the new daemon
+            assert steps < 3, "the rank did not say Hello in the steps after it connected"
+            h.step()
+            steps += 1
         step_until(h, lambda: manager._client is not None and len(manager._mirror.keys) == 6)
         offload_resumes(h, seed=40)
 
