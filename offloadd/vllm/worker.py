@@ -29,7 +29,10 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   (the new daemon restored its arena; the old session's hold is gone). Only keys that are
   gone by then fail it. No call waits on the daemon longer than ``STEP_TIMEOUT_SECONDS``
   inside a step (``wait`` excepted), and while it is away nothing is asked of it but one
-  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``. A daemon that is stopping
+  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``. It counts as away after a
+  failed exchange until it is back (a message from it read, or, where it could not be
+  reached, a connection again: then the rank says Hello at once), ``AWAY_SECONDS`` at
+  most. A daemon that is stopping
   (``SHUTTING_DOWN``: a planned restart) counts as away: its refused loads wait for the next
   one, its refused stores are done (nothing cached). A step that sends its jobs
   pings not: the daemon's answer to the ``StepJobs`` proves the session (a ping goes only

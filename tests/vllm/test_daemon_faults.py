@@ -528,7 +528,9 @@ def test_store_to_a_frozen_daemon_is_given_up_at_its_deadline_and_never_committe
         while True:
             stats = stats_of(serve)
             late = stats.stores_refused_by_reason.get("late", 0)
-            if late >= len(frozen_keys) and not worker._away():
+            with worker._lock:  # it reads the rank's socket
+                away = worker._away()
+            if late >= len(frozen_keys) and not away:
                 break
             assert time.monotonic() < deadline, f"{late} late keys of {len(frozen_keys)}"
             time.sleep(0.05)
