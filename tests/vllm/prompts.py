@@ -11,7 +11,7 @@ from offloadd.vllm.manager import OffloaddManager
 from tests.integration.harness import DaemonThread
 from tests.vllm.harness import VllmHarness, sampled_token
 
-__all__ = ["A_PROMPT", "b_prompt", "compute", "extra_for", "prompt_of", "settle"]
+__all__ = ["A_PROMPT", "b_prompt", "compute", "extra_for", "prompt_of", "settle", "why_not_stored"]
 
 
 def prompt_of(n: int, seed: int = 0) -> list[int]:

@@ -31,7 +31,7 @@ from protocol.messages import DaemonStats
 from tests.fakes import FakeCopyEngine
 from tests.integration.harness import DaemonThread, ServeProcess
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
-from tests.vllm.prompts import A_PROMPT, b_prompt, compute, prompt_of, settle
+from tests.vllm.prompts import A_PROMPT, b_prompt, compute, prompt_of, settle, why_not_stored
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -326,7 +326,9 @@ def offload_resumes(h: VllmHarness, seed: int) -> None:
     compute(h, f_prompt)
     deadline = time.monotonic() + 30  # its 6 chunks reach the mirror (a full arena evicts)
     while len(manager._mirror.keys - before) < 6:
-        assert time.monotonic() < deadline, f"{len(manager._mirror.keys - before)} new chunks"
+        assert time.monotonic() < deadline, (
+            f"{len(manager._mirror.keys - before)} new chunks; {why_not_stored(h)}"
+        )
         time.sleep(0.01)
     h.reset_prefix_cache()
     g = compute(h, f_prompt[:85] + prompt_of(7, seed=seed + 1))
