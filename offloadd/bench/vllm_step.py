@@ -5,7 +5,8 @@ their N stores reach the rank in one step, through vLLM 0.33's ``Scheduler`` and
 ``OffloadingConnector`` (the test harness in ``tests/vllm/harness.py``: run from a checkout).
 Measured per rank, same run, offloadd (a daemon subprocess) beside the native in-process
 spec (``tests/vllm/simple_spec.py``: torch copies in the rank, what vLLM's CPU spec does
-without a GPU, as its worker cannot run on a CPU host). The harness and the native spec are
+without a GPU, as its worker cannot run on a CPU host), both over the same KV memory:
+memfds (``KV_MEMORY``). The harness and the native spec are
 test code the wheel does not carry: they are found beside the package in a checkout (by
 module name, at run time) and the rows are skipped elsewhere. The built harness's heap is
 frozen for the collector as ``EngineCore`` freezes its own (see ``_startup_heap_frozen``).
@@ -40,6 +41,10 @@ from offloadd.bench.datapath import daemon
 
 BLOCK = 16
 SIZES = (64, 256)
+# The ranks' KV memory: memfds, what a CPU host should give offloadd (the daemon copies
+# through a mapping; a /dev/shm file costs a pwrite per run of blocks, see
+# offloadd.vllm.regions). The native spec reads the same memory.
+KV_MEMORY = "memfd"
 
 
 def run(ctx: Context) -> list[Result]:
@@ -231,6 +236,7 @@ def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[s
             max_num_batched_tokens=n * (2 * BLOCK + 8),
             max_num_seqs=n,
             max_model_len=16 * BLOCK,
+            kv_memory=KV_MEMORY,
         )
         with h, _startup_heap_frozen():
             probe = _Probe(h)

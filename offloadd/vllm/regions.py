@@ -11,17 +11,25 @@ unpadded page size) with the names of every layer that uses it, so aliased layer
 once and a tensor shared by groups with different page sizes becomes one region per size.
 
 CUDA tensors are exported as CUDA IPC handles. A CPU tensor must live in a shared file mapping
-(a file in ``/dev/shm``, as vLLM's CPU backend tests and offloadd's own tests allocate them):
-its file and offset are found in ``/proc/self/maps``. Anything else is refused with a message
-saying how to fix it. The daemon opens no path: ``open_region_files`` opens each such file
-here, in the rank that owns it, checks that it is the very file mapped (device and inode, so
-a file put in its place under the same name is not), and the client passes the descriptors
-(``OffloadClient.connect(..., files=...)``).
+(a file in ``/dev/shm``, as vLLM's CPU backend tests and offloadd's own tests allocate them,
+or a memfd this process keeps open): its file and offset are found in ``/proc/self/maps``.
+Anything else is refused with a message saying how to fix it. The daemon opens no path:
+``open_region_files`` opens each such file here, in the rank that owns it, checks that it is
+the very file mapped (device and inode, so a file put in its place under the same name is
+not), and the client passes the descriptors (``OffloadClient.connect(..., files=...)``).
+
+A memfd has no path to open: its region is named ``memfd:NAME (inode N)`` and its descriptor
+is one this process holds read-write (found in ``/proc/self/fd`` by device and inode). The
+daemon maps a memfd sealed against shrinking (it adds the seal when the memfd allows sealing)
+and copies through that mapping, where a ``/dev/shm`` file costs a ``pread``/``pwrite`` per run
+of neighbouring blocks (``offloadd.transfer.guarded``): on a CPU host, KV on memfds created
+with ``MFD_ALLOW_SEALING`` is the fast path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -35,9 +43,12 @@ __all__ = ["NotShareable", "kv_regions", "open_region_files", "shared_file_of"]
 
 FIX_CPU_TENSOR = (
     "offloadd reads a CPU KV cache through shared memory: allocate it on a MAP_SHARED file "
-    "mapping (e.g. a file in /dev/shm mapped with mmap, or torch.from_file(path, shared=True)), "
-    "or run the engine on GPUs"
+    "mapping (a memfd kept open, e.g. os.memfd_create(name, os.MFD_ALLOW_SEALING) mapped with "
+    "mmap, or a file in /dev/shm, or torch.from_file(path, shared=True)), or run the engine on "
+    "GPUs"
 )
+_MEMFD = "/memfd:"  # how /proc/self/maps names a memfd's mapping: "/memfd:NAME (deleted)"
+_DELETED = " (deleted)"
 
 
 class NotShareable(ValueError):
@@ -60,12 +71,12 @@ def shared_file_of(address: int, length: int, maps: str | None = None) -> tuple[
         start, end = int(start_text, 16), int(end_text, 16)
         if not start <= address < end:
             continue
-        path = fields[5].strip() if len(fields) == 6 else ""
-        if fields[1][3:4] != "s" or not path.startswith("/"):
+        path = _mapped_path(fields)
+        if fields[1][3:4] != "s" or not path:
             raise NotShareable(
                 f"KV memory at {address:#x} is not a shared file mapping; {FIX_CPU_TENSOR}"
             )
-        if path.endswith(" (deleted)"):
+        if path.endswith(_DELETED):
             raise NotShareable(f"the file backing KV memory at {address:#x} was removed: {path}")
         if address + length > end:
             raise NotShareable(
@@ -75,17 +86,43 @@ def shared_file_of(address: int, length: int, maps: str | None = None) -> tuple[
     raise NotShareable(f"KV memory at {address:#x} is not mapped; {FIX_CPU_TENSOR}")
 
 
+def _mapped_path(fields: Sequence[str]) -> str:
+    """The path of a ``/proc/self/maps`` line's file (a memfd's label), "" when it has none."""
+    path = fields[5].strip() if len(fields) == 6 else ""
+    if path.startswith(_MEMFD) and path.endswith(_DELETED):
+        return f"memfd:{path[len(_MEMFD) : -len(_DELETED)]} (inode {fields[4]})"
+    return path if path.startswith("/") else ""
+
+
 def _mapped_files(maps: str) -> dict[str, set[tuple[int, int, int]]]:
     """Path -> {(device major, minor, inode)} of every file mapping in ``maps``."""
     found: dict[str, set[tuple[int, int, int]]] = {}
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith("/"):
+        path = _mapped_path(fields)
+        if path:
             major, _, minor = fields[3].partition(":")
-            found.setdefault(fields[5].strip(), set()).add(
-                (int(major, 16), int(minor, 16), int(fields[4]))
-            )
+            found.setdefault(path, set()).add((int(major, 16), int(minor, 16), int(fields[4])))
     return found
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int]:
+    return os.major(info.st_dev), os.minor(info.st_dev), info.st_ino
+
+
+def _open_memfd(label: str, identities: set[tuple[int, int, int]]) -> int:
+    """A duplicate of a read-write descriptor this process holds of the mapped memfd."""
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own, too)
+            fd = int(name)
+            if _identity(os.fstat(fd)) in identities and (
+                fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+            ):
+                return os.dup(fd)
+    raise NotShareable(
+        f"KV memory in {label} is a memfd this process holds no read-write descriptor of: "
+        "keep the descriptor memfd_create returned open while the engine runs"
+    )
 
 
 def open_region_files(regions: Sequence[KVRegion], maps: str | None = None) -> dict[str, int]:
@@ -101,14 +138,15 @@ def open_region_files(regions: Sequence[KVRegion], maps: str | None = None) -> d
             handle = region.handle
             if not isinstance(handle, ShmHandle) or handle.path in opened:
                 continue
+            if handle.path.startswith(_MEMFD[1:]):
+                opened[handle.path] = _open_memfd(handle.path, mapped.get(handle.path, set()))
+                continue
             try:
                 fd = os.open(handle.path, os.O_RDWR | os.O_CLOEXEC)
             except OSError as exc:
                 raise NotShareable(f"cannot open {handle.path}: {exc.strerror}") from None
             opened[handle.path] = fd
-            info = os.fstat(fd)
-            identity = (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)
-            if identity not in mapped.get(handle.path, set()):
+            if _identity(os.fstat(fd)) not in mapped.get(handle.path, set()):
                 raise NotShareable(
                     f"{handle.path} is no longer the file this process maps (replaced?)"
                 )

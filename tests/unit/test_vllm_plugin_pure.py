@@ -4,6 +4,7 @@ file."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
@@ -121,6 +122,36 @@ def test_the_rank_opens_its_own_mapped_files_and_no_impostor() -> None:
         os.unlink(path)
 
 
+def test_a_memfd_tensor_is_named_by_inode_and_reached_through_its_open_descriptor() -> None:
+    fd = os.memfd_create("od-test-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 2 * 4096)
+        label = f"memfd:od-test-kv (inode {os.fstat(fd).st_ino})"
+        with mmap.mmap(fd, 2 * 4096, mmap.MAP_SHARED) as mapping:
+            tensor = torch.frombuffer(mapping, dtype=torch.int8).view(2, 4096)
+            assert shared_file_of(tensor[1].data_ptr(), 4096) == (label, 4096)
+            region = KVRegion(ShmHandle(label, 0, 2 * 4096), 2, 4096, 4096, ("a",))
+            files = open_region_files([region, region])
+            try:
+                assert list(files) == [label] and files[label] != fd
+                assert os.fstat(files[label]).st_ino == os.fstat(fd).st_ino
+                assert fcntl.fcntl(files[label], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+            finally:
+                for opened in files.values():
+                    os.close(opened)
+            del tensor
+    finally:
+        os.close(fd)
+
+
+def test_a_mapped_memfd_without_a_descriptor_is_refused_saying_what_to_keep() -> None:
+    maps = "7f0000004000-7f0000005000 rw-s 00000000 00:01 999999999 /memfd:kv (deleted)\n"
+    label = "memfd:kv (inode 999999999)"
+    region = KVRegion(ShmHandle(label, 0, 4096), 1, 4096, 4096, ("a",))
+    with pytest.raises(NotShareable, match="keep the descriptor memfd_create returned open"):
+        open_region_files([region], maps)
+
+
 def test_private_memory_is_refused_with_a_fix() -> None:
     tensor = torch.zeros(4, 4096, dtype=torch.int8)
     with pytest.raises(NotShareable, match="MAP_SHARED file"):
@@ -132,6 +163,7 @@ def test_maps_parsing_checks_bounds_and_deleted_files() -> None:
         "7f0000000000-7f0000002000 rw-s 00001000 00:1a 42 /dev/shm/kv\n"
         "7f0000002000-7f0000003000 rw-s 00000000 00:1a 43 /dev/shm/gone (deleted)\n"
         "7f0000003000-7f0000004000 rw-p 00000000 00:00 0 \n"
+        "7f0000004000-7f0000005000 rw-s 00000000 00:01 77 /memfd:kv (deleted)\n"
     )
     assert shared_file_of(0x7F0000001000, 0x1000, maps) == ("/dev/shm/kv", 0x2000)
     with pytest.raises(NotShareable, match="runs past"):
@@ -142,6 +174,7 @@ def test_maps_parsing_checks_bounds_and_deleted_files() -> None:
         shared_file_of(0x7F0000003000, 16, maps)
     with pytest.raises(NotShareable, match="not mapped"):
         shared_file_of(0x1000, 16, maps)
+    assert shared_file_of(0x7F0000004010, 16, maps) == ("memfd:kv (inode 77)", 0x10)
 
 
 class _Buffer:

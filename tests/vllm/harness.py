@@ -69,7 +69,10 @@ does with its queue of `vllm_config.max_concurrent_batches` (2) batches.
 
 The KV memory of each rank is one int8 buffer over a MAP_SHARED mapping of its
 own file in /dev/shm (`RankState.buffer.path`), so a spec's worker can find the
-file and offset of any page through /proc/self/maps (see `backing_file`).
+file and offset of any page through /proc/self/maps (see `backing_file`). With
+``kv_memory="memfd"`` it is a memfd instead (the harness keeps its descriptor
+open; ``path`` is the name offloadd's plugin gives it), as a CPU host should
+allocate it for offloadd (``offloadd.vllm.regions``).
 
 Import this module before anything else imports vLLM (tests/vllm/conftest.py
 does): it sets ``VLLM_TARGET_DEVICE=cpu`` and imports vLLM without turning the
@@ -326,12 +329,14 @@ def sampled_token(prefix: Sequence[int]) -> int:
 
 @dataclass
 class ShmBuffer:
-    """An int8 tensor over a MAP_SHARED mapping of a file (in /dev/shm)."""
+    """An int8 tensor over a MAP_SHARED mapping of a file (in /dev/shm), or of a memfd
+    whose descriptor it keeps (`memfd`)."""
 
     path: Path
     size: int
     _mmap: mmap.mmap
     tensor: torch.Tensor
+    memfd: int | None = None
 
     @classmethod
     def create(cls, path: Path, size: int) -> ShmBuffer:
@@ -344,10 +349,27 @@ class ShmBuffer:
         tensor = torch.frombuffer(mapping, dtype=torch.int8)
         return cls(path=path, size=size, _mmap=mapping, tensor=tensor)
 
+    @classmethod
+    def create_memfd(cls, name: str, size: int) -> ShmBuffer:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        label = f"memfd:{name} (inode {os.fstat(fd).st_ino})"  # offloadd.vllm.regions' name
+        tensor = torch.frombuffer(mapping, dtype=torch.int8)
+        return cls(path=Path(label), size=size, _mmap=mapping, tensor=tensor, memfd=fd)
+
     def close(self) -> None:
-        """Unlink the file; unmap unless views of the tensor are still alive."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        """Unlink the file (close the memfd); unmap unless views of the tensor are alive."""
+        if self.memfd is not None:
+            os.close(self.memfd)
+            self.memfd = None
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         del self.tensor
         # Views (e.g. a spec's worker) may outlive the harness; then the
         # mapping goes when they do.
@@ -571,6 +593,7 @@ class VllmHarness:
         kv_cache_layout: force a layout name (e.g. "BLHNC"); default: vLLM's
             resolution, which takes the connector's preference (LBHNC).
         shm_dir: where the per-rank KV files go.
+        kv_memory: ``"file"`` (a file in `shm_dir` per rank) or ``"memfd"`` (a memfd per rank).
         model: ``"llama"`` (`num_kv_heads` KV heads split over TP) or ``"mla"`` (a DeepSeek-V2 whose
             latent KV every TP rank holds whole: vLLM's ``use_mla``, ``MLAAttentionSpec``
             with ``max_tp_shards=1``); MLA pages hold the same bytes on every rank
@@ -613,6 +636,7 @@ class VllmHarness:
         max_model_len: int | None = None,
         kv_cache_layout: str | None = None,
         shm_dir: Path = Path("/dev/shm"),
+        kv_memory: str = "file",
         model: str = "llama",
         max_num_seqs: int = 64,
         prefix_cache_retention_interval: int | None = 0,
@@ -625,6 +649,9 @@ class VllmHarness:
         self._shm_prefix = f"offloadd-vllmh-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._shm_dir = Path(shm_dir)
         self._buffers: list[ShmBuffer] = []
+        if kv_memory not in ("file", "memfd"):
+            raise ValueError(f"kv_memory {kv_memory!r}: 'file' or 'memfd'")
+        self._kv_memory = kv_memory
         self.ranks: list[RankState] = []
         if model not in MODELS:
             raise ValueError(f"model {model!r}: one of {MODELS}")
@@ -928,8 +955,11 @@ class VllmHarness:
         dp = vllm_config.parallel_config.data_parallel_index
 
         def make_buffer(size: int) -> ShmBuffer:
-            path = self._shm_dir / f"{self._shm_prefix}-dp{dp}-rank{rank}"
-            buffer = ShmBuffer.create(path, size)
+            name = f"{self._shm_prefix}-dp{dp}-rank{rank}"
+            if self._kv_memory == "memfd":
+                buffer = ShmBuffer.create_memfd(name, size)
+            else:
+                buffer = ShmBuffer.create(self._shm_dir / name, size)
             self._buffers.append(buffer)
             return buffer
 

@@ -2,12 +2,13 @@
 
 vLLM's real Scheduler and OffloadingConnector (scheduler role, and one worker-role connector
 per rank) load ``OffloaddSpec`` through ``spec_module_path``; the ranks' KV caches are
-allocated by vLLM's own code on files in /dev/shm; a simulated forward pass writes bytes
+allocated by vLLM's own code on files in /dev/shm (or memfds); a simulated forward pass writes bytes
 derived from each token prefix, and every loaded page on every rank is checked against them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,6 +339,24 @@ def test_other_kv_cache_layouts(tmp_path: Path, daemon: DaemonThread, layout: st
     ) as h:
         compute(h, A_PROMPT)
         settle(h, 6)
+        h.reset_prefix_cache()
+        b = compute(h, b_prompt(70))
+        assert h.external_tokens(b) == 64
+        assert h.assert_loaded_pages(b) == 4 * NUM_LAYERS * 2
+
+
+def test_kv_on_memfds_round_trips_through_the_daemons_mapping(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """A CPU host's fast path: KV on memfds the ranks keep open. The plugin passes their
+    descriptors, and the daemon maps them, sealed against shrinking (which only a mapping
+    needs), instead of reaching them with pread/pwrite."""
+    with VllmHarness(tmp_path, extra_for(daemon), kv_memory="memfd", tensor_parallel_size=2) as h:
+        compute(h, A_PROMPT)
+        settle(h, 6)
+        for rank in h.ranks:
+            assert rank.buffer.memfd is not None
+            assert fcntl.fcntl(rank.buffer.memfd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
         h.reset_prefix_cache()
         b = compute(h, b_prompt(70))
         assert h.external_tokens(b) == 64
