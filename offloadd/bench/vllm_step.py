@@ -100,6 +100,7 @@ def run(ctx: Context) -> list[Result]:
                         "harness_step_ms": median(ours["step_ms"]),
                         "native_harness_step_ms": median(native["step_ms"]),
                         "baseline": "in-process torch copies (tests/vllm/simple_spec.py)",
+                        "kv_memory": KV_MEMORY,
                     },
                 )
             )
