@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +48,7 @@ FIX_CPU_TENSOR = (
     "mmap, or a file in /dev/shm, or torch.from_file(path, shared=True)), or run the engine on "
     "GPUs"
 )
+logger = logging.getLogger(__name__)
 _MEMFD = "/memfd:"  # how /proc/self/maps names a memfd's mapping: "/memfd:NAME (deleted)"
 _DELETED = " (deleted)"
 
@@ -118,6 +120,14 @@ def _open_memfd(label: str, identities: set[tuple[int, int, int]]) -> int:
             if _identity(os.fstat(fd)) in identities and (
                 fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
             ):
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                if seals & fcntl.F_SEAL_SEAL and not seals & fcntl.F_SEAL_SHRINK:
+                    logger.warning(
+                        "KV memory in %s is a memfd that cannot be sealed against shrinking: "
+                        "the daemon copies it with pread/pwrite, not through a mapping; create "
+                        "it with MFD_ALLOW_SEALING for the fast path",
+                        label,
+                    )
                 return os.dup(fd)
     raise NotShareable(
         f"KV memory in {label} is a memfd this process holds no read-write descriptor of: "

@@ -144,6 +144,26 @@ def test_a_memfd_tensor_is_named_by_inode_and_reached_through_its_open_descripto
         os.close(fd)
 
 
+def test_a_memfd_that_cannot_be_sealed_is_taken_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fd = os.memfd_create("od-test-unsealable", os.MFD_CLOEXEC)  # sealed with F_SEAL_SEAL
+    try:
+        os.ftruncate(fd, 4096)
+        with mmap.mmap(fd, 4096, mmap.MAP_SHARED) as mapping:
+            tensor = torch.frombuffer(mapping, dtype=torch.int8)
+            label, offset = shared_file_of(tensor.data_ptr(), 4096)
+            region = KVRegion(ShmHandle(label, offset, 4096), 1, 4096, 4096, ("a",))
+            with caplog.at_level("WARNING", logger="offloadd.vllm.regions"):
+                files = open_region_files([region])
+            for opened in files.values():
+                os.close(opened)
+            assert "MFD_ALLOW_SEALING" in caplog.text
+            del tensor
+    finally:
+        os.close(fd)
+
+
 def test_a_mapped_memfd_without_a_descriptor_is_refused_saying_what_to_keep() -> None:
     maps = "7f0000004000-7f0000005000 rw-s 00000000 00:01 999999999 /memfd:kv (deleted)\n"
     label = "memfd:kv (inode 999999999)"
