@@ -6,10 +6,10 @@ their N stores reach the rank in one step, through vLLM 0.33's ``Scheduler`` and
 Measured per rank, same run, offloadd (a daemon subprocess) beside the native in-process
 spec (``tests/vllm/simple_spec.py``: torch copies in the rank, what vLLM's CPU spec does
 without a GPU, as its worker cannot run on a CPU host), both over the same KV memory:
-memfds (``KV_MEMORY``). The harness and the native spec are
-test code the wheel does not carry: they are found beside the package in a checkout (by
-module name, at run time) and the rows are skipped elsewhere. The built harness's heap is
-frozen for the collector as ``EngineCore`` freezes its own (see ``_startup_heap_frozen``).
+memfds (``KV_MEMORY``). The harness and the native spec are test code the wheel does not
+carry: they are found beside the package in a checkout (by module name, at run time) and the
+rows are skipped elsewhere. The built harness's heap is frozen for the collector as
+``EngineCore`` freezes its own (see ``_startup_heap_frozen``).
 
 - value: worker ms per step (the time spent in the spec worker's ``submit_store``,
   ``submit_load``, ``get_finished`` and ``wait``, and offloadd's ``send_step``) in the step

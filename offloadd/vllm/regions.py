@@ -114,25 +114,35 @@ def _identity(info: os.stat_result) -> tuple[int, int, int]:
 
 def _open_memfd(label: str, identities: set[tuple[int, int, int]]) -> int:
     """A duplicate of a read-write descriptor this process holds of the mapped memfd."""
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own, too)
-            fd = int(name)
-            if _identity(os.fstat(fd)) in identities and (
-                fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-            ):
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-                if seals & fcntl.F_SEAL_SEAL and not seals & fcntl.F_SEAL_SHRINK:
-                    logger.warning(
-                        "KV memory in %s is a memfd that cannot be sealed against shrinking: "
-                        "the daemon copies it with pread/pwrite, not through a mapping; create "
-                        "it with MFD_ALLOW_SEALING for the fast path",
-                        label,
-                    )
-                return os.dup(fd)
-    raise NotShareable(
-        f"KV memory in {label} is a memfd this process holds no read-write descriptor of: "
-        "keep the descriptor memfd_create returned open while the engine runs"
-    )
+    fd = next((fd for fd in _open_descriptors() if _read_write_of(fd, identities)), None)
+    if fd is None:
+        raise NotShareable(
+            f"KV memory in {label} is a memfd this process holds no read-write descriptor of: "
+            "keep the descriptor memfd_create returned open while the engine runs"
+        )
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & fcntl.F_SEAL_SEAL and not seals & fcntl.F_SEAL_SHRINK:
+        logger.warning(
+            "KV memory in %s is a memfd that cannot be sealed against shrinking: the daemon "
+            "copies it with pread/pwrite, not through a mapping; create it with "
+            "MFD_ALLOW_SEALING for the fast path",
+            label,
+        )
+    return os.dup(fd)
+
+
+def _open_descriptors() -> list[int]:
+    return [int(name) for name in os.listdir("/proc/self/fd")]
+
+
+def _read_write_of(fd: int, identities: set[tuple[int, int, int]]) -> bool:
+    """Whether ``fd`` is open read-write on one of the files ``identities`` names."""
+    try:  # a descriptor closed since the listing (the listing's own, too) is none of them
+        return _identity(os.fstat(fd)) in identities and (
+            fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+        )
+    except OSError:
+        return False
 
 
 def open_region_files(regions: Sequence[KVRegion], maps: str | None = None) -> dict[str, int]:
