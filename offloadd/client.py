@@ -114,7 +114,11 @@ class _ClientCore:
         self.steps: dict[int, tuple[float, list[int]]] = {}
         self.answered_at = 0.0  # monotonic time of the latest StepJobs answer
         self.heard_at = 0.0  # monotonic time of the latest message from the daemon
-        self.session_lost = False  # a StepJobs came back NOT_REGISTERED: say Hello again
+        # A StepJobs came back NOT_REGISTERED, or a timed-out ping's late answer said the
+        # daemon does not know the session: say Hello again.
+        self.session_lost = False
+        # The latest keepalive ping that timed out: its late answer may say the session is gone.
+        self.late_ping: int | None = None
         self.sent = 0  # messages sent on the client's socket (the heartbeat's excepted)
         # Posted requests (nothing waits for them) whose replies are kept for ``take_answers``.
         self.awaited: set[int] = set()
@@ -267,6 +271,11 @@ class _ClientCore:
                     self.record(done)
             case Ok() | Error() if reply.request_id in self.steps:
                 self.step_answered(reply)
+            case Ok() if reply.request_id == self.late_ping:
+                self.late_ping = None
+                # Late, from a daemon that does not know the session (it restarted): the
+                # next keepalive says Hello at once, not a keepalive interval later.
+                self.session_lost = self.session_lost or reply.count == 0
             case EngineReady():
                 self.engine = reply.engine
             case Welcome():
@@ -660,7 +669,12 @@ class OffloadClient:
     def keepalive(self, timeout: float) -> None:
         """Prove the session within ``timeout``; say Hello again if the daemon forgot it
         (it restarted). Raises DaemonUnavailable when nothing answers in time."""
-        reply = self._exchange(self._core.ping(), timeout)
+        ping = self._core.ping()
+        try:
+            reply = self._exchange(ping, timeout)
+        except DaemonUnavailable:
+            self._core.late_ping = ping.request_id  # its answer may still come (``decode``)
+            raise
         if isinstance(reply, Ok) and reply.count == 0:
             hello = self._core.lost_session()
             if hello is not None:
@@ -715,8 +729,8 @@ class OffloadClient:
 
     @property
     def session_lost(self) -> bool:
-        """A StepJobs came back NOT_REGISTERED: the daemon forgot this session
-        (``keepalive`` says Hello again)."""
+        """The daemon forgot this session: a StepJobs came back NOT_REGISTERED, or the late
+        answer to a keepalive's ping that timed out said so (``keepalive`` says Hello again)."""
         return self._core.session_lost
 
     @property

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -110,6 +111,39 @@ def test_clients_see_unavailable_then_reconnect(serve: ServeProcess, ranks: list
     serve.stop(signal.SIGKILL)
     serve.start()
     assert client.lookup(keys).hits == 2
+
+
+def test_a_late_answer_from_a_restarted_daemon_that_forgot_the_session_asks_for_hello(
+    serve: ServeProcess, ranks: list[Rank]
+) -> None:
+    """A keepalive's ping that a just-restarted daemon answers after the rank gave up on it:
+    the late answer ("no such session") is read later and says Hello is due at once, so
+    the rank does not store into a session that no longer exists until its next keepalive."""
+    serve.start()
+    rank = make_rank(serve.endpoint, rank=0, tp=1)
+    ranks.append(rank)
+    client = rank.client
+    assert client is not None
+    old_session = client.welcome
+    serve.stop(signal.SIGKILL)
+    serve.start()
+    deadline = time.monotonic() + 10
+    while not client.can_send():  # connected to the new daemon
+        assert time.monotonic() < deadline, "the client did not reconnect"
+        time.sleep(0.01)
+    assert serve.process is not None
+    serve.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonUnavailable, match="no answer"):
+            client.keepalive(0.2)
+    finally:
+        serve.process.send_signal(signal.SIGCONT)
+    assert not client.session_lost
+    while not client.session_lost:  # the late answer
+        assert time.monotonic() < deadline + 10, "the late answer did not come"
+        client.poll(0.1)
+    client.keepalive(10)
+    assert client.welcome is not old_session and not client.session_lost
 
 
 def test_only_a_dead_daemon_is_seen_as_nobody_listening(serve: ServeProcess) -> None:

@@ -116,3 +116,16 @@ def test_a_lost_session_forgets_posted_requests_and_their_answers() -> None:
     core.lost_session()
     core.decode(encode(Ok(second[0], 0)))  # a reply of the old session, come late
     assert core.take_answers() == []
+
+
+def test_a_timed_out_pings_late_answer_that_the_session_is_unknown_asks_for_hello() -> None:
+    core = _core()
+    known, unknown = core.ping(), core.ping()
+    core.late_ping = known.request_id
+    core.decode(encode(Ok(known.request_id, 1)))  # late, but the daemon knows the session
+    assert not core.session_lost and core.late_ping is None
+    core.late_ping = unknown.request_id
+    core.decode(encode(Ok(unknown.request_id + 1, 0)))  # not the late ping's answer
+    assert not core.session_lost
+    core.decode(encode(Ok(unknown.request_id, 0)))  # a restarted daemon's
+    assert core.session_lost and core.late_ping is None

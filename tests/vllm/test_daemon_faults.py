@@ -225,12 +225,13 @@ def noted_away(worker: Any) -> bool:
 
 @pytest.mark.usefixtures("away_for_an_hour")
 def test_a_rank_stores_again_once_it_reaches_the_restarted_daemon(
-    tmp_path: Path, serve: ServeProcess
+    tmp_path: Path, serve: ServeProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank that cannot reach its daemon skips its stores (they would hold vLLM's blocks
     for nothing); once its socket connects to the restarted daemon (within zmq's reconnect
-    interval of the start, no backoff) it is back: it says Hello from its next step, the
-    scheduler's mirror comes back and the next request is stored, not a timer later."""
+    interval of the start, no backoff) it is back: it proves its session (a ping, then Hello)
+    in its next step, the scheduler's mirror comes back and the next request is stored, not a
+    timer later."""
     with warm_engine(tmp_path, serve) as (h, manager, worker):
         old_session = worker._client.welcome
         serve.stop(signal.SIGKILL)
@@ -242,11 +243,19 @@ def test_a_rank_stores_again_once_it_reaches_the_restarted_daemon(
                 return bool(worker._client.can_send())
 
         step_until(h, connected)
-        steps = 0
-        while worker._client.welcome is old_session:  # said Hello to the new daemon
-            assert steps < 3, "the rank did not say Hello in the steps after it connected"
-            h.step()
-            steps += 1
+        # Counted where it is sent, not where it is answered: a daemon that has just started
+        # may answer late, and the away note then ends when it does.
+        client, proved = worker._client, []
+        keepalive = client.keepalive
+
+        def counted(timeout: float) -> None:
+            proved.append(h.step_count)
+            keepalive(timeout)
+
+        monkeypatch.setattr(client, "keepalive", counted)
+        connected_at = h.step_count
+        step_until(h, lambda: client.welcome is not old_session)  # said Hello to the new daemon
+        assert proved and proved[0] <= connected_at + 1, "the rank did not prove it at once"
         step_until(h, lambda: manager._client is not None and len(manager._mirror.keys) == 6)
         offload_resumes(h, seed=40)
 
