@@ -114,7 +114,8 @@ def _identity(info: os.stat_result) -> tuple[int, int, int]:
 
 def _open_memfd(label: str, identities: set[tuple[int, int, int]]) -> int:
     """A duplicate of a read-write descriptor this process holds of the mapped memfd."""
-    fd = next((fd for fd in _open_descriptors() if _read_write_of(fd, identities)), None)
+    held = (int(name) for name in os.listdir("/proc/self/fd"))
+    fd = next((fd for fd in held if _read_write_of(fd, identities)), None)
     if fd is None:
         raise NotShareable(
             f"KV memory in {label} is a memfd this process holds no read-write descriptor of: "
@@ -129,10 +130,6 @@ def _open_memfd(label: str, identities: set[tuple[int, int, int]]) -> int:
             label,
         )
     return os.dup(fd)
-
-
-def _open_descriptors() -> list[int]:
-    return [int(name) for name in os.listdir("/proc/self/fd")]
 
 
 def _read_write_of(fd: int, identities: set[tuple[int, int, int]]) -> bool:

@@ -107,6 +107,8 @@ import torch
 import zmq
 from torch.overrides import TorchFunctionMode
 
+from offloadd.vllm.regions import shared_file_of  # a pure module: it imports no vLLM
+
 # vLLM resolves its platform from the environment on first use: the harness runs
 # vLLM's CPU platform (no accelerator is involved).
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -358,8 +360,8 @@ class ShmBuffer:
         except BaseException:
             os.close(fd)
             raise
-        label = f"memfd:{name} (inode {os.fstat(fd).st_ino})"  # offloadd.vllm.regions' name
         tensor = torch.frombuffer(mapping, dtype=torch.int8)
+        label, _ = shared_file_of(tensor.data_ptr(), size)  # the name the plugin gives it
         return cls(path=Path(label), size=size, _mmap=mapping, tensor=tensor, memfd=fd)
 
     def close(self) -> None:
