@@ -7,6 +7,7 @@ from offloadd.cache.index import (
     Entry,
     LoadReservation,
     LookupOutcome,
+    Reads,
     ShardWrite,
     StoreReservation,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "ExtentAllocator",
     "LoadReservation",
     "LookupOutcome",
+    "Reads",
     "ShardWrite",
     "StoreReservation",
 ]

@@ -7,12 +7,15 @@
 - ``check_keys(keys, engine, limits)``: at most ``limits.keys_per_request`` keys (default
   ``MAX_KEYS_PER_REQUEST``), none longer than ``limits.key_bytes``, each long enough to hold a
   hash and a 4-byte group, each naming one of the engine's groups. ``keys_pass(keys, engine,
-  limits)``: its usual case, all but the count, as a yes or no (a step's keys checked as one).
+  limits)``: its usual case, all but the count, as a yes or no (a step's keys checked as one);
+  ``keys_pass_together(key_lists, engine, limits)``: the same for lists of keys, the count
+  included (a step's jobs or holds).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 from offloadd.server.limits import Limits
 from offloadd.server.registry import Engine, Namespace, Registry, Session, group_bytes, group_of_key
@@ -76,6 +79,17 @@ def keys_pass(keys: Sequence[bytes], engine: Engine, limits: Limits) -> bool:
         min(lengths, default=5) >= 5
         and max(lengths, default=0) <= limits.settings.key_bytes
         and all(map(suffixes.__contains__, map(group_bytes, keys)))
+    )
+
+
+def keys_pass_together(
+    key_lists: Sequence[Sequence[bytes]], engine: Engine, limits: Limits
+) -> bool:
+    """Whether every list of keys would pass ``check_keys``, checked as one at C speed (a
+    step's jobs or holds: hundreds of lists)."""
+    most = limits.settings.keys_per_request
+    return all(len(keys) <= most for keys in key_lists) and keys_pass(
+        list(chain.from_iterable(key_lists)), engine, limits
     )
 
 

@@ -345,7 +345,7 @@ class Jobs:
         if job.direction is Direction.STORE:
             cache.finish_store(job.writes, ok=False)
         else:
-            cache.finish_load(job.entries)
+            cache.finish_reads([job.reads] if job.reads else [])
         if self.in_flight == 0:
             self._idle.set()
 
@@ -369,14 +369,11 @@ class Jobs:
         jobs = [b.job for b in group]
         copied = not error
         # The cache side of all of them at once: a step's 256 stores commit as one journal
-        # record, one mirror message and one event batch, not 256 of each.
-        if jobs[0].direction is Direction.STORE:
-            errors = self._end_stores(jobs, copied=copied)
-        else:
-            self._cache.finish_load([entry for job in jobs for entry in job.entries])
-            errors = [""] * len(jobs)
-            if copied:
-                self.counters.bytes_loaded += sum(job.nbytes for job in jobs)
+        # record, one mirror message and one event batch, not 256 of each. A store's JobDone
+        # says what committed, so it commits first; a load's bytes are the rank's once the
+        # copy ended, so its JobDone goes first (a request's first token waits for it).
+        store = jobs[0].direction is Direction.STORE
+        errors = self._end_stores(jobs, copied=copied) if store else [""] * len(jobs)
         total = sum(job.nbytes for job in jobs)
         dones: list[JobDone] = []
         nbytes: list[int] = []
@@ -394,17 +391,20 @@ class Jobs:
             failed += not ok
             if done is not None:
                 dones.append(done)
-        engine_id, dp = jobs[0].state.session.engine_key
+        state = jobs[0].state
+        if dones:
+            self._send(state.identity, dones[0] if len(dones) == 1 else JobsDone(dones))
+            self._wake_waiters(state)
+        if not store:
+            self._cache.finish_reads(job.reads for job in jobs if job.reads)
+            if copied:
+                self.counters.bytes_loaded += total
+        engine_id, dp = state.session.engine_key
         self.metrics.jobs_finished(
             jobs[0].direction.value, engine_id, dp, nbytes, seconds=seconds, failed=failed
         )
         if self.in_flight == 0:
             self._idle.set()
-        if not dones:
-            return
-        state = jobs[0].state
-        self._send(state.identity, dones[0] if len(dones) == 1 else JobsDone(dones))
-        self._wake_waiters(state)
 
     def _end_stores(self, jobs: list[Job], *, copied: bool) -> list[str]:
         """End the writes of one copy's stores (of one session): those copied in time commit

@@ -33,7 +33,13 @@ import logging
 
 from offloadd.cache.index import ChunkCache
 from offloadd.server.announce import Announcer
-from offloadd.server.checks import Refused, check_keys, check_offloaded, ready_engine
+from offloadd.server.checks import (
+    Refused,
+    check_keys,
+    check_offloaded,
+    keys_pass_together,
+    ready_engine,
+)
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.mirrors import Mirrors
@@ -137,10 +143,11 @@ class Schedulers:
     ) -> tuple[int, list[bytes]]:
         cache = self._cache
         owner = state.session.session_id
-        for item in (*hold, *release):
-            check_keys(item.keys, engine, self._limits)
-        for item in release:
-            cache.release_hold(owner, item.token, item.keys)
+        items = (*hold, *release)
+        if not keys_pass_together([item.keys for item in items], engine, self._limits):
+            for item in items:  # one of them fails: its own refusal
+                check_keys(item.keys, engine, self._limits)
+        cache.release_hold_tokens(owner, [(item.token, item.keys) for item in release])
         # Missing keys, then those beyond the engine's or its tenant's budget.
         missing = cache.hold_tokens(
             namespace.name,

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from offloadd.cache.index import Entry, ShardWrite
+from offloadd.cache.index import Reads, ShardWrite
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import Session
 from offloadd.transfer.handles import Import
@@ -64,7 +64,7 @@ class Job:
     failed_keys: list[bytes]
     nbytes: int
     writes: list[ShardWrite] = field(default_factory=list)
-    entries: list[Entry] = field(default_factory=list)
+    reads: Reads | None = None  # a load's, until its copy ends
     abandoned: bool = False
     # A store waiting for its room (offloadd.server.waiting): the end of its wait.
     waiting: asyncio.TimerHandle | None = None

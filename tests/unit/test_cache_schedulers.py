@@ -398,3 +398,34 @@ def test_a_key_waiting_for_room_is_placed_when_a_dead_write_ends() -> None:
     assert cache.finish_store(writing.writes, ok=True) == []
     assert calls == [1] and cache.unplaced(NS, [key(10)]) == 0
     assert cache.stats().used_bytes == 3 * SIZE  # two held victims and key(10)
+
+
+def test_a_steps_held_reads_are_taken_and_ended_in_one_call_each() -> None:
+    cache = ChunkCache(8 * SIZE)
+    commit(cache, [key(i) for i in range(4)])
+    assert cache.hold_tokens(NS, "sched", [("a", [key(0), key(1)]), ("b", [key(2)])]) == []
+    loads = [("a", [key(0), key(1)]), ("b", [key(2)]), ("c", [key(3)]), ("a", [key(0), key(3)])]
+    a, b, c, partly = cache.begin_reads_held("sched", loads)
+    assert (a.missing, b.missing, c.missing, partly.missing) == ([], [], [key(3)], [key(3)])
+    assert c.rows == [] and partly.rows == []  # a load missing a key reads none
+    entries = [cache.get(NS, key(i)) for i in range(3)]
+    assert [e.readers for e in entries if e is not None] == [1, 1, 1]
+    expected = [(e.offset(0), SIZE) for e in entries if e is not None]
+    assert cache.read_extents(a, 0) + cache.read_extents(b, 0) == expected
+    cache.finish_reads([a, b])
+    assert [e.readers for e in entries if e is not None] == [0, 0, 0]
+    with pytest.raises(ValueError, match=r"row \d+ is not being read"):
+        cache.finish_reads([b])
+
+
+def test_holds_of_many_tokens_are_charged_and_refunded_in_one_call_each() -> None:
+    cache = ChunkCache(8 * SIZE)
+    commit(cache, [key(i) for i in range(3)])
+    holds = [("a", [key(0), key(1)]), ("b", [key(1), key(2)]), ("c", [key(9)])]
+    assert cache.hold_tokens(NS, "sched", holds) == [key(9)]
+    assert cache.protected_bytes("sched") == 4 * SIZE  # each token's hold of each key
+    assert cache.release_hold_tokens("sched", [("a", [key(0), key(1)]), ("b", [key(2)])]) == 3
+    assert cache.protected_bytes("sched") == SIZE and cache.stats().held == 1
+    assert cache.release_hold_tokens("sched", [("b", [key(1)]), ("none", [key(0)])]) == 1
+    assert cache.protected_bytes("sched") == 0 and cache.stats().held == 0
+    assert len(cache.begin_store(NS, [key(5), key(6)], 0, sizes).writes) == 2

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -39,8 +39,8 @@ class FakeCache:
         self.calls.append(("finish_store", ok))
         return []
 
-    def finish_load(self, entries: list[object]) -> None:
-        self.calls.append(("finish_load", len(entries)))
+    def finish_reads(self, reads: Iterable[object]) -> None:
+        self.calls.append(("finish_reads", len(list(reads))))
 
     def abandon(self, writes: list[object]) -> None:
         self.calls.append(("abandon", len(writes)))
@@ -159,7 +159,7 @@ async def test_a_failed_copy_fails_every_key_and_is_counted(rig: Rig) -> None:
     await settle(lambda: rig.jobs.in_flight == 0)
     (done,) = rig.replies(JobDone)
     assert not done.ok and done.failed_keys == job.keys and "copy failed: bus error" in done.error
-    assert rig.cache.calls == [("finish_load", 0)]
+    assert rig.cache.calls == [("finish_reads", 0)]
     assert rig.counters.jobs_failed == 1 and rig.counters.bytes_loaded == 0
 
 
@@ -293,7 +293,7 @@ async def test_a_batch_starts_each_direction_as_one_copy_and_answers_in_one_fram
     ]
     assert [d.seconds for d in frame.dones] == pytest.approx([0.2, 0.6, 0.0])  # by bytes
     # The three loads' entries are let go in one call, their JobDones sent in one frame.
-    assert rig.cache.calls == [("finish_load", 0)] and not rig.replies(JobDone)
+    assert rig.cache.calls == [("finish_reads", 0)] and not rig.replies(JobDone)
     assert list(rig.state.done) == [1, 2, 3]  # kept for Wait as lone jobs are
     assert rig.imported.refs == 1 + 1  # the store's copy still holds its reference
 
