@@ -300,6 +300,7 @@ class _ClientCore:
         reserved: bool,
         wait_event: bytes,
         deadline: float = 0.0,
+        reserve: tuple[str, int] = ("", 0),
     ) -> Store:
         return Store(
             self.next_id(),
@@ -310,6 +311,7 @@ class _ClientCore:
             list(segments),
             reserved,
             deadline,
+            *reserve,
         )
 
     def load(
@@ -574,17 +576,20 @@ class OffloadClient:
         reserved: bool = False,
         wait_event: bytes = b"",
         deadline: float = 0.0,
+        reserve: tuple[str, int] = ("", 0),
     ) -> None:
         """Start storing this rank's shard of ``keys`` from ``block_ids``.
 
         ``segments`` for chunks that are not full (see ``Segment``); ``reserved``: write only
-        keys a scheduler reserved; ``wait_event``: a CUDA IPC event handle recorded after the
-        compute that wrote these blocks (else synchronize before calling); ``deadline``: the
-        ``time.monotonic()`` after which the daemon neither starts nor commits it (0: none;
-        meaningful only when ``welcome.shared_clock``).
+        keys a scheduler reserved, and ``reserve``: that scheduler's session id and the
+        request id of its ``Reserve`` (the daemon waits for it if it reads this first);
+        ``wait_event``: a CUDA IPC event handle recorded after the compute that wrote these
+        blocks (else synchronize before calling); ``deadline``: the ``time.monotonic()``
+        after which the daemon neither starts nor commits it (0: none; meaningful only when
+        ``welcome.shared_clock``).
         """
         request = self._core.store(
-            job_id, keys, block_ids, segments, reserved, wait_event, deadline
+            job_id, keys, block_ids, segments, reserved, wait_event, deadline, reserve
         )
         self._submit(request)
 
@@ -1014,10 +1019,11 @@ class AsyncOffloadClient:
         reserved: bool = False,
         wait_event: bytes = b"",
         deadline: float = 0.0,
+        reserve: tuple[str, int] = ("", 0),
     ) -> None:
         """Start storing this rank's shard of ``keys`` (see ``OffloadClient.store``)."""
         request = self._core.store(
-            job_id, keys, block_ids, segments, reserved, wait_event, deadline
+            job_id, keys, block_ids, segments, reserved, wait_event, deadline, reserve
         )
         await self._submit(request)
 

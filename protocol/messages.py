@@ -120,6 +120,12 @@ class Store(msgspec.Struct, frozen=True, tag="store"):
     # blocks (sent only when ``Welcome.shared_clock``): the daemon starts no store past it and
     # commits none whose copy ended past it. 0: no deadline.
     deadline: float = 0.0
+    # With ``reserved``: the scheduler session and the request id of the ``Reserve`` that
+    # reserved these keys. The daemon reads the rank's socket and the scheduler's in turns,
+    # so it may read this Store first: it then waits for that Reserve (bounded) instead of
+    # skipping keys not reserved yet. "": nothing to wait for.
+    reserver: str = ""
+    reserve_id: int = 0
 
 
 class Load(msgspec.Struct, frozen=True, tag="load"):

@@ -159,8 +159,7 @@ class Daemon:
         cuda = settings.server.copy_engine == "cuda"
         try:
             # What the machine must offer (ports, directories, room), before the arena is
-            # pre-faulted, which takes minutes for a large one; the claim holds the control
-            # endpoint already.
+            # pre-faulted (minutes for a large one); the claim holds the control endpoint.
             raise_on_failure(settings, claimed=True, copy_engine=self._copy is None)
             self._arena = open_arena(settings, self._notify, cuda=cuda)
             self._cache = ChunkCache(
@@ -291,6 +290,7 @@ class Daemon:
             tiers=tiers,
         )
         schedulers = Schedulers(registry, cache, mirrors, announce, jobs, limits=self.limits)
+        schedulers.on_reserve_read(requests.waiting.reserve_read)
         stats = Stats(
             cache,
             registry,

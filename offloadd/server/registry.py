@@ -97,6 +97,8 @@ class Session:
     tenant: str = ""
     uid: int = -1
     peer_pid: int = 0  # the process that registered, as the kernel names it (0: unknown)
+    # A scheduler: the request id of its latest Reserve read (its ranks' stores wait for it).
+    reserves_read: int = 0
 
     @property
     def rank(self) -> int:

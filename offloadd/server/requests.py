@@ -21,7 +21,8 @@ completion, raising ``Refused`` for one the daemon answers with an Error):
   never met by a copy); block ids checked against the rank's regions. A Store's refused keys
   come back in ``JobDone.failed_keys``; a Load of a missing key fails whole. The copies reach
   the rank's unmapped files through their descriptors (``ChunkRuns(state.windows)``). A Store of
-  reserved keys whose room waits on another mirror's acknowledgement waits for it
+  reserved keys whose room waits on another mirror's acknowledgement, or whose scheduler's
+  ``Reserve`` (``Store.reserve_id``) is not read yet, waits for it
   (``offloadd.server.waiting``): answered ``JobAccepted`` now, started when the keys are
   placed (the engine still ready, the files not shrunk), else its ``JobDone`` says why not.
   A Store whose ``deadline`` has passed is refused (``DEADLINE_PASSED``), when it arrives and
@@ -124,7 +125,7 @@ class CacheRequests:
         # A store waits out a silent mirror: dropped after mirror_ack_timeout (plus up to two
         # reaper periods), its removals free their room and the store is placed.
         self.waiting = WaitingStores(
-            cache, jobs, seconds=wait_bound(settings.server.mirror_ack_timeout)
+            cache, jobs, registry, seconds=wait_bound(settings.server.mirror_ack_timeout)
         )
 
     def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
@@ -343,6 +344,7 @@ class CacheRequests:
             namespace.name,
             [request.keys[i] for i in mine] if len(mine) < len(request.keys) else request.keys,
             lambda: self._start_waiting(state, request, job, ranges, namespace, mine),
+            (request.reserver, request.reserve_id),
         ):
             return Accepted(JobAccepted(request.request_id, job.job_id))
         return self._start_store(state, request, job, ranges, namespace, mine)

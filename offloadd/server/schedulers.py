@@ -15,7 +15,9 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
   (``limits.tenant_protected_fraction``, all the tenant's engines together) are reserved; the
   rest are not (the ranks skip them: those chunks are simply not cached). A reservation the
   ranks do not store within ``limits.reservation_seconds`` is dropped by the cache. The held
-  keys that were not held come back in ``missing``.
+  keys that were not held come back in ``missing``. Read (answered or refused), it is the
+  session's ``reserves_read``, and the ``on_reserve_read`` callback wakes the rank stores
+  that wait for it.
 - ``update_holds``: hold and release keys under tokens, ack; answer ``HoldResult`` (how many
   keys are held, which were not: not in the cache, or beyond the engine's share).
 - ``ack``: the scheduler's mirror applied every change up to ``seq``.
@@ -30,6 +32,7 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from offloadd.cache.index import ChunkCache
 from offloadd.server.announce import Announcer
@@ -83,11 +86,16 @@ class Schedulers:
         limits: Limits,
     ) -> None:
         self.registry = registry
+        self._reserve_read: Callable[[], None] = lambda: None
         self._jobs = jobs
         self._cache = cache
         self._mirrors = mirrors
         self._announce = announce
         self._limits = limits
+
+    def on_reserve_read(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` as each Reserve is read (the rank stores waiting for it)."""
+        self._reserve_read = callback
 
     def _scheduler_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
         if state.session.role != "scheduler":
@@ -97,6 +105,10 @@ class Schedulers:
 
     def reserve(self, state: SessionState, request: Reserve) -> Reply:
         """Reserve room for the keys' shards before the ranks store them."""
+        # Answered or refused, the ranks' stores that name it wait no longer (they run after
+        # this handler: ``WaitingStores``).
+        state.session.reserves_read = request.request_id
+        self._reserve_read()
         engine, namespace = self._scheduler_checks(state)
         check_keys(request.keys, engine, self._limits)
         self._jobs.refuse_while_draining(len(request.keys))

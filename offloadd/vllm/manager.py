@@ -390,6 +390,10 @@ class OffloaddManager(OffloadingManager):
         self._last_request = now = time.monotonic()
         if not ids:
             return
+        if stores is not None and client.welcome is not None:
+            reserve = (client.welcome.session_id, ids[0])
+            for _token, spec in stores.specs:
+                spec.reserve = reserve
         self._unanswered_steps[ids[0]] = now
         self._due[ids[0]] = functools.partial(self._step_answered, stores=stores)
         for lookup_id, keys in zip(ids[1:], probes, strict=True):

@@ -15,11 +15,14 @@ class OffloaddStoreSpec(LoadStoreSpec):
     """Keys to store, in vLLM's order; those at the ``skipped`` positions got no room in
     the daemon (the ranks store the others only). The keys stay as vLLM was told, because
     the GPU side's blocks follow them by position; the scheduler fills ``skipped`` at the
-    end of its step, before vLLM hands the spec to the ranks."""
+    end of its step, before vLLM hands the spec to the ranks, and ``reserve``: its session
+    id and the request id of the step's ``Reserve`` (the ranks' Store names it, so that a
+    daemon reading the Store first waits for it)."""
 
     def __init__(self, keys: list[bytes]) -> None:
         self.keys = keys
         self.skipped: set[int] = set()
+        self.reserve: tuple[str, int] = ("", 0)
 
     def __repr__(self) -> str:
         return f"OffloaddStoreSpec({len(self.keys)} keys, {len(self.skipped)} skipped)"

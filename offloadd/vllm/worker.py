@@ -281,7 +281,9 @@ class OffloaddWorker(OffloadingWorker):
         if welcome is not None and welcome.shared_clock:
             job.deadline = time.monotonic() + self._store_timeout
         wait_event, job.event = self._record_event()
-        store = Store(0, job_id, keys, block_ids, wait_event, segments, True, job.deadline)
+        store = Store(
+            0, job_id, keys, block_ids, wait_event, segments, True, job.deadline, *dst_spec.reserve
+        )
         self._step.append(store)
         self._jobs[job_id] = job
         return True

@@ -153,6 +153,46 @@ def test_reserved_store_skips_keys_nobody_reserved(daemon: DaemonThread) -> None
         r.close()
 
 
+def test_a_store_read_before_its_reserve_waits_for_it(daemon: DaemonThread) -> None:
+    """The daemon reads the scheduler's socket and the rank's in turns, so a daemon behind
+    may read the rank's Store first: naming the Reserve, it waits for it and stores what it
+    reserved (skipping every key as unreserved lost the chunks: they were never stored)."""
+    r = rank(daemon.endpoint)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        assert r.client is not None and sched.welcome is not None
+        keys = chain_keys(3, b"w")
+        reserve = sched._core.reserve(keys[:2], [], [], 0, [])  # numbered, not sent yet
+        blocks = chunk_block_ids([0, 1, 2], BPC)
+        r.client.store(
+            1, keys, blocks, reserved=True, reserve=(sched.welcome.session_id, reserve.request_id)
+        )
+        r.client.poll(0.2)
+        assert daemon.daemon is not None
+        stats = daemon.daemon.stats()
+        assert stats.stores_waiting == 1 and stats.committed_entries == 0
+        sched._post_awaited(reserve)
+        (done,) = r.client.wait([1])
+        assert done.ok and done.nbytes == 2 * KEY_BYTES  # keys[2] was never reserved: skipped
+        r.client.load(2, keys[:2], chunk_block_ids([10, 11], BPC))
+        r.client.wait([2])
+        loaded, stored = (r.pages(chunk_block_ids(c, BPC)) for c in ([10, 11], [0, 1]))
+        for got, want in zip(loaded, stored, strict=True):
+            assert got.equal(want)
+        # A Reserve already read, or one that is not a scheduler's of this engine: no wait.
+        more = chain_keys(2, b"x")
+        assert sched.reserve(more[:1]).reserved == [0]
+        for job_id, named in ((3, (sched.welcome.session_id, 1)), (4, ("no such session", 99))):
+            r.client.store(job_id, more, chunk_block_ids([4, 5], BPC), reserved=True, reserve=named)
+        done_3, done_4 = r.client.wait([3, 4], timeout=1.0)
+        assert done_3.nbytes == KEY_BYTES and done_4.nbytes == 0
+        assert daemon.daemon.stats().stores_waiting == 0
+    finally:
+        sched.close()
+        r.close()
+
+
 def test_held_keys_load_byte_exact_even_after_clear(daemon: DaemonThread) -> None:
     r = rank(daemon.endpoint, seed=3)
     sched = scheduler(daemon.endpoint)

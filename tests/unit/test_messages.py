@@ -417,6 +417,8 @@ def test_messages_are_maps_keyed_by_field_name() -> None:
         "segments": [],
         "reserved": False,
         "deadline": 0.0,
+        "reserver": "",
+        "reserve_id": 0,
     }
 
 
