@@ -290,7 +290,7 @@ class Daemon:
             tiers=tiers,
         )
         schedulers = Schedulers(registry, cache, mirrors, announce, jobs, limits=self.limits)
-        schedulers.on_reserve_read(requests.waiting.reserve_read)
+        schedulers.on_reserve_read(requests.waiting.wake)
         stats = Stats(
             cache,
             registry,

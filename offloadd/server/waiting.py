@@ -8,7 +8,7 @@ cache has placed every one of its keys. And the daemon reads the scheduler's soc
 ranks' in turns (zmq's fair queue), so a daemon that fell behind may read a rank's Store
 before the scheduler's Reserve that it follows (the scheduler posts it before the step
 reaches the ranks); the Store names that Reserve (``Store.reserver``, ``reserve_id``) and
-waits here until it is read (``reserve_read``) instead of skipping every key as unreserved.
+waits here until it is read (``wake``) instead of skipping every key as unreserved.
 
 Contract of ``WaitingStores`` (the event loop's thread only):
 - ``park(job, namespace, keys, start, reserve)``: whether the store ``job`` of ``keys`` waits.
@@ -20,8 +20,8 @@ Contract of ``WaitingStores`` (the event loop's thread only):
   placed all its keys, or after ``seconds`` at most (its keys still unplaced are then
   refused, reason ``ack``, as they are without waiting; keys never reserved are skipped).
   Nothing of it is copied, and nothing is visible, before ``start()``.
-- ``reserve_read()``: a scheduler's Reserve was read; the stores it frees start after the
-  handler that read it.
+- ``wake()``: keys were placed, or a scheduler's Reserve was read; the stores that no longer
+  wait start after the caller returned.
 - A waiting store whose session ended (``Jobs.abandon`` unbooks it) never starts; it leaves
   the queue at the next placement, or when its wait would have ended.
 - ``waiting``: how many stores wait now (``Jobs.parked``: an ended session's are unbooked).
@@ -81,7 +81,7 @@ class WaitingStores:
         # In arrival order: job -> (namespace, keys, start, reserve).
         self._queue: dict[Job, tuple[str, Sequence[bytes], Callable[[], None], _Reserve]] = {}
         self._scheduled = False
-        cache.on_placed(self._wake)
+        cache.on_placed(self.wake)
 
     @property
     def waiting(self) -> int:
@@ -109,10 +109,6 @@ class WaitingStores:
         self._queue[job] = (namespace, keys, start, reserve)
         return True
 
-    def reserve_read(self) -> None:
-        """A scheduler's Reserve was read: the stores waiting for it may start."""
-        self._wake()
-
     def _blocked(self, job: Job, namespace: str, keys: Sequence[bytes], reserve: _Reserve) -> bool:
         session_id, request_id = reserve
         if session_id:
@@ -125,8 +121,9 @@ class WaitingStores:
                 return True
         return self._cache.unplaced(namespace, keys) > 0
 
-    def _wake(self) -> None:
-        # Called from inside the cache or a handler: run the stores once it has returned.
+    def wake(self) -> None:
+        """Start the stores that no longer wait, once the caller (the cache placing keys, a
+        handler reading a Reserve) has returned."""
         if self._queue and not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._run)

@@ -180,7 +180,7 @@ def test_a_store_read_before_its_reserve_waits_for_it(daemon: DaemonThread) -> N
         loaded, stored = (r.pages(chunk_block_ids(c, BPC)) for c in ([10, 11], [0, 1]))
         for got, want in zip(loaded, stored, strict=True):
             assert got.equal(want)
-        # A Reserve already read, or one that is not a scheduler's of this engine: no wait.
+        # A Reserve already read, or a session the daemon does not know: no wait.
         more = chain_keys(2, b"x")
         assert sched.reserve(more[:1]).reserved == [0]
         for job_id, named in ((3, (sched.welcome.session_id, 1)), (4, ("no such session", 99))):
