@@ -1057,10 +1057,18 @@ class ChunkCache:
     def _with_handles(self, reads: Reads) -> LoadReservation:
         return LoadReservation([self._handle(row) for row in reads.rows], reads.missing)
 
-    def read_extents(self, reads: Reads, shard: int) -> list[tuple[int, int]]:
-        """Arena offset and size of shard ``shard`` of each chunk ``reads`` reads."""
-        offset, size = self._shard_offset, self._shard_size
-        return [(offset(row, shard), size(row, shard)) for row in reads.rows]
+    def read_extents(self, rows: Sequence[int], shard: int) -> list[tuple[int, int]]:
+        """Arena offset and size of shard ``shard`` of each chunk read at ``rows`` (a
+        ``Reads``' rows, or several's end to end)."""
+        pool, base, shape_of, shapes = self._offsets.v, self._base.v, self._shape.v, self._shapes
+        align = self._align
+        extents = []
+        for row in rows:  # a step's loads read hundreds: no call per row
+            sizes = shapes[shape_of[row]]
+            if not 0 <= shard < len(sizes):
+                raise IndexError(f"row {row} has no shard {shard}")
+            extents.append((pool[base[row] + shard] * align, sizes[shard]))
+        return extents
 
     def finish_load(self, entries: Sequence[Entry]) -> None:
         """End the reads ``begin_load`` started on ``entries``."""
@@ -1479,9 +1487,6 @@ class ChunkCache:
         if not 0 <= shard < len(self._shapes[self._shape.v[row]]):
             raise IndexError(f"row {row} has no shard {shard}")
         return self._offsets.v[self._base.v[row] + shard] * self._align
-
-    def _shard_size(self, row: int, shard: int) -> int:
-        return self._shapes[self._shape.v[row]][shard]
 
     def _written_mask(self, row: int) -> int:
         if self._state.v[row] & _COMMITTED:

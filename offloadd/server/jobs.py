@@ -89,21 +89,23 @@ def late(deadline: float) -> bool:
 
 
 @dataclass(eq=False)
-class _Booked:
-    """A job booked for its copy: what it moves."""
-
-    job: Job
-    moves: Sequence[Triple] | ChunkRuns
-    wait_event: bytes
-
-
-@dataclass(eq=False)
 class _Copy:
-    """The jobs of one copy (one session and direction) and the one reference on the
+    """The jobs of one copy (one session and direction), what they move (each submit's, in
+    order), the CUDA event the copy waits for (the last one given: the rank records each
+    job's on one stream, in order, so the last covers all) and the one reference on the
     session's imports they hold together, released when the copy ends."""
 
     imports: list[Import]
-    booked: list[_Booked] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)
+    moves: list[Sequence[Triple] | ChunkRuns] = field(default_factory=list)
+    wait_event: bytes = b""
+
+    def add(
+        self, jobs: Sequence[Job], moves: Sequence[Triple] | ChunkRuns, wait_event: bytes
+    ) -> None:
+        self.jobs.extend(jobs)
+        self.moves.append(moves)
+        self.wait_event = wait_event or self.wait_event
 
 
 def _planned(parts: list[Sequence[Triple] | ChunkRuns]) -> Sequence[Triple]:
@@ -241,24 +243,43 @@ class Jobs:
         if not moves:
             error = self._commit_store(job, ok=True) if job.direction is Direction.STORE else ""
             return self.accept_without_copy(state, request_id, job, error)
-        booked = _Booked(job, moves, wait_event)
-        state.jobs[job.job_id] = job
-        self.in_flight += 1
-        if self._batch is not None:
-            copy = self._batch.get((id(state), job.direction))
-            if copy is None:
-                copy = self._batch[id(state), job.direction] = _Copy(self._retained(state))
-            copy.booked.append(booked)
-        else:
-            copy = _Copy(self._retained(state), [booked])
-            try:
-                self._launch(copy)
-            except Exception as exc:
-                self._not_started(copy, exc)
-                raise Refused(
-                    ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}"
-                ) from None
+        self._book(state, [job], moves, wait_event)
         return Accepted(JobAccepted(request_id, job.job_id))
+
+    def submit_together(
+        self, state: SessionState, jobs: Sequence[Job], runs: ChunkRuns, wait_event: bytes = b""
+    ) -> None:
+        """``submit`` of ``jobs`` (of one session and direction, each with bytes to copy,
+        answered by their JobDone only) whose chunks ``runs`` holds, in order: one plan for
+        them all, and no job record of its own made for each."""
+        self._book(state, jobs, runs, wait_event)
+
+    def _book(
+        self,
+        state: SessionState,
+        jobs: Sequence[Job],
+        moves: Sequence[Triple] | ChunkRuns,
+        wait_event: bytes,
+    ) -> None:
+        """Book ``jobs`` and start their copy (inside ``batch``: when it closes)."""
+        table = state.jobs
+        for job in jobs:
+            table[job.job_id] = job
+        self.in_flight += len(jobs)
+        if self._batch is not None:
+            key = (id(state), jobs[0].direction)
+            copy = self._batch.get(key)
+            if copy is None:
+                copy = self._batch[key] = _Copy(self._retained(state))
+            copy.add(jobs, moves, wait_event)
+            return
+        copy = _Copy(self._retained(state))
+        copy.add(jobs, moves, wait_event)
+        try:
+            self._launch(copy)
+        except Exception as exc:
+            self._not_started(copy, exc)
+            raise Refused(ErrorCode.INTERNAL, f"the copy engine refused the job: {exc}") from None
 
     def _retained(self, state: SessionState) -> list[Import]:
         """A reference on each of the session's imports, for one copy."""
@@ -288,23 +309,19 @@ class Jobs:
                 except Exception as exc:
                     self._not_started(copy, exc)
                     message = f"the copy engine refused the job: {exc}"
-                    for b in copy.booked:
-                        job = b.job
+                    for job in copy.jobs:
                         self.refuse(job.state, job.job_id, job.keys, ErrorCode.INTERNAL, message)
 
     def _launch(self, copy: _Copy) -> None:
         """Hand ``copy`` (jobs of one session and direction) to the copy engine as one."""
-        group = copy.booked
-        first = group[0].job
+        group = copy.jobs
+        first = group[0]
         state, direction = first.state, first.direction
-        moves = _planned([b.moves for b in group])
-        # The rank records each job's event on one stream, in order: the last covers all.
-        wait_event = next((b.wait_event for b in reversed(group) if b.wait_event), b"")
         future = self._copy.submit(
             direction,
-            moves,
+            _planned(copy.moves),
             device=state.imports[0].device if state.imports else -1,
-            wait_event=wait_event or None,
+            wait_event=copy.wait_event or None,
         )
         loop = asyncio.get_running_loop()
         store = direction is Direction.STORE
@@ -315,7 +332,7 @@ class Jobs:
                 loop.call_soon_threadsafe(self._bulk, work)
 
             if store and not done.cancelled() and done.exception() is None:
-                writes = [w for b in group for w in b.job.writes]
+                writes = [w for job in group for w in job.writes]
                 self._committer.seal(writes, finished)  # off the loop, before it can commit
                 return
             finished()
@@ -326,13 +343,13 @@ class Jobs:
         """Undo the booking of jobs the copy engine refused to start: else they would stay in
         flight forever (Wait never answered, drain never finished)."""
         self.release_imports(copy.imports)
-        for b in copy.booked:
-            self._unbook(b.job)
+        for job in copy.jobs:
+            self._unbook(job)
             self._warn_unstarted(
                 logging.ERROR,
                 "%s: job %d not started: %s",
-                b.job.state.session.describe(),
-                b.job.job_id,
+                job.state.session.describe(),
+                job.job_id,
                 exc,
             )
 
@@ -350,23 +367,22 @@ class Jobs:
             self._idle.set()
 
     def _copies_finished(self, copy: _Copy, future: Future[float]) -> None:
-        group = copy.booked
+        jobs = copy.jobs
         self.release_imports(copy.imports)
         try:
             seconds = future.result()
             error = ""
         except Exception as exc:
-            first = group[0].job
+            first = jobs[0]
             self._warn_failed(
                 logging.ERROR,
                 "%s: copy failed for %d jobs (job %d first): %s",
                 first.state.session.describe(),
-                len(group),
+                len(jobs),
                 first.job_id,
                 exc,
             )
             seconds, error = 0.0, f"copy failed: {exc}"
-        jobs = [b.job for b in group]
         copied = not error
         # The cache side of all of them at once: a step's 256 stores commit as one journal
         # record, one mirror message and one event batch, not 256 of each. A store's JobDone
@@ -378,14 +394,13 @@ class Jobs:
         dones: list[JobDone] = []
         nbytes: list[int] = []
         failed = 0
-        for b, why in zip(group, errors, strict=True):
-            job = b.job
+        for job, why in zip(jobs, errors, strict=True):
             self.in_flight -= 1
             if not copied:
                 job.failed_keys = list(job.keys)
             ok = copied and not job.failed_keys
             # Each job's share of the copy's time, for its JobDone.
-            share = seconds * job.nbytes / total if len(group) > 1 and total else seconds
+            share = seconds * job.nbytes / total if len(jobs) > 1 and total else seconds
             done = self._settled(job, ok=ok, seconds=share, error=error or why)
             nbytes.append(0 if error or why else job.nbytes)
             failed += not ok

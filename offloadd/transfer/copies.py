@@ -172,15 +172,29 @@ class ChunkRuns:
         first_sub_block: int = 0,
     ) -> None:
         """One more chunk (``Copies.add_chunk``'s arguments)."""
-        if not block_ids or not spans:
+        self.add_alike(spans, block_ids, (shard_address,), first_sub_block)
+
+    def add_alike(
+        self,
+        spans: Sequence[Span],
+        block_ids: Sequence[int],
+        shard_addresses: Sequence[int],
+        first_sub_block: int = 0,
+    ) -> None:
+        """More chunks alike, in order (``Copies.add_chunks``' arguments): ``add`` of each."""
+        chunks = len(shard_addresses)
+        if not block_ids or not spans or not chunks:
             return
-        key = (id(spans), first_sub_block, len(block_ids))
+        count, extra = divmod(len(block_ids), chunks)
+        if extra:
+            raise ValueError(f"{len(block_ids)} block ids for {chunks} chunks of equal length")
+        key = (id(spans), first_sub_block, count)
         runs = self._runs
         if not runs or runs[-1][0] != key:
             runs.append((key, spans, [], []))
         _, _, ids, addresses = runs[-1]
         ids.extend(block_ids)
-        addresses.append(shard_address)
+        addresses.extend(shard_addresses)
         self.nbytes += _span_arrays(spans).page_sum * len(block_ids)
 
     def __bool__(self) -> bool:

@@ -136,3 +136,35 @@ def _refusal(wait: Callable[..., list[JobDone]], job_id: int, code: ErrorCode) -
     (done,) = wait([job_id], 10, raise_on_failure=False)
     assert (done.ok, done.code) == (False, code), done
     return done
+
+
+def test_a_step_of_loads_of_many_shapes_moves_every_byte(
+    daemon_factory: DaemonFactory, ranks: list[Rank]
+) -> None:
+    """Loads planned together (``requests._start_loads``) whose chunks are not alike: some
+    start mid-chunk, some load one key, one names a key never stored and fails alone."""
+    rank = _stored(daemon_factory, ranks)
+    client = rank.client
+    assert client is not None
+    loads, wanted = [], []
+    for i in range(STEP):
+        keys, blocks, source = _pair(i), _destination(i), _source(i)
+        if i % 3 == 1:  # starts at the second block of the first chunk
+            blocks, source = blocks[1:], source[1:]
+            loads.append(Load(0, 100 + i, keys, blocks, skip=1))
+        elif i % 3 == 2:  # the pair's first key only
+            blocks, source = blocks[:BPC], source[:BPC]
+            loads.append(Load(0, 100 + i, keys[:1], blocks))
+        else:
+            loads.append(Load(0, 100 + i, keys, blocks))
+        wanted.append((blocks, source))
+    missing = Load(0, 200, chain_keys(2, salt=b"never stored"), chunk_block_ids([0, 1], BPC, 220))
+    step = [*loads[:4], missing, *loads[4:]]
+    client.post_jobs(step)
+    (failed,) = client.wait([missing.job_id], 10, raise_on_failure=False)
+    assert not failed.ok and failed.failed_keys == missing.keys, failed
+    done = client.wait([load.job_id for load in loads], 10)
+    assert all(result.ok for result in done), done
+    for blocks, source in wanted:
+        for got, want in zip(rank.pages(blocks), rank.pages(source), strict=True):
+            assert torch.equal(got, want)

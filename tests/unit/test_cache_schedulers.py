@@ -411,7 +411,7 @@ def test_a_steps_held_reads_are_taken_and_ended_in_one_call_each() -> None:
     entries = [cache.get(NS, key(i)) for i in range(3)]
     assert [e.readers for e in entries if e is not None] == [1, 1, 1]
     expected = [(e.offset(0), SIZE) for e in entries if e is not None]
-    assert cache.read_extents(a, 0) + cache.read_extents(b, 0) == expected
+    assert cache.read_extents(a.rows, 0) + cache.read_extents(b.rows, 0) == expected
     cache.finish_reads([a, b])
     assert [e.readers for e in entries if e is not None] == [0, 0, 0]
     with pytest.raises(ValueError, match=r"row \d+ is not being read"):
