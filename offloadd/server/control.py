@@ -20,7 +20,8 @@ Contract of ``ControlSocket`` (the event loop's thread only):
   loop (``RequestGate``), its later frames are held, then given to ``handle_frames`` in
   order.
 - ``run_bulk(work)``: run ``work`` on the loop in the bulk lane, behind the control requests
-  queued; at once when the receive loop is not running (before it starts, once it ended).
+  queued; at once when the receive loop is not running (before it starts, once it ended) or
+  waits on an empty socket with nothing queued (a copy's end then skips a turn of the loop).
 - ``send(identity, reply)``: never blocks: a reply to a peer that is gone or not reading is
   dropped, and so is every reply once the socket is closed.
 - ``protocol_error(identity, request_id, code, message)``: answer an Error and count it.
@@ -210,6 +211,16 @@ class ControlSocket:
         readable = self._readable
         if readable is None:
             work()
+            return
+        sock = self._sock
+        if (
+            not readable.is_set()
+            and not self._lanes
+            and sock is not None
+            and not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+        ):
+            # Nothing to run before it: the receive loop would wake only to run it.
+            self._run(work)
             return
         self._lanes.add_work(work)
         readable.set()

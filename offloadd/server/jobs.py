@@ -12,7 +12,9 @@ socket's bulk lane, behind the Lookups and Reserves waiting, or at once when non
   leaves them mapped), hand the moves to the copy engine,
   answer ``Accepted(JobAccepted)`` (``offloadd.server.dispatch``'s NOTICE mode). Nothing to
   move: the job completes right after its JobAccepted is sent. If the engine refuses the
-  job, the booking is undone and ``Refused(INTERNAL)`` raised.
+  job, the booking is undone and ``Refused(INTERNAL)`` raised. ``submit_together(state, jobs,
+  runs, wait_event)``: ``submit`` of several jobs of one session and direction, each with
+  bytes to copy and answered by its JobDone only, whose chunks one ``ChunkRuns`` holds.
 - When the copy ends (and a store's shards are sealed), the cache side is finished (a
   store's chunks commit through ``offloadd.server.commit``; a load's entries are let go), the
   imports released, and ``complete`` sends ``JobDone``, keeps it for ``Wait`` (the last
@@ -112,7 +114,8 @@ def _planned(parts: list[Sequence[Triple] | ChunkRuns]) -> Sequence[Triple]:
     """The copies of ``parts`` (jobs of one session and direction), in order, as one job's."""
     runs = [part for part in parts if isinstance(part, ChunkRuns)]
     if len(runs) == len(parts):
-        return ChunkRuns.joined(runs).copies()  # a step's chunks alike: one run, planned once
+        # A step's chunks alike: one run, planned once.
+        return (runs[0] if len(runs) == 1 else ChunkRuns.joined(runs)).copies()
     if len(parts) == 1:
         assert not isinstance(parts[0], ChunkRuns)
         return parts[0]

@@ -1,5 +1,6 @@
-"""``offloadd.server.requests._ranges``: each key's chunk and first block id, kept per shape
-for small jobs; the same answers as ``chunk_ranges``, and a bad shape refused every time."""
+"""``offloadd.server.requests._ranges``: each key's chunk, first block id and the runs of alike
+chunks, kept per shape for small jobs; the same answers as ``chunk_ranges``, and a bad shape
+refused every time."""
 
 from __future__ import annotations
 
@@ -28,9 +29,15 @@ def test_ranges_match_chunk_ranges_and_count_block_ids(
     wire = [(s.keys, s.skip, s.blocks) for s in segments]
     expected = chunk_ranges(keys, blocks, bpc, wire, skip=skip)
     for _ in range(2):  # worked out, then (small jobs) from the cache
-        chunks, firsts = requests._ranges(keys, blocks, bpc, segments, skip)
+        chunks, firsts, alike = requests._ranges(keys, blocks, bpc, segments, skip)
         assert list(chunks) == expected
         assert list(firsts) == [sum(count for _, count in expected[:i]) for i in range(keys)]
+        # The runs of alike chunks cover every key once, in order, each run's chunks alike.
+        assert [start for start, _, _, _ in alike] == [0, *(end for _, end, _, _ in alike[:-1])]
+        assert alike[-1][1] == keys
+        for start, end, sub_block, count in alike:
+            assert set(expected[start:end]) == {(sub_block, count)}
+        assert all(alike[i][2:] != alike[i + 1][2:] for i in range(len(alike) - 1))
 
 
 def test_a_shape_that_does_not_add_up_is_refused_every_time() -> None:
