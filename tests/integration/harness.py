@@ -142,7 +142,10 @@ class DaemonThread:
     def begin_stop(self) -> None:
         """Tell the daemon to stop (as SIGTERM does: it drains), without waiting for it."""
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
+            # A daemon that failed to start closes its loop as its thread ends, maybe between
+            # the check and this call: it has stopped already.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stop.set)
 
     def stop(self) -> None:
         self.begin_stop()
