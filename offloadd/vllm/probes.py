@@ -75,6 +75,17 @@ class TierProbes:
         self._queued.setdefault(req_id, {})[key] = None
         return Probe.RETRY
 
+    @property
+    def has_queued(self) -> bool:
+        """Some key waits to be asked about in the step's message."""
+        return bool(self._queued)
+
+    @property
+    def awaiting(self) -> bool:
+        """Some key was asked about and its answer has not come (one whose wait ran out
+        counts until ``forget_expired``)."""
+        return bool(self._asked)
+
     def take_queued(self) -> list[list[bytes]]:
         """The keys to ask about, one list per request in lookup order; taken once."""
         queued, self._queued = self._queued, {}

@@ -89,6 +89,17 @@ class Stores:
                 self._queued_keys[key] = self._queued_keys.get(key, 0) + 1
         return spec
 
+    @property
+    def has_queued(self) -> bool:
+        """Some spec of this step has keys to reserve."""
+        return bool(self._queued)
+
+    @property
+    def awaiting_commits(self) -> bool:
+        """Some key stored here has not reached the mirror: reserved and being stored, or
+        stored and its commit notice due."""
+        return bool(self._in_flight) or self.committing()
+
     def queued_keys(self) -> list[bytes]:
         """Every queued spec's keys, spec after spec (the step's ``Reserve``)."""
         return [key for _token, spec in self._queued for key in spec.keys]

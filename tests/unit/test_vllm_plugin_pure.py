@@ -290,10 +290,13 @@ def test_a_step_not_sent_skips_its_stores_in_the_specs() -> None:
 def test_a_stored_key_pends_until_its_commit_or_the_wait_runs_out() -> None:
     clock = _Clock()
     stores = Stores(clock=clock, commit_wait=1.0)
+    assert not stores.has_queued and not stores.awaiting_commits
     stores.queue("a", stores.candidates([K[0], K[1], K[2]], committed=set()))
+    assert stores.has_queued and not stores.awaiting_commits  # not sent yet
     stores.answered(stores.take(), [0, 1])  # K[2] refused
+    assert not stores.has_queued and stores.awaiting_commits  # in flight
     stores.complete("a", [K[0], K[1], K[2]], committed=set())
-    assert stores.storing == 0
+    assert stores.storing == 0 and stores.awaiting_commits  # their commits due
     # Stored, the commit notices not here yet: pending, not a miss.
     assert stores.pending(K[0]) and stores.pending(K[1])
     assert not stores.pending(K[2])
@@ -302,7 +305,7 @@ def test_a_stored_key_pends_until_its_commit_or_the_wait_runs_out() -> None:
     assert not stores.pending(K[0])
     assert stores.committing()
     clock.now += 1.5  # K[1]'s commit never came (the daemon refused it)
-    assert not stores.committing()
+    assert not stores.committing() and not stores.awaiting_commits
     assert not stores.pending(K[1])
     assert stores.candidates([K[1]], committed=set()) == [K[1]]
 

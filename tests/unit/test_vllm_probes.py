@@ -17,8 +17,12 @@ def test_unknown_keys_retry_and_queue_per_request_in_lookup_order() -> None:
     assert probes.lookup("a", b"k1") is Probe.RETRY
     assert probes.lookup("b", b"k1") is Probe.RETRY
     assert probes.lookup("a", b"k2") is Probe.RETRY  # asked twice in a step: queued once
+    assert probes.has_queued and not probes.awaiting
     assert probes.take_queued() == [[b"k2", b"k1"], [b"k1"]]
     assert probes.take_queued() == []
+    assert not probes.has_queued and probes.awaiting  # asked, no answer yet
+    probes.answered([b"k2", b"k1"], hits=2, pending=[])
+    assert not probes.awaiting
 
 
 def test_answer_marks_pending_up_to_the_first_miss_and_leaves_later_keys_unknown() -> None:

@@ -59,24 +59,35 @@ def daemon() -> Iterator[DaemonThread]:
 
 class _ScheduleSocket:
     """The scheduler client's socket: counts what the thread in ``schedule()`` sends there,
-    and its waits for an answer there (a poll that may block: an awaited round trip)."""
+    its waits for an answer there (a poll that may block: an awaited round trip), and every
+    call it makes there (``touched``)."""
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self.inside: int | None = None  # the thread in schedule(), while it is there
         self.sent = 0
         self.awaited = 0
+        self.touched = 0
+
+    def _in_schedule(self) -> bool:
+        inside = threading.get_ident() == self.inside
+        self.touched += inside
+        return inside
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         out = self._sock.send(*args, **kwargs)
-        if threading.get_ident() == self.inside:
+        if self._in_schedule():
             self.sent += 1
         return out
 
     def poll(self, timeout: int | None = None, *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == self.inside and timeout != 0:
+        if self._in_schedule() and timeout != 0:
             self.awaited += 1
         return self._sock.poll(timeout, *args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_schedule()
+        return self._sock.recv(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
@@ -122,6 +133,7 @@ class _Counts:
         # (messages, stores, loads) of each rank, one entry per step
         self.steps: list[list[tuple[int, int, int]]] = []
         self.scheduler: list[int] = []  # the scheduler's messages inside schedule(), per step
+        self.touched: list[int] = []  # its socket calls inside schedule(), per step
         self.awaited: list[int] = []  # its waits for an answer inside schedule(), per step
         manager = h.offloading_manager
         assert isinstance(manager, OffloaddManager) and manager._client is not None
@@ -171,10 +183,11 @@ class _Counts:
         self._at = [{} for _ in self.workers]
         for jobs in self.jobs:
             jobs["store"] = jobs["load"] = 0
-        self._socket.sent = self._socket.awaited = 0
+        self._socket.sent = self._socket.awaited = self._socket.touched = 0
         h.step()
         self.early.append(self._at)
         self.scheduler.append(self._socket.sent)
+        self.touched.append(self._socket.touched)
         self.awaited.append(self._socket.awaited)
         self.steps.append(
             [
@@ -309,6 +322,33 @@ def test_one_message_per_rank_per_step(tmp_path: Path, daemon: DaemonThread, n: 
     assert before_finished and set(before_finished) == {1}, counts.early
     before_forward = _sent_by(counts, "forward", stores_only=True)
     assert before_forward and set(before_forward) == {1}, counts.early
+
+
+def test_a_quiet_step_touches_no_socket(tmp_path: Path, daemon: DaemonThread) -> None:
+    """Once the stores' commits reached the mirror, decode steps have nothing to send and
+    nothing on its way: ``schedule()`` makes no call on the scheduler's socket. A step
+    that stores again reads and sends, and its keys still reach the mirror."""
+    n = 4
+    with _harness(tmp_path, daemon, n) as h:
+        manager = h.offloading_manager
+        assert isinstance(manager, OffloaddManager)
+        counts = _Counts(h)
+        for seed in range(n):
+            h.add_request(_prompt(seed, 2 * BLOCK + 3), max_tokens=60)
+        deadline = time.monotonic() + 60
+        while len(manager._mirror.keys) < 2 * n or manager._stores.awaiting_commits:
+            assert time.monotonic() < deadline, (len(manager._mirror.keys), counts.touched)
+            counts.step(h)
+        assert max(counts.touched) > 0  # the store step's message, its answer and commits
+        quiet = len(counts.touched)
+        for _ in range(5):
+            counts.step(h)
+        assert counts.touched[quiet:] == [0] * 5, counts.touched
+        # A new request's store: read and sent inside schedule() again, and committed.
+        h.add_request(_prompt(99, 2 * BLOCK + 3), max_tokens=2)
+        counts.run(h)
+        assert sum(counts.scheduler[quiet + 5 :]) >= 1, counts.scheduler
+        _settle(h, 2 * n + 2)
 
 
 def test_without_the_hook_jobs_leave_at_get_finished(
