@@ -7,7 +7,7 @@ are answered locally and sent together, in one ``Reserve`` nothing waits for:
 - ``candidates``: of a request's keys, those neither committed nor stored by this scheduler
   already (queued this step, in flight, committing);
 - ``queue``: they go into the request's ``OffloaddStoreSpec`` and wait for the step's
-  ``Reserve`` (``queued_keys``: every spec's keys, in order);
+  ``Reserve`` (``queued_keys``: every spec's keys, in order; ``has_queued``: any at all);
 - ``take``: the step's stores (``StepStores``: its specs, its keys in order) as the
   ``Reserve`` leaves; its keys are in flight from now on (``pending``);
 - ``skip``: the ``Reserve`` could not be sent (no daemon, too many unanswered): every key of
@@ -106,8 +106,8 @@ class Stores:
 
     def take(self) -> StepStores:
         """The step's stores, their keys in flight from now on."""
+        keys = self.queued_keys()
         queued, self._queued, self._queued_keys = self._queued, [], {}
-        keys = [key for _token, spec in queued for key in spec.keys]
         for key in keys:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
         return StepStores(queued, keys)
