@@ -6,10 +6,12 @@ their N stores reach the rank in one step, through vLLM 0.33's ``Scheduler`` and
 Measured per rank, same run, offloadd (a daemon subprocess) beside the native in-process
 spec (``tests/vllm/simple_spec.py``: torch copies in the rank, what vLLM's CPU spec does
 without a GPU, as its worker cannot run on a CPU host), both over the same KV memory:
-memfds (``KV_MEMORY``). The harness and the native spec are test code the wheel does not
-carry: they are found beside the package in a checkout (by module name, at run time) and the
-rows are skipped elsewhere. The built harness's heap is frozen for the collector as
-``EngineCore`` freezes its own (see ``_startup_heap_frozen``).
+memfds (``KV_MEMORY``). Both engines are built first and stay alive, and their rounds take
+turns (``_measure_together``), so a slow spell of the shared machine lands on both sides.
+The harness and the native spec are test code the wheel does not carry: they are found
+beside the package in a checkout (by module name, at run time) and the rows are skipped
+elsewhere. The built harnesses' heap is frozen for the collector as ``EngineCore`` freezes
+its own (see ``_startup_heap_frozen``).
 
 - value: worker ms per step (the time spent in the spec worker's ``submit_store``,
   ``submit_load``, ``get_finished`` and ``wait``, and offloadd's ``send_step``) in the step
@@ -62,10 +64,11 @@ def run(ctx: Context) -> list[Result]:
     with daemon(ctx, 256 << 20, "vllm-step") as (endpoint, _process):
         for n in wanted:
             ctx.progress(f"vllm_step: {n} requests per step")
-            ours = _measure(harness, n, rounds, _offloadd_extra(endpoint))
             store = f"bench-{uuid.uuid4().hex}"
             try:
-                native = _measure(harness, n, rounds, _native_extra(store))
+                ours, native = _measure_together(
+                    harness, n, rounds, [_offloadd_extra(endpoint), _native_extra(store)]
+                )
             finally:
                 simple_spec.drop_namespace(store)
             results.append(
@@ -221,93 +224,125 @@ class _Probe:
         return self.socket.sent if self.socket is not None else 0
 
 
-def _measure(harness: Any, n: int, rounds: int, extra: dict[str, Any]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {
-        "worker_ms": [],
-        "messages": [],
-        "store_step_messages": [],
-        "schedule_ms": [],
-        "schedule_messages": [0.0],
-    }
-    with tempfile.TemporaryDirectory(prefix="offloadd-bench-vllm-") as workdir:
-        h = harness.VllmHarness(
-            Path(workdir),
-            extra,
-            num_blocks=4 * n + 16,
-            max_num_batched_tokens=n * (2 * BLOCK + 8),
-            max_num_seqs=n,
-            max_model_len=16 * BLOCK,
-            kv_memory=KV_MEMORY,
+class _Engine:
+    """One engine under measurement (a harness with its spec), round by round."""
+
+    def __init__(self, harness: Any, n: int, rounds: int) -> None:
+        self.h = harness
+        self.n = n
+        self.rounds = rounds
+        self.out: dict[str, list[float]] = {
+            "worker_ms": [],
+            "messages": [],
+            "store_step_messages": [],
+            "schedule_ms": [],
+            "schedule_messages": [0.0],
+            "step_ms": [],
+        }
+        self.probe = _Probe(harness)
+        self.in_schedule = _count_in_schedule(harness.offloading_manager)
+        self.stores: dict[int, tuple[float, int]] = {}
+        self.loads: dict[int, tuple[float, int]] = {}
+        self.measuring = False
+        self._schedule = harness.scheduler.schedule
+        harness.scheduler.schedule = self._timed_schedule
+
+    def _timed_schedule(self) -> Any:
+        in_schedule, h = self.in_schedule, self.h
+        if in_schedule is not None:
+            in_schedule.sent, in_schedule.inside = 0, threading.get_ident()
+        started = time.perf_counter()
+        try:
+            so = self._schedule()
+        finally:
+            now = time.perf_counter()
+            if in_schedule is not None:
+                in_schedule.inside = None
+        if self.measuring and so.total_num_scheduled_tokens:
+            # Steps that schedule work only: the empty steps an engine takes while
+            # transfers finish (has_pending_work) would pull the median down.
+            self.out["schedule_ms"].append((now - started) * 1e3)
+            if in_schedule is not None:
+                self.out["schedule_messages"].append(in_schedule.sent)
+        meta = so.kv_connector_metadata
+        for job_id in meta.store_jobs:
+            self.stores.setdefault(job_id, (now, h.step_count))
+        for job_id in meta.load_jobs:
+            self.loads.setdefault(job_id, (now, h.step_count))
+        return so
+
+    def run_round(self, index: int) -> None:
+        """Round ``index`` (0 warms up): N requests prefill and store together, then N
+        requests sharing their prompts load them."""
+        h, n, probe, out = self.h, self.n, self.probe, self.out
+        self.measuring = index > 0
+        prompts = [_prompt(index * n + i) for i in range(n)]
+        for prompt in prompts:
+            h.add_request(prompt, max_tokens=6)
+        worker_ms: list[float] = []
+        mirrored = _mirrored(h)
+        while h.has_work():
+            probe.seconds, probe.stores, sent = 0.0, 0, probe.sent
+            started = time.perf_counter()
+            h.step()
+            out["step_ms"].append((time.perf_counter() - started) * 1e3)
+            messages = probe.sent - sent
+            if index:
+                out["messages"].append(messages)
+            if probe.stores >= n:
+                worker_ms.append(probe.seconds * 1e3)
+                if index:
+                    out["store_step_messages"].append(messages)
+        if index and worker_ms:
+            out["worker_ms"].append(max(worker_ms))
+        _settle(h, mirrored + 2 * n)
+        # The loads: N requests sharing the prompts' two chunks, their GPU copies gone.
+        h.reset_prefix_cache(zero_kv=False)
+        for i, prompt in enumerate(prompts):
+            h.add_request(prompt[: 2 * BLOCK] + _prompt(1_000_000 + index * n + i)[:5], 2)
+        while h.has_work():
+            h.step()
+
+    def results(self) -> dict[str, list[float]]:
+        out, probe = self.out, self.probe
+        out["latency_ms"], out["latency_steps"] = _latencies(self.stores, probe, self.rounds)
+        out["load_latency_ms"], out["load_latency_steps"] = _latencies(
+            self.loads, probe, self.rounds
         )
-        with h, _startup_heap_frozen():
-            probe = _Probe(h)
-            in_schedule = _count_in_schedule(h.offloading_manager)
-            stores: dict[int, tuple[float, int]] = {}
-            loads: dict[int, tuple[float, int]] = {}
-            schedule = h.scheduler.schedule
-            measuring = False
+        if not out["worker_ms"]:
+            raise RuntimeError(f"no step submitted {self.n} stores")
+        if not out["load_latency_ms"]:
+            raise RuntimeError(f"no load reported with {self.n} requests")
+        return out
 
-            def timed_schedule() -> Any:
-                if in_schedule is not None:
-                    in_schedule.sent, in_schedule.inside = 0, threading.get_ident()
-                started = time.perf_counter()
-                try:
-                    so = schedule()
-                finally:
-                    now = time.perf_counter()
-                    if in_schedule is not None:
-                        in_schedule.inside = None
-                if measuring and so.total_num_scheduled_tokens:
-                    # Steps that schedule work only: the empty steps an engine takes while
-                    # transfers finish (has_pending_work) would pull the median down.
-                    out["schedule_ms"].append((now - started) * 1e3)
-                    if in_schedule is not None:
-                        out["schedule_messages"].append(in_schedule.sent)
-                meta = so.kv_connector_metadata
-                for job_id in meta.store_jobs:
-                    stores.setdefault(job_id, (now, h.step_count))
-                for job_id in meta.load_jobs:
-                    loads.setdefault(job_id, (now, h.step_count))
-                return so
 
-            h.scheduler.schedule = timed_schedule
-            step_ms: list[float] = []
-            for index in range(rounds + 1):  # the first round warms up
-                measuring = index > 0
-                prompts = [_prompt(index * n + i) for i in range(n)]
-                for prompt in prompts:
-                    h.add_request(prompt, max_tokens=6)
-                worker_ms: list[float] = []
-                mirrored = _mirrored(h)
-                while h.has_work():
-                    probe.seconds, probe.stores, sent = 0.0, 0, probe.sent
-                    started = time.perf_counter()
-                    h.step()
-                    step_ms.append((time.perf_counter() - started) * 1e3)
-                    messages = probe.sent - sent
-                    if index:
-                        out["messages"].append(messages)
-                    if probe.stores >= n:
-                        worker_ms.append(probe.seconds * 1e3)
-                        if index:
-                            out["store_step_messages"].append(messages)
-                if index and worker_ms:
-                    out["worker_ms"].append(max(worker_ms))
-                _settle(h, mirrored + 2 * n)
-                # The loads: N requests sharing the prompts' two chunks, their GPU copies gone.
-                h.reset_prefix_cache(zero_kv=False)
-                for i, prompt in enumerate(prompts):
-                    h.add_request(prompt[: 2 * BLOCK] + _prompt(1_000_000 + index * n + i)[:5], 2)
-                while h.has_work():
-                    h.step()
-            out["latency_ms"], out["latency_steps"] = _latencies(stores, probe, rounds)
-            out["load_latency_ms"], out["load_latency_steps"] = _latencies(loads, probe, rounds)
-            out["step_ms"] = step_ms
-    if not out["worker_ms"]:
-        raise RuntimeError(f"no step submitted {n} stores")
-    if not out["load_latency_ms"]:
-        raise RuntimeError(f"no load reported with {n} requests")
-    return out
+def _measure_together(
+    harness: Any, n: int, rounds: int, extras: list[dict[str, Any]]
+) -> list[dict[str, list[float]]]:
+    """Both engines built and alive, their rounds taking turns (the first to go swaps each
+    round): a slow spell of this shared machine lands on both sides, not on one."""
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for extra in extras:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="offloadd-vllm-"))
+            h = stack.enter_context(
+                harness.VllmHarness(
+                    Path(workdir),
+                    extra,
+                    engine_id=f"bench-{len(engines)}",
+                    num_blocks=4 * n + 16,
+                    max_num_batched_tokens=n * (2 * BLOCK + 8),
+                    max_num_seqs=n,
+                    max_model_len=16 * BLOCK,
+                    kv_memory=KV_MEMORY,
+                )
+            )
+            engines.append(_Engine(h, n, rounds))
+        stack.enter_context(_startup_heap_frozen())
+        for index in range(rounds + 1):  # the first round warms up
+            for engine in engines if index % 2 == 0 else reversed(engines):
+                engine.run_round(index)
+        return [engine.results() for engine in engines]
 
 
 @contextlib.contextmanager
