@@ -59,7 +59,10 @@ def run(ctx: Context) -> list[Result]:
     except ImportError as exc:
         ctx.progress(f"vllm_step: skipped ({exc}); run from a checkout with vLLM 0.33 installed")
         return []
-    rounds = 3 if ctx.quick else 6
+    # A run is as steady as its count of rounds: this machine's slow spells last about a
+    # round (0.25 s at N=64, 1 s at N=256), one round's median step swinging 0.9-1.8 ms at
+    # N=64 on either side.
+    rounds = 4 if ctx.quick else 12
     results = []
     with daemon(ctx, 256 << 20, "vllm-step") as (endpoint, _process):
         for n in wanted:
