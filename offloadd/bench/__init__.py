@@ -26,8 +26,8 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   ``vllm_step_64`` / ``vllm_step_256``: worker ms per step, messages per rank per step,
   ``schedule()`` median and p99, the scheduler's messages inside ``schedule()``, store and
   load latency with N requests storing (then loading) in one step, through vLLM's real
-  scheduler and worker connectors, vs an in-process spec (from a checkout: it uses
-  tests/vllm's harness).
+  scheduler and worker connectors, vs an in-process spec, both engines alive and their
+  rounds taking turns (from a checkout: it uses tests/vllm's harness).
 - ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
 - ``guarded``: GB/s of copies through a rank file's descriptor (pread/pwrite, what the cpu
   engine does) vs memmove through a mapping of the same file (``guarded_store_<page>``,
