@@ -327,10 +327,11 @@ def _measure_together(
     with contextlib.ExitStack() as stack:
         engines = []
         for extra in extras:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="offloadd-vllm-"))
+            workdir = tempfile.TemporaryDirectory(prefix="offloadd-bench-vllm-")
+            path = Path(stack.enter_context(workdir))
             h = stack.enter_context(
                 harness.VllmHarness(
-                    Path(workdir),
+                    path,
                     extra,
                     engine_id=f"bench-{len(engines)}",
                     num_blocks=4 * n + 16,
