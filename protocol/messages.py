@@ -465,6 +465,9 @@ class DaemonStats(msgspec.Struct, frozen=True):
     # room another mirror's acknowledgement frees. Node-wide: 0 where ``counters`` is False.
     mirrors_dropped: int = 0
     stores_waiting: int = 0
+    # Load jobs that failed because keys they read were gone (their engine recomputes those
+    # requests, or fails them under vLLM's kv_load_failure_policy "fail"). Node-wide.
+    loads_missing: int = 0
 
 
 class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):

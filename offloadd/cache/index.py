@@ -20,9 +20,9 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   announces it. ``finish_store(ok=False)`` makes nothing visible; the shard may be stored again.
 - ``abandon``: the session owning in-flight writes went away; their pending entries are dropped
   at once and can never become visible. The ``finish_store`` of those writes must still follow.
-- ``begin_load`` (prepare_load) takes every key or none: all committed -> each is held against
-  eviction until ``finish_load`` (complete_load); otherwise nothing is taken and the missing
-  keys are returned.
+- ``begin_load`` (prepare_load) takes every key or none: all committed (or removed and still
+  kept for a mirror's acknowledgement) -> each is held against eviction until ``finish_load``
+  (complete_load); otherwise nothing is taken and the missing keys are returned.
 - Never evicted: entries being loaded, being written, pinned by an unexpired lease, or keyed
   by any key of the store that needs the room. A pending entry with no copy in flight *is*
   evictable, so a rank that never stores its shard cannot leak space. Eviction runs only if
@@ -1037,21 +1037,28 @@ class ChunkCache:
         return self._with_handles(self.begin_reads(namespace, keys))
 
     def begin_reads(self, namespace: str, keys: Sequence[bytes]) -> Reads:
-        """``begin_load`` as ``Reads``."""
+        """``begin_load`` as ``Reads``. A key removed but not yet acknowledged by every
+        mirror is read from its kept bytes: a mirror may still answer it as a hit, and its
+        scheduler does not acknowledge the removal of a key it is loading."""
         table = self._tables.get(namespace, _NO_ROWS)
         state = self._state.v
         rows: list[int] = []
+        touched: list[int] = []
         missing: list[bytes] = []
         for key in keys:
             row = table.get(key)
-            if row is None or not state[row] & _COMMITTED:
-                missing.append(key)
+            if row is not None and state[row] & _COMMITTED:
+                touched.append(row)
             else:
-                rows.append(row)
+                row = self._watchers.find(namespace, key)
+                if row is None:
+                    missing.append(key)
+                    continue
+            rows.append(row)
         if missing:
             return Reads([], missing)
         self._add_readers(rows)
-        self._policy.touch(rows)
+        self._policy.touch(touched)
         return Reads(rows, [])
 
     def _with_handles(self, reads: Reads) -> LoadReservation:

@@ -109,6 +109,7 @@ class Counters:
     bytes_stored: int = 0
     bytes_loaded: int = 0
     jobs_failed: int = 0
+    loads_missing: int = 0  # load jobs that found keys gone (their requests recompute)
     # Store keys the daemon refused before the cache saw them, by reason ("draining": asked
     # to reserve or store while stopping; "late": past the store's deadline); GetStats adds
     # them to the cache's reasons.
@@ -531,6 +532,11 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         "Schedulers ended because their key mirror did not acknowledge removals within "
         "server.mirror_ack_timeout",
     )
+    loads_missing = CounterMetricFamily(
+        "offloadd_loads_missing",
+        "Load jobs that failed because keys they read were gone; the engine recomputes (or, "
+        "under vLLM's kv_load_failure_policy fail, fails) those requests",
+    )
     sessions = GaugeMetricFamily(
         "offloadd_sessions",
         "Connected sessions per engine, dp index and role (worker or scheduler)",
@@ -555,6 +561,7 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         evictions.add_metric([], stats.evictions)
         waiting.add_metric([], stats.stores_waiting)
         dropped.add_metric([], stats.mirrors_dropped)
+        loads_missing.add_metric([], stats.loads_missing)
         for engine in stats.engines:
             dp = str(engine.data_parallel_index)
             sessions.add_metric([engine.engine_id, dp, "worker"], len(engine.ranks_present))
@@ -574,7 +581,7 @@ def _stats_families(stats: DaemonStats | None) -> list[Metric]:
         degraded.add_metric([], 0.0 if all(stats.copy_path.values()) else 1.0)
         for feature, ok in sorted(stats.copy_path.items()):
             copy_path.add_metric([feature], 1.0 if ok else 0.0)
-    families += [entries, lookup_keys, lookups, refused, evictions, waiting, dropped]
+    families += [entries, lookup_keys, lookups, refused, evictions, waiting, dropped, loads_missing]
     families += [sessions, ready]
     families += [degraded, copy_path]
     families += _tier_families(stats)

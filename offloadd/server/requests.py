@@ -518,6 +518,7 @@ class CacheRequests:
         job = Job(request.job_id, state, Direction.LOAD, request.keys, [], 0)
         if reads.missing:
             job.failed_keys = list(reads.missing)
+            self._jobs.counters.loads_missing += 1
             return self._jobs.accept_without_copy(
                 state, request.request_id, job, "keys not in cache"
             )

@@ -26,13 +26,17 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
   told that every key misses (``Mirrors.drain``), and a scheduler treats the refusal as the
   daemon being away. ``ack`` is still taken.
 - ``acker(mirrors, state)``: the requester, when its mirror applies this request's removals
-  before any lookup (FIFO on its socket) and it holds everything it has looked up.
+  before any lookup (FIFO on its socket) and it holds everything it is loading: no key it
+  asked to hold went unheld (``SessionState.unheld``: beyond its share, or in a refused
+  message) and was not released since. Otherwise the Reserve's evictions wait for its
+  acknowledgement, which its mirror holds back while such a key's load runs
+  (``offloadd.vllm.mirror``): a key its mirror answered as a hit stays readable by key.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from offloadd.cache.index import ChunkCache
 from offloadd.server.announce import Announcer
@@ -65,11 +69,35 @@ __all__ = ["Schedulers", "acker"]
 logger = logging.getLogger(__name__)
 
 
+# Tokens a session's ``unheld`` remembers at most: beyond, the oldest are forgotten (only
+# that scheduler's own loads can then miss: its engine recomputes them).
+MAX_UNHELD_TOKENS = 4096
+
+
 def acker(mirrors: Mirrors, state: SessionState) -> str | None:
     """The requester, when its mirror applies this request's removals before any lookup
-    (FIFO on its socket) and it holds everything it has looked up: see ``Reserve``."""
+    (FIFO on its socket) and it holds everything it is loading: see the module docstring."""
     session_id = state.session.session_id
-    return session_id if mirrors.watching(session_id) else None
+    return session_id if mirrors.watching(session_id) and not state.unheld else None
+
+
+def note_unheld(state: SessionState, token: str, keys: Iterable[bytes]) -> None:
+    """Keys ``token``'s load reads that the session asked to hold and does not."""
+    unheld = state.unheld
+    unheld.setdefault(token, set()).update(keys)
+    while len(unheld) > MAX_UNHELD_TOKENS:
+        del unheld[next(iter(unheld))]
+
+
+def note_released(state: SessionState, release: Sequence[HoldKeys]) -> None:
+    """Released keys are no longer loading (their load completed)."""
+    unheld = state.unheld
+    for item in release:
+        keys = unheld.get(item.token)
+        if keys is not None:
+            keys.difference_update(item.keys)
+            if not keys:
+                del unheld[item.token]
 
 
 class Schedulers:
@@ -109,10 +137,14 @@ class Schedulers:
         # this handler: ``WaitingStores``).
         state.session.reserves_read = request.request_id
         self._reserve_read()
-        engine, namespace = self._scheduler_checks(state)
-        check_keys(request.keys, engine, self._limits)
-        self._jobs.refuse_while_draining(len(request.keys))
-        check_offloaded(request.keys, namespace)
+        try:
+            engine, namespace = self._scheduler_checks(state)
+            check_keys(request.keys, engine, self._limits)
+            self._jobs.refuse_while_draining(len(request.keys))
+            check_offloaded(request.keys, namespace)
+        except Refused:
+            _refused_holds(state, request.holds)
+            raise
         _held, missing = self._apply_holds(
             state, engine, namespace, request.holds, request.release, request.ack
         )
@@ -132,8 +164,12 @@ class Schedulers:
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
-        engine, namespace = self._scheduler_checks(state)
-        self._jobs.refuse_while_draining()
+        try:
+            engine, namespace = self._scheduler_checks(state)
+            self._jobs.refuse_while_draining()
+        except Refused:
+            _refused_holds(state, request.hold)
+            raise
         held, missing = self._apply_holds(
             state, engine, namespace, request.hold, request.release, request.ack
         )
@@ -157,9 +193,14 @@ class Schedulers:
         owner = state.session.session_id
         items = (*hold, *release)
         if not keys_pass_together([item.keys for item in items], engine, self._limits):
-            for item in items:  # one of them fails: its own refusal
-                check_keys(item.keys, engine, self._limits)
+            try:
+                for item in items:  # one of them fails: its own refusal
+                    check_keys(item.keys, engine, self._limits)
+            except Refused:
+                _refused_holds(state, hold)
+                raise
         cache.release_hold_tokens(owner, [(item.token, item.keys) for item in release])
+        note_released(state, release)
         # Missing keys, then those beyond the engine's or its tenant's budget.
         missing = cache.hold_tokens(
             namespace.name,
@@ -170,9 +211,23 @@ class Schedulers:
         )
         held = sum(len(item.keys) for item in hold) - len(missing)
         if missing:
-            logger.warning(
-                "%s: %d held keys were not in the cache", state.session.describe(), len(missing)
+            not_held = set(missing)
+            for item in hold:
+                keys = not_held.intersection(item.keys)
+                if keys:
+                    note_unheld(state, item.token, keys)
+            logger.info(
+                "%s: %d keys not held (not in the cache, or beyond the engine's share)",
+                state.session.describe(),
+                len(missing),
             )
         if ack:
             cache.ack(owner, ack)
         return held, missing
+
+
+def _refused_holds(state: SessionState, hold: Sequence[HoldKeys]) -> None:
+    """A refused message took none of its holds (nor applied its releases)."""
+    for item in hold:
+        if item.keys:
+            note_unheld(state, item.token, item.keys)

@@ -149,6 +149,7 @@ class Stats:
             stores_refused_by_reason=_sum_counts(cache.refused, counters.refused),
             mirrors_dropped=self._sessions.mirrors_dropped,
             stores_waiting=self._jobs.parked,
+            loads_missing=counters.loads_missing,
         )
 
 

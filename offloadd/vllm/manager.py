@@ -20,12 +20,19 @@ so a key the late ``Reserved`` did not reserve is simply not cached (``Stores.an
 takes it out of HIT_PENDING). Should the daemon read a rank's Store before the step's
 Reserve (both queued while it stalls: the Reserve leaves first, on another socket), those
 keys are skipped likewise and the reservation ends by its lease
-(``limits.reservation_seconds``): bounded, never wrong. A hold the daemon did not take
-(``missing``) needs no answer either: the ranks' ``Load(hold=token)`` loads by key when the
-hold is not there, and a key the mirror shows stays loadable (the daemon keeps a removed
-key's bytes until this scheduler acknowledged the removal). Only what is known before the
-specs leave changes them: a step that cannot be sent (no daemon, send refused, or
-``MAX_UNANSWERED_STEPS`` unanswered) marks its stores skipped and its loads' holds lost.
+(``limits.reservation_seconds``): bounded, never wrong.
+
+A key the mirror answered as a hit stays loadable until its load completes, whatever
+happens to its hold (``offloadd.vllm.mirror``): the daemon keeps a removed key's bytes until
+this scheduler acknowledged the removal, and the acknowledgement never covers the removal of
+a key being loaded (``KeyMirror.ackable``). So a hold the daemon did not take (``missing``:
+no room in the engine's share) needs no answer, and neither does a hold late behind its
+rank's ``Load(hold=token)``: the rank's load reads by key (the removed key's bytes too). A
+step that cannot be sent (no daemon, send refused, or ``MAX_UNANSWERED_STEPS`` unanswered)
+marks its stores skipped before the specs leave; its holds go with the next message, and a
+new session is sent the holds of every load not complete (``KeyMirror.loads``). The daemon
+frees the evictions of a scheduler's own Reserve at once only while that scheduler holds
+every key it asked to hold (``offloadd.server.schedulers.acker``).
 ``complete_store`` waits for nothing: a key the ranks stored answers ``HIT_PENDING`` until
 its commit reaches the mirror (a second at most).
 
@@ -145,9 +152,6 @@ class OffloaddManager(OffloadingManager):
         self._acked = 0
         self._stores = Stores()  # what this scheduler stores, until the mirror shows it
         self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
-        # The load specs of those holds: a hold the daemon does not take is a lost hold, and
-        # its spec is told so before it leaves the scheduler (the ranks load by key then).
-        self._unsent_loads: dict[str, list[OffloaddLoadSpec]] = {}
         self._welcome: object = None  # the session the mirror belongs to
         self._releases: dict[str, list[bytes]] = {}
         # Posted requests whose answer is due: request id -> what applies it.
@@ -201,14 +205,16 @@ class OffloaddManager(OffloadingManager):
         """Hold the keys for the request (sent before the ranks load them)."""
         token = req_context.req_id
         self._holds.setdefault(token, []).extend(keys)
+        self._mirror.start_loading(token, keys)
         self._stats.loading(len(keys))
-        spec = OffloaddLoadSpec(list(keys), token)
-        self._unsent_loads.setdefault(token, []).append(spec)
-        return spec
+        return OffloaddLoadSpec(list(keys), token)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Release the request's holds (sent with the next message)."""
-        self._releases.setdefault(req_context.req_id, []).extend(keys)
+        """Release the request's holds (sent with the next message); the keys' removals
+        may be acknowledged from now on."""
+        token = req_context.req_id
+        self._releases.setdefault(token, []).extend(keys)
+        self._mirror.finish_loading(token, keys)
         self._stats.loaded(len(keys))
 
     # -- stores --------------------------------------------------------------------------------
@@ -386,7 +392,7 @@ class OffloaddManager(OffloadingManager):
                 self._releases = {}  # nothing is held without a session
             return
         holds, releases = self._take_holds(), self._take_releases()
-        ack = self._mirror.seq
+        ack = self._mirror.ackable
         try:
             if stores is not None:
                 ids = client.post_reserve(
@@ -400,11 +406,11 @@ class OffloaddManager(OffloadingManager):
             else:
                 return
         except OffloaddError as exc:
-            self._unsent(stores, probes, str(exc), holds)
-            self._failed("step", exc, holds)
+            self._requeue(holds, releases)
+            self._unsent(stores, probes, str(exc))
+            self._failed("step", exc)
             return
         self._acked = ack
-        self._unsent_loads = {}  # their holds left with the step
         self._last_request = now = time.monotonic()
         if not ids:
             return
@@ -417,22 +423,15 @@ class OffloaddManager(OffloadingManager):
         for lookup_id, keys in zip(ids[1:], probes, strict=True):
             self._due[lookup_id] = functools.partial(self._probe_answered, keys=keys)
 
-    def _unsent(
-        self,
-        stores: StepStores | None,
-        probes: list[list[bytes]],
-        why: str,
-        holds: Sequence[HoldKeys] = (),
-    ) -> None:
-        """The step could not go: its specs skip its stores (they have not left yet), and
-        its holds are lost (loads by key); releases wait for the next message."""
-        if stores is None and not holds and not self._holds and not probes:
+    def _unsent(self, stores: StepStores | None, probes: list[list[bytes]], why: str) -> None:
+        """The step could not go: its specs skip its stores (they have not left yet); its
+        holds and releases wait for the next message (its loads read by key meanwhile)."""
+        if stores is None and not self._holds and not probes:
             return
         self.unsent_steps += 1
         skipped = self._stores.skip(stores) if stores is not None else 0
         for keys in probes:
             self._probes.unanswered(keys)
-        self._holds_lost([*holds, *self._take_holds()])
         if skipped:
             logger.warning("offloadd: %s; %d keys of the step not stored", why, skipped)
 
@@ -456,7 +455,8 @@ class OffloaddManager(OffloadingManager):
             missing = reply.missing
         if missing:
             logger.info(
-                "offloadd: %d held keys not held by the daemon; their ranks load them by key",
+                "offloadd: %d keys not held by the daemon (no room in the engine's share); "
+                "their ranks load them by key",
                 len(missing),
             )
 
@@ -486,19 +486,16 @@ class OffloaddManager(OffloadingManager):
         self._holds = {}
         return holds
 
-    def _holds_lost(self, holds: Sequence[HoldKeys]) -> None:
-        for hold in holds:
-            for spec in self._unsent_loads.pop(hold.token, []):
-                self._hold_lost(spec)
-
-    @staticmethod
-    def _hold_lost(spec: OffloaddLoadSpec) -> None:
-        """Nothing keeps the keys for this load: the ranks ask for them by key, from whatever
-        daemon answers, and fail loudly only if they are gone."""
-        logger.warning(
-            "offloadd: hold %r refused; its ranks load %d keys by key", spec.hold, len(spec.keys)
-        )
-        spec.hold = ""
+    def _requeue(self, holds: Sequence[HoldKeys], releases: Sequence[HoldKeys]) -> None:
+        """A message that did not go: its holds and releases go with the next one (before
+        this step's own, which came later)."""
+        for queue, items in ((self._holds, holds), (self._releases, releases)):
+            later = dict(queue)
+            queue.clear()
+            for item in items:
+                queue.setdefault(item.token, []).extend(item.keys)
+            for token, keys in later.items():
+                queue.setdefault(token, []).extend(keys)
 
     def _take_releases(self) -> list[HoldKeys]:
         releases = [HoldKeys(token, keys) for token, keys in self._releases.items()]
@@ -525,8 +522,11 @@ class OffloaddManager(OffloadingManager):
         self._take_answers()
 
     def _forget_session(self) -> None:
-        """Every key misses until the new session's snapshot."""
+        """Every key misses until the new session's snapshot; the loads not complete are
+        held again in it (the old session's holds and releases ended with it)."""
         self._mirror.clear()
+        self._holds = self._mirror.loads()
+        self._releases = {}
         self._stores.forget()
         self._probes = TierProbes()
         self._acked = 0
@@ -541,13 +541,12 @@ class OffloaddManager(OffloadingManager):
             # A key that left the arena may be in a tier now: an earlier miss is stale.
             self._probes.forget(key for notice in notices for key in notice.removed)
 
-    def _failed(self, what: str, exc: Exception, holds: Sequence[HoldKeys] = ()) -> None:
-        """Log a failed exchange; the holds it carried are lost. A daemon that is away, or a
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Log a failed exchange. A daemon that is away, or a
         session it no longer knows (``NOT_REGISTERED``) or whose engine waits for its ranks
         (``ENGINE_NOT_READY``), or that is stopping (``SHUTTING_DOWN``), ends the session and
         empties the mirror: every lookup misses until a new session's snapshot (the
         background thread connects again, off the lock, once a daemon takes the Hello)."""
-        self._holds_lost(holds)
         if isinstance(exc, RequestFailed) and exc.code not in _SESSION_GONE | _LEAVING:
             logger.warning("offloadd: %s refused: %s", what, exc)
             return
@@ -560,8 +559,6 @@ class OffloaddManager(OffloadingManager):
         if client is not None:
             client.close(goodbye=False)
         self._forget_session()
-        self._holds_lost(self._take_holds())
-        self._releases = {}  # the session's holds ended with it
         self._last_request = time.monotonic()  # the background thread reconnects after a pause
 
     def _background(self) -> None:
@@ -589,9 +586,9 @@ class OffloaddManager(OffloadingManager):
                 # A daemon that restarted answers Ok(0) (it does not know this session):
                 # noticed here, not at the next step's holds.
                 self._post_ping(client)
-            elif self._mirror.seq > self._acked:
-                client.ack(self._mirror.seq)
-                self._acked = self._mirror.seq
+            elif self._mirror.ackable > self._acked:
+                client.ack(self._mirror.ackable)
+                self._acked = self._mirror.ackable
         except OffloaddError as exc:
             self._failed("keepalive", exc)
 

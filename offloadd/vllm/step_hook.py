@@ -21,6 +21,12 @@ The caller is found by walking up from ``get_worker`` to the frame whose ``self`
 ``_init_worker``). Where none is found (another vLLM, a spec driven by other code), nothing
 is wrapped and the jobs leave at the worker's next ``wait`` or ``get_finished``, as without
 the hook; ``install`` says so at INFO.
+
+Further up is the connector that owns it (the ``KVConnectorBase_V1`` whose
+``connector_worker`` it is, from its ``register_kv_caches``): its ``get_transfer_results``
+and ``get_block_ids_with_load_errors`` are wrapped the same way to report the loads the
+daemon could not serve (``offloadd.vllm.load_failures``), so vLLM recomputes them. Without
+that connector, a failed load raises in the worker, as before.
 """
 
 from __future__ import annotations
@@ -30,34 +36,50 @@ import inspect
 import logging
 from typing import Any, Protocol
 
+from offloadd.vllm.load_failures import LoadFailures
+
 logger = logging.getLogger(__name__)
 
-_MAX_FRAMES = 8  # vLLM 0.33: 4 up from here (install, get_worker, _init_worker)
+# vLLM 0.33: 4 up from here to the connector worker (install, get_worker, _init_worker), one
+# more to its connector.
+_MAX_FRAMES = 8
 
 
 class StepSender(Protocol):
+    load_failures: LoadFailures
+
     def send_step(self) -> None:
         """Send the step's jobs now (nothing when none are queued)."""
 
 
 def calling_connector_worker(spec: object) -> Any | None:
     """The ``OffloadingConnectorWorker`` up the call stack whose ``spec`` is ``spec``."""
+    return _callers(spec)[0]
+
+
+def _callers(spec: object) -> tuple[Any | None, Any | None]:
+    """The ``OffloadingConnectorWorker`` up the call stack whose ``spec`` is ``spec``, and
+    the connector further up whose ``connector_worker`` it is (None where not found)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
             OffloadingConnectorWorker,
         )
     except ImportError:
-        return None
+        return None, None
+    found = None
     frame = inspect.currentframe()
     try:
         for _ in range(_MAX_FRAMES):
             if frame is None:
-                return None
+                break
             candidate = frame.f_locals.get("self")
-            if isinstance(candidate, OffloadingConnectorWorker) and candidate.spec is spec:
-                return candidate
+            if found is None:
+                if isinstance(candidate, OffloadingConnectorWorker) and candidate.spec is spec:
+                    found = candidate
+            elif getattr(candidate, "connector_worker", None) is found:
+                return found, candidate
             frame = frame.f_back
-        return None
+        return found, None
     finally:
         del frame  # a frame reference in a local keeps the stack alive
 
@@ -65,7 +87,9 @@ def calling_connector_worker(spec: object) -> Any | None:
 def install(spec: object, worker: StepSender) -> bool:
     """Make ``worker`` send each step's jobs once vLLM submitted them all; False (and the
     worker sends at ``get_finished``) when the calling connector worker is not found."""
-    connector_worker = calling_connector_worker(spec)
+    connector_worker, connector = _callers(spec)
+    if connector is not None and connector_worker is not None:
+        report_load_failures(connector, worker.load_failures, connector_worker.kv_cache_config)
     if connector_worker is None or not all(
         callable(getattr(connector_worker, name, None))
         for name in ("handle_preemptions", "start_kv_transfers")
@@ -92,4 +116,40 @@ def install(spec: object, worker: StepSender) -> bool:
     connector_worker.handle_preemptions = preempted
     connector_worker.start_kv_transfers = started
     logger.debug("offloadd: a step's jobs leave when vLLM's last submission is in")
+    return True
+
+
+def report_load_failures(connector: Any, failures: LoadFailures, kv_cache_config: Any) -> bool:
+    """Wrap ``connector``'s ``get_transfer_results`` and ``get_block_ids_with_load_errors``
+    (instance attributes) to add the loads that failed since the last call: asynchronous
+    ones as ``failed_recving`` request ids, synchronous ones as invalid block ids. False
+    (nothing wrapped) where the connector lacks either method."""
+    names = ("get_transfer_results", "get_block_ids_with_load_errors")
+    if not all(callable(getattr(connector, name, None)) for name in names):
+        return False
+    transfer_results = connector.get_transfer_results
+    load_errors = connector.get_block_ids_with_load_errors
+    taken: list[set[int]] = []  # the blocks taken with the results, for load_errors next
+
+    @functools.wraps(transfer_results)
+    def with_failed_loads(finished_req_ids: set[str]) -> Any:
+        results = transfer_results(finished_req_ids)
+        requests, blocks = failures.take()
+        if requests:
+            results.failed_recving = set(results.failed_recving) | requests
+        taken.append(blocks)
+        return results
+
+    @functools.wraps(load_errors)
+    def with_failed_blocks() -> set[int]:
+        blocks = set(load_errors())
+        while taken:
+            blocks |= taken.pop()
+        return blocks
+
+    connector.get_transfer_results = with_failed_loads
+    connector.get_block_ids_with_load_errors = with_failed_blocks
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    failures.groups = len(groups) if groups is not None else 2  # unknown: report none sync
+    failures.reporting = True
     return True

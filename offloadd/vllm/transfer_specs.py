@@ -29,11 +29,13 @@ class OffloaddStoreSpec(LoadStoreSpec):
 
 
 class OffloaddLoadSpec(LoadStoreSpec):
-    """Keys the scheduler holds for request ``hold`` until the load completes."""
+    """Keys the scheduler holds under token ``hold`` until the load completes, for vLLM
+    request ``request`` (named when a failed load is reported for recompute)."""
 
-    def __init__(self, keys: list[bytes], hold: str) -> None:
+    def __init__(self, keys: list[bytes], hold: str, request: str = "") -> None:
         self.keys = keys
         self.hold = hold
+        self.request = request or hold
 
     def __repr__(self) -> str:
         return f"OffloaddLoadSpec({len(self.keys)} keys, hold={self.hold!r})"

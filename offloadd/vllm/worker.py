@@ -15,8 +15,14 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   its ``JobDone`` notice, read without waiting.
 - ``get_finished`` never blocks (a non-blocking poll); ``wait`` blocks until the jobs finish.
 - A store that the daemon could not complete is harmless (the chunk is just not cached), so it
-  is reported as done. A load that fails is not: vLLM has no way to recompute it, so the
-  worker raises ``LoadFailed`` instead of letting the engine run on wrong KV.
+  is reported as done. A load the daemon answers as failed (keys gone, refused) is reported
+  to vLLM as a load error (``offloadd.vllm.load_failures``), so the scheduler recomputes the
+  request (``kv_load_failure_policy="recompute"``) or fails it alone ("fail"), and counted
+  (``load_failures.count``); the engine runs on. The worker raises ``LoadFailed`` rather than
+  let the engine run on KV never loaded only where vLLM cannot be told (the connector's
+  methods not found, or a synchronous load with several KV cache groups), and for a load
+  still unanswered after ``offloadd_load_timeout`` (a daemon that resumed later would copy
+  into blocks given to another request by then).
 - A store the daemon does not answer is given up (done, nothing cached) once its deadline,
   ``offloadd_store_timeout`` after its submit, has passed: the Store carries that deadline
   and the daemon neither starts nor commits it past it, so the blocks go back to vLLM safe
@@ -75,6 +81,7 @@ from offloadd.errors import (
     RequestFailed,
 )
 from offloadd.logs import LogLimiter
+from offloadd.vllm.load_failures import LoadFailures
 from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
 from protocol.config import OffloadingConfig
@@ -108,6 +115,8 @@ class _Job:
     # A load: what to send again by key if the daemon loses it (keys, block ids, segments).
     redo: tuple[list[bytes], list[int], list[Segment]] | None = None
     sent: bool = True  # False: waiting for the daemon to answer, then sent by key
+    request: str = ""  # a load: vLLM's request id (a failure is reported for it)
+    expedited: bool = False  # a load vLLM waits for in this step (synchronous)
     # A store's Store.deadline (time.monotonic(); 0: none, the daemon's clock is not ours):
     # given up once past it, never before (the daemon commits nothing copied past it).
     deadline: float = 0.0
@@ -224,6 +233,8 @@ class OffloaddWorker(OffloadingWorker):
         self._load_timeout = load_timeout
         self._store_timeout = store_timeout
         self._warn_given_up = LogLimiter(logger)  # a frozen daemon gives up every store
+        self._warn_load_failed = LogLimiter(logger)  # a daemon that lost its arena fails many
+        self.load_failures = LoadFailures()  # reported to vLLM by step_hook's wrappers
         self._jobs: dict[int, _Job] = {}
         self._step: list[Store | Load] = []  # this step's jobs, sent together by _flush
         self._posted = False  # this step's jobs went out (get_finished then pings not)
@@ -298,12 +309,14 @@ class OffloaddWorker(OffloadingWorker):
     ) -> bool:
         """Send the load of the keys the scheduler holds; raises LoadFailed if it cannot."""
         assert isinstance(src_spec, OffloaddLoadSpec)
-        client = self._connected()
-        if client is None:
-            raise LoadFailed(f"offloadd: load job {job_id}: no daemon at {self._endpoint}")
         segments = segments_for(src_spec.keys, dst_spec, self._bpc, self._group_ids)
         job = _Job(load=True, started=time.perf_counter())
+        job.request, job.expedited = src_spec.request, expedited
         job.redo = (list(src_spec.keys), dst_spec.block_ids.tolist(), segments)
+        client = self._connected()
+        if client is None:
+            self._results.append(self._load_failed(job_id, job, f"no daemon at {self._endpoint}"))
+            return True
         self._jobs[job_id] = job
         if self._away():
             job.sent = False
@@ -532,7 +545,7 @@ class OffloaddWorker(OffloadingWorker):
             return
         self._away_until = 0.0
         self._collect(client)  # the lost session's jobs, recorded failed by the keepalive
-        for job_id, job in self._jobs.items():
+        for job_id, job in list(self._jobs.items()):
             if job.sent or job.redo is None:
                 continue
             keys, block_ids, segments = job.redo
@@ -546,7 +559,9 @@ class OffloaddWorker(OffloadingWorker):
                 if _stopping(exc):  # sent again to the daemon that comes after it
                     self._note_failure(exc)
                     return
-                raise LoadFailed(f"offloadd: load job {job_id} refused again: {exc}") from exc
+                del self._jobs[job_id]
+                self._results.append(self._load_failed(job_id, job, f"refused again: {exc}"))
+                continue
             job.sent = True
             self.loads_resent += 1
             logger.info(
@@ -589,6 +604,8 @@ class OffloaddWorker(OffloadingWorker):
                 elif now - job.started <= self._load_timeout:
                     continue
                 if job.load:
+                    # Not reported for recompute: a daemon that resumes later would still
+                    # copy into blocks vLLM has given to another request by then.
                     raise LoadFailed(
                         f"offloadd: load job {job_id} did not finish within "
                         f"{self._load_timeout:.0f}s (daemon at {self._endpoint} gone?)"
@@ -623,14 +640,35 @@ class OffloaddWorker(OffloadingWorker):
                 done.error,
             )
         if job.load and not done.ok:
-            raise LoadFailed(
-                f"offloadd: load job {job_id} failed ({done.error or 'keys missing'}, "
-                f"{len(done.failed_keys)} keys); refusing to run on KV that was not loaded"
-            )
+            why = f"{done.error or 'keys missing'}, {len(done.failed_keys)} keys"
+            return self._load_failed(job_id, job, why)
         if not done.ok:
             self.keys_not_stored += len(done.failed_keys)
             logger.debug("offloadd: store job %d stored part: %s", job_id, done.error)
         return TransferResult(job_id, True, done.nbytes, done.seconds)
+
+    def _load_failed(self, job_id: int, job: _Job, why: str) -> TransferResult:
+        """A load that cannot be served: reported to vLLM to recompute its request (a
+        finished transfer here, its failure through ``load_failures``); raises
+        ``LoadFailed`` where vLLM cannot be told."""
+        failures = self.load_failures
+        if not failures.can_report(job.expedited):
+            raise LoadFailed(
+                f"offloadd: load job {job_id} failed ({why}); vLLM cannot be told here, and "
+                "the engine must not run on KV that was not loaded"
+            )
+        assert job.redo is not None
+        failures.failed(job.request, job.redo[1], expedited=job.expedited)
+        self._warn_load_failed(
+            logging.WARNING,
+            "offloadd: load job %d of request %s failed (%s); vLLM recomputes it "
+            "(%d loads failed so far)",
+            job_id,
+            job.request,
+            why,
+            failures.count,
+        )
+        return TransferResult(job_id, True)
 
 
 def _retry(done: JobDone) -> bool:

@@ -615,6 +615,8 @@ class VllmHarness:
             tokens, which is the scheduler's (and `VllmHarness.block_size`'s) block.
         num_kv_heads: the model's KV heads (not MLA): 1, 2 or 4. With fewer heads than TP
             ranks vLLM replicates each head over ``tp // num_kv_heads`` ranks (`kv_rank`).
+        kv_load_failure_policy: vLLM's ``kv_transfer_config`` key: ``"fail"`` (its default: a
+            request whose load failed fails) or ``"recompute"``.
         prefix_cache_retention_interval: vLLM's (sliding-window groups): 0, its default,
             keeps (and offloads) a window only at the prompt's end; ``N`` also every ``N``
             tokens; None at every boundary.
@@ -644,6 +646,7 @@ class VllmHarness:
         prefix_cache_retention_interval: int | None = 0,
         num_kv_heads: int = NUM_KV_HEADS,
         decode_context_parallel_size: int = 1,
+        kv_load_failure_policy: str = "fail",
     ):
         self.workdir = Path(workdir)
         self.step_count = 0
@@ -680,6 +683,7 @@ class VllmHarness:
                 kv_cache_layout=kv_cache_layout,
                 max_num_seqs=max_num_seqs,
                 retention_interval=prefix_cache_retention_interval,
+                kv_load_failure_policy=kv_load_failure_policy,
             )
         except BaseException:
             self.close()
@@ -705,6 +709,7 @@ class VllmHarness:
         kv_cache_layout: str | None,
         max_num_seqs: int = 64,
         retention_interval: int | None,
+        kv_load_failure_policy: str = "fail",
     ) -> None:
         if not current_platform.is_cpu():
             raise RuntimeError(
@@ -749,6 +754,7 @@ class VllmHarness:
                 kv_role="kv_both",
                 kv_connector_extra_config=extra_config,
                 engine_id=engine_id,
+                kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
             ),
         )
         vllm_config = engine_args.create_engine_config()
