@@ -34,15 +34,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from offloadd.vllm.load_failures import LoadFailures
 
 logger = logging.getLogger(__name__)
 
-# vLLM 0.33: 4 up from here to the connector worker (install, get_worker, _init_worker), one
-# more to its connector.
-_MAX_FRAMES = 8
+# vLLM 0.33: 5 up from _up_the_stack to the connector worker (calling_connector_worker,
+# install, get_worker, _init_worker), 6 to its connector.
+_MAX_FRAMES = 10
 
 
 class StepSender(Protocol):
@@ -54,32 +55,38 @@ class StepSender(Protocol):
 
 def calling_connector_worker(spec: object) -> Any | None:
     """The ``OffloadingConnectorWorker`` up the call stack whose ``spec`` is ``spec``."""
-    return _callers(spec)[0]
-
-
-def _callers(spec: object) -> tuple[Any | None, Any | None]:
-    """The ``OffloadingConnectorWorker`` up the call stack whose ``spec`` is ``spec``, and
-    the connector further up whose ``connector_worker`` it is (None where not found)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
             OffloadingConnectorWorker,
         )
     except ImportError:
-        return None, None
-    found = None
+        return None
+    return _up_the_stack(
+        lambda candidate: (
+            isinstance(candidate, OffloadingConnectorWorker) and candidate.spec is spec
+        )
+    )
+
+
+def calling_connector(connector_worker: object) -> Any | None:
+    """The connector up the call stack whose ``connector_worker`` is ``connector_worker``."""
+    return _up_the_stack(
+        lambda candidate: getattr(candidate, "connector_worker", None) is connector_worker
+    )
+
+
+def _up_the_stack(wanted: Callable[[object], bool]) -> Any | None:
+    """The first ``self`` up the call stack that is ``wanted``."""
     frame = inspect.currentframe()
     try:
         for _ in range(_MAX_FRAMES):
             if frame is None:
-                break
+                return None
             candidate = frame.f_locals.get("self")
-            if found is None:
-                if isinstance(candidate, OffloadingConnectorWorker) and candidate.spec is spec:
-                    found = candidate
-            elif getattr(candidate, "connector_worker", None) is found:
-                return found, candidate
+            if wanted(candidate):
+                return candidate
             frame = frame.f_back
-        return found, None
+        return None
     finally:
         del frame  # a frame reference in a local keeps the stack alive
 
@@ -87,8 +94,9 @@ def _callers(spec: object) -> tuple[Any | None, Any | None]:
 def install(spec: object, worker: StepSender) -> bool:
     """Make ``worker`` send each step's jobs once vLLM submitted them all; False (and the
     worker sends at ``get_finished``) when the calling connector worker is not found."""
-    connector_worker, connector = _callers(spec)
-    if connector is not None and connector_worker is not None:
+    connector_worker = calling_connector_worker(spec)
+    connector = calling_connector(connector_worker) if connector_worker is not None else None
+    if connector_worker is not None and connector is not None:
         report_load_failures(connector, worker.load_failures, connector_worker.kv_cache_config)
     if connector_worker is None or not all(
         callable(getattr(connector_worker, name, None))
