@@ -129,17 +129,26 @@ class RankMemory:
         """Descriptors the client passes as they are (memfds have no path to open)."""
         return {path: fd for kv in self.files for path, fd in kv.files.items()}
 
-    def regions(self, page: int, num_blocks: int) -> list[KVRegion]:
-        return [
-            KVRegion(
-                handle=ShmHandle(path=kv.path, offset=0, size=num_blocks * page),
-                num_blocks=num_blocks,
-                page_size=page,
-                block_stride=page,
-                layer_names=kv.region.layer_names,
+    def regions(self, page: int) -> list[KVRegion]:
+        """One region per layer file, of ``page``-byte blocks, over the whole file: the daemon
+        refuses a file larger than the end of the regions that use it (``TOO_LARGE``). The
+        files are sized for the largest configuration of their rank count (``run``), so a
+        smaller one registers blocks it does not use (its block ids are the first ones)."""
+        regions = []
+        for kv in self.files:
+            nbytes = kv.tensor.numel()
+            if nbytes % page:
+                raise ValueError(f"{kv.path}: {nbytes} bytes is not a whole number of {page}")
+            regions.append(
+                KVRegion(
+                    handle=ShmHandle(path=kv.path, offset=0, size=nbytes),
+                    num_blocks=nbytes // page,
+                    page_size=page,
+                    block_stride=page,
+                    layer_names=kv.region.layer_names,
+                )
             )
-            for kv in self.files
-        ]
+        return regions
 
     def close(self) -> None:
         for kv in self.files:
@@ -217,7 +226,7 @@ class Ranks:
         try:
             for rank in range(layout.ranks):
                 config = engine_config(engine_id, rank, layout.ranks, layout.page)
-                regions = memory[rank].regions(layout.page, layout.num_blocks)
+                regions = memory[rank].regions(layout.page)
                 self.clients.append(
                     OffloadClient.connect(
                         endpoint,
@@ -309,38 +318,42 @@ def run(ctx: Context, kind: str = "shm") -> list[Result]:
         return []
     reps = 9 if ctx.quick else 21
     results: list[Result] = []
-    memory: list[RankMemory] = []
-    try:
-        max_ranks = max(ranks for _, ranks, _ in configs)
-        for rank in range(max_ranks):
-            size = max(per_rank(shard, n) for shard, n, _ in configs if n > rank)
-            ctx.progress(f"shm: filling {size >> 20} MiB of memory for rank {rank}")
-            memory.append(RankMemory(ctx, rank, size // LAYERS, memfd=kind == "memfd"))
-        for persist, ranks in sorted({(p, r) for _, r, p in configs}, reverse=True):
-            mine = [shard for shard, n, p in configs if (n, p) == (ranks, persist)]
-            capacity = ranks * max(per_rank(shard, ranks) for shard in mine) + 8 * MiB
-            baseline_arena = Arena(ctx.scratch.shm_path("baseline.arena"), capacity)
-            label = f"shm-{ranks}ranks" + ("" if persist else "-nopersist")
-            with (
-                contextlib.closing(baseline_arena),
-                daemon(ctx, capacity, label, persist=persist) as (endpoint, server),
-            ):
-                for shard in mine:
-                    results += _measure(
-                        ctx,
-                        endpoint,
-                        server,
-                        shard,
-                        ranks,
-                        reps,
-                        memory,
-                        baseline_arena,
-                        kind,
-                        persist,
-                    )
-    finally:
-        for rank_memory in memory:
-            rank_memory.close()
+    # Each rank count gets rank files of its own, sized for its configurations alone: a rank
+    # registers its files whole (``RankMemory.regions``), and the ranks of one engine must
+    # agree on their regions, so rank 0 cannot keep the larger files a single rank moves.
+    for ranks in sorted({n for _, n, _ in configs}, reverse=True):
+        mine_all = [(shard, persist) for shard, n, persist in configs if n == ranks]
+        size = max(per_rank(shard, ranks) for shard, _ in mine_all)
+        memory: list[RankMemory] = []
+        try:
+            for rank in range(ranks):
+                ctx.progress(f"shm: filling {size >> 20} MiB of memory for rank {rank}")
+                memory.append(RankMemory(ctx, rank, size // LAYERS, memfd=kind == "memfd"))
+            for persist in sorted({p for _, p in mine_all}, reverse=True):
+                mine = [shard for shard, p in mine_all if p == persist]
+                capacity = ranks * max(per_rank(shard, ranks) for shard in mine) + 8 * MiB
+                baseline_arena = Arena(ctx.scratch.shm_path("baseline.arena"), capacity)
+                label = f"shm-{ranks}ranks" + ("" if persist else "-nopersist")
+                with (
+                    contextlib.closing(baseline_arena),
+                    daemon(ctx, capacity, label, persist=persist) as (endpoint, server),
+                ):
+                    for shard in mine:
+                        results += _measure(
+                            ctx,
+                            endpoint,
+                            server,
+                            shard,
+                            ranks,
+                            reps,
+                            memory,
+                            baseline_arena,
+                            kind,
+                            persist,
+                        )
+        finally:
+            for rank_memory in memory:
+                rank_memory.close()
     return [r for r in results if ctx.wanted(r.name)]
 
 
