@@ -10,6 +10,7 @@ import contextlib
 import fnmatch
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -341,12 +342,22 @@ def one_group_config(
 def checkout_modules(*names: str) -> list[ModuleType]:
     """``tests.vllm.harness`` and then the test modules ``names``, imported from the checkout
     this package runs from (the benchmarks that drive vLLM's own scheduler and workers);
-    ``ImportError`` saying why when this is an installed wheel or vLLM is missing."""
-    checkout = Path(__file__).resolve().parents[2] / "tests" / "vllm" / "harness.py"
+    ``ImportError`` saying why when this is an installed wheel or vLLM is missing (the
+    caller skips). Any other failure to import them is ``RuntimeError``: a checkout with
+    vLLM whose harness does not import is broken, and must not read as a skip."""
+    root = Path(__file__).resolve().parents[2]
+    checkout = root / "tests" / "vllm" / "harness.py"
     if not checkout.is_file():
         raise ImportError(f"no {checkout}")
-    # The harness first: importing it selects vLLM's CPU platform.
-    return [importlib.import_module(name) for name in ("tests.vllm.harness", *names)]
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("vLLM is not installed")
+    if str(root) not in sys.path:  # run from elsewhere (an editable install's console script)
+        sys.path.insert(0, str(root))
+    try:
+        # The harness first: importing it selects vLLM's CPU platform.
+        return [importlib.import_module(name) for name in ("tests.vllm.harness", *names)]
+    except ImportError as exc:
+        raise RuntimeError(f"{checkout.parent} does not import: {exc!r}") from exc
 
 
 def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:
