@@ -577,8 +577,13 @@ def build_parser() -> _Parser:
     events.add_argument("--log-level", type=_log_level, help="DEBUG, INFO, WARNING (default), ...")
     events.set_defaults(handler=_events)
 
+    from offloadd.bench import groups_help
+
     bench = commands.add_parser(
-        "bench", help="benchmarks: daemon vs same-run baselines, printed as ratios"
+        "bench",
+        help="benchmarks: daemon vs same-run baselines, printed as ratios",
+        epilog=groups_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
     bench.add_argument(
@@ -589,7 +594,8 @@ def build_parser() -> _Parser:
         type=_bench_name,
         action="append",
         metavar="NAME",
-        help="run only this group or these results (a name pattern such as shm_*_1MiB)",
+        help="run only this group (listed below) or these results (a name pattern such as "
+        "shm_*_1MiB)",
     )
     bench.set_defaults(handler=_bench)
     return parser

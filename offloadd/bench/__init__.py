@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 from offloadd.bench._util import Context, Progress, Result, Scratch
 
-__all__ = ["GROUPS", "main", "name_problem"]
+__all__ = ["GROUPS", "groups_help", "main", "name_problem"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Group:
     name: str
     patterns: tuple[str, ...]  # the result names it produces
     run: Callable[[Context], list[Result]]
+    about: str  # one line for --help
 
 
 def _shm(ctx: Context) -> list[Result]:
@@ -188,10 +189,10 @@ def _tiers(ctx: Context) -> list[Result]:
 
 
 GROUPS = (
-    Group("shm", ("shm_store_*", "shm_load_*"), _shm),
-    Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd),
-    Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
-    Group("handshake", ("handshake_*",), _handshake),
+    Group("shm", ("shm_store_*", "shm_load_*"), _shm, "store/load GB/s, ranks in /dev/shm files"),
+    Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd, "the same, ranks in sealed memfds"),
+    Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup, "lookup round trips and rates"),
+    Group("handshake", ("handshake_*",), _handshake, "8 ranks from Hello to engine ready"),
     Group(
         "index",
         (
@@ -202,25 +203,45 @@ GROUPS = (
             "index_bytes_per_entry*",
         ),
         _index,
+        "the index's cost and memory as it grows",
     ),
-    Group("bounds", ("pinned_lookup_tenant_ns", "reserve_store_lease_ns"), _bounds),
-    Group("events", ("events_per_s",), _events),
-    Group("vllm", ("vllm_*",), _vllm),
-    Group("checksum", ("checksum_*",), _checksum),
-    Group("guarded", ("guarded_*",), _guarded),
-    Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
-    Group("disk", ("disk_*",), _disk),
-    Group("mooncake", ("mooncake_*",), _mooncake),
-    Group("tiers", ("tiers_*",), _tiers),
-    Group("sharing", ("mla_bytes_per_token_*",), _sharing),
-    Group("shared_cache", ("shared_cache_*",), _shared_cache),
+    Group(
+        "bounds",
+        ("pinned_lookup_tenant_ns", "reserve_store_lease_ns"),
+        _bounds,
+        "what the per-tenant bounds cost the index",
+    ),
+    Group("events", ("events_per_s",), _events, "KV events per second"),
+    Group("vllm", ("vllm_*",), _vllm, "the vLLM plugin (needs vLLM; vllm_step_*: a checkout)"),
+    Group("checksum", ("checksum_*",), _checksum, "the journal's shard checksum"),
+    Group("guarded", ("guarded_*",), _guarded, "copies through a rank file's descriptor"),
+    Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal, "cuda store job CPU cost, no GPU"),
+    Group("disk", ("disk_*",), _disk, "the disk tier's writes and reads"),
+    Group("mooncake", ("mooncake_*",), _mooncake, "the cluster tier (needs the mooncake extra)"),
+    Group("tiers", ("tiers_*",), _tiers, "hit rate with a disk tier vs the arena alone"),
+    Group("sharing", ("mla_bytes_per_token_*",), _sharing, "MLA arena bytes per token by TP"),
+    Group(
+        "shared_cache",
+        ("shared_cache_*",),
+        _shared_cache,
+        "two DP engines on one arena (needs vLLM and a checkout)",
+    ),
 )
+
+
+def groups_help() -> str:
+    """The groups, one a line: the epilog of ``--help`` here and in ``offloadd bench``."""
+    width = max(len(g.name) for g in GROUPS)
+    lines = [f"  {g.name.ljust(width)}  {g.about}" for g in GROUPS]
+    return "groups (for --only):\n" + "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m offloadd.bench",
         description="offloadd benchmarks: ratios against baselines measured side by side.",
+        epilog=groups_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
     parser.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
