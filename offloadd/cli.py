@@ -427,7 +427,7 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
 def _bench(args: argparse.Namespace) -> int:
     from offloadd.bench import main as bench_main
 
-    argv = ["--quick"] if args.quick else []
+    argv = ["--quick"] if args.quick else ["--smoke"] if args.smoke else []
     if args.json:
         argv += ["--json", args.json]
     if args.only:
@@ -585,7 +585,14 @@ def build_parser() -> _Parser:
         epilog=groups_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every group at a tiny size, to check that each runs (not to measure); exit "
+        "status 1 names the groups that failed",
+    )
     bench.add_argument(
         "--json", type=_output_file, metavar="FILE", help="also write the results as JSON"
     )

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from protocol.config import (
     OffloadingCacheConfig,
@@ -43,6 +43,8 @@ SHM_DIR = "/dev/shm"
 
 KiB = 1 << 10
 MiB = 1 << 20
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -143,13 +145,32 @@ class Scratch:
 
 @dataclass
 class Context:
-    """What every benchmark group gets."""
+    """What every benchmark group gets.
+
+    ``smoke`` (``--smoke``, which sets ``quick`` too): every group at a tiny size, to find
+    out whether it runs at all, not to measure; ``pick`` gives a group its sizes. What a
+    group leaves out and why (mooncake not installed, no checkout) goes through ``skip``, so
+    that ``--smoke`` can tell a group that said why it ran nothing from a broken one.
+    """
 
     quick: bool
     scratch: Scratch
     progress: Progress
     patterns: list[str]
     profile_dir: str | None = None
+    smoke: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+    def pick(self, full: _T, quick: _T, smoke: _T) -> _T:
+        """``full``, or ``quick`` in a ``--quick`` run, or ``smoke`` in a ``--smoke`` run."""
+        if self.smoke:
+            return smoke
+        return quick if self.quick else full
+
+    def skip(self, what: str, why: str) -> None:
+        """Say that ``what`` was not measured, and why (a progress line, and ``skipped``)."""
+        self.skipped.append(f"{what}: {why}")
+        self.progress(f"{what}: skipped ({why})")
 
     def wanted(self, name: str) -> bool:
         """Whether the result ``name`` was asked for (everything without --only)."""

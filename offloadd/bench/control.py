@@ -125,8 +125,9 @@ def run_lookup(ctx: Context) -> list[Result]:
 def _rtt(
     ctx: Context, client: OffloadClient, keys: list[bytes], servers: Servers, payload: bytes
 ) -> list[Result]:
-    samples = 4000 if ctx.quick else 20000
+    samples = ctx.pick(20000, 4000, 1000)
     block = 500
+    warm_up = ctx.pick(300, 300, 50)
     ctx.progress(f"lookup round trips: {samples} each, daemon and echo alternating")
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
@@ -158,8 +159,8 @@ def _rtt(
             cpu["echo"][1] += servers.echo_server.cpu_seconds() - server_cpu
 
         warm: list[float] = []
-        daemon_block(300, warm)
-        echo_block(300, warm)
+        daemon_block(warm_up, warm)
+        echo_block(warm_up, warm)
         cpu = {"daemon": [0.0, 0.0], "echo": [0.0, 0.0]}
         d: list[float] = []
         e: list[float] = []
@@ -217,9 +218,9 @@ async def _rate(
     payload: bytes,
     concurrency: int,
 ) -> Result:
-    rounds = 3 if ctx.quick else 5
-    seconds = 1.0 if ctx.quick else 2.0
-    ctx.progress(f"lookups/s with {concurrency} clients: {rounds} rounds of {seconds:.0f}s each")
+    rounds = ctx.pick(5, 3, 2)
+    seconds = ctx.pick(2.0, 1.0, 0.2)
+    ctx.progress(f"lookups/s with {concurrency} clients: {rounds} rounds of {seconds:g}s each")
     workers: list[AsyncOffloadClient] = []
     clients: list[AsyncOffloadClient] = []
     contexts: list[zmq.asyncio.Context] = []
@@ -347,8 +348,8 @@ def run_under_stores(ctx: Context) -> list[Result]:
     name = "lookup_rtt_under_stores"
     if not ctx.wanted(name):
         return []
-    blocks = 10 if ctx.quick else 40
-    block = 300 if ctx.quick else 500
+    blocks = ctx.pick(40, 10, 2)
+    block = ctx.pick(500, 300, 50)
     ctx.progress(f"lookups under stores: {blocks} blocks of {block}, busy and idle in turn")
     store_kv = SharedKVTensor.create(
         STORE_BLOCKS * STORE_DEPTH, STORE_PAGE, [LAYER], prefix=f"{ctx.scratch.shm_prefix}-st"
@@ -477,7 +478,7 @@ def run_handshake(ctx: Context) -> list[Result]:
 
 
 async def _handshake(ctx: Context, endpoint: str, echo: str, regions: list[KVRegion]) -> Result:
-    reps = 7 if ctx.quick else 21
+    reps = ctx.pick(21, 7, 2)
     ctx.progress(f"handshake of {HANDSHAKE_RANKS} ranks: {reps} reps, alternating with echo")
     hello = encode(
         Hello(

@@ -61,6 +61,9 @@ NOPERSIST_RANKS = 1  # the ..._nopersist rows: one rank
 LAYERS = 4
 BLOCKS_PER_CHUNK = 4
 BYTES_PER_REP = 256 * MiB  # moved per repetition over all ranks (at least 8 chunks per rank)
+# --smoke: one shard size, still every rank count and both journals, a few MiB each.
+SMOKE_SHARD_SIZES = (256 << 10,)
+SMOKE_BYTES_PER_REP = 4 * MiB
 MAX_CHUNKS_PER_JOB = 16
 MAX_JOB_BYTES = 16 * MiB
 SEED = 1234
@@ -296,16 +299,20 @@ def _verify(layout: Layout, memory: Sequence[RankMemory], ranks: Ranks) -> None:
                 )
 
 
-def per_rank(shard: int, ranks: int) -> int:
-    """Bytes each rank moves per repetition."""
-    return max(BYTES_PER_REP // ranks, 8 * shard)
+def per_rank(shard: int, ranks: int, rep_bytes: int = BYTES_PER_REP) -> int:
+    """Bytes each rank moves per repetition (``rep_bytes`` over all ranks)."""
+    return max(rep_bytes // ranks, 8 * shard)
+
+
+def _rep_bytes(ctx: Context) -> int:
+    return ctx.pick(BYTES_PER_REP, BYTES_PER_REP, SMOKE_BYTES_PER_REP)
 
 
 def _configs(ctx: Context, kind: str) -> Iterator[tuple[int, int, bool]]:
     # The ..._nopersist rows are measured for /dev/shm files only.
     for persist in (True, False) if kind == "shm" else (True,):
         for ranks in RANK_COUNTS if persist else (NOPERSIST_RANKS,):
-            for shard in SHARD_SIZES:
+            for shard in ctx.pick(SHARD_SIZES, SHARD_SIZES, SMOKE_SHARD_SIZES):
                 if any(ctx.wanted(name) for name in result_names(shard, ranks, kind, persist)):
                     yield shard, ranks, persist
 
@@ -316,14 +323,15 @@ def run(ctx: Context, kind: str = "shm") -> list[Result]:
     configs = list(_configs(ctx, kind))
     if not configs:
         return []
-    reps = 9 if ctx.quick else 21
+    reps = ctx.pick(21, 9, 2)
+    rep_bytes = _rep_bytes(ctx)
     results: list[Result] = []
     # Each rank count gets rank files of its own, sized for its configurations alone: a rank
     # registers its files whole (``RankMemory.regions``), and the ranks of one engine must
     # agree on their regions, so rank 0 cannot keep the larger files a single rank moves.
     for ranks in sorted({n for _, n, _ in configs}, reverse=True):
         mine_all = [(shard, persist) for shard, n, persist in configs if n == ranks]
-        size = max(per_rank(shard, ranks) for shard, _ in mine_all)
+        size = max(per_rank(shard, ranks, rep_bytes) for shard, _ in mine_all)
         memory: list[RankMemory] = []
         try:
             for rank in range(ranks):
@@ -331,7 +339,8 @@ def run(ctx: Context, kind: str = "shm") -> list[Result]:
                 memory.append(RankMemory(ctx, rank, size // LAYERS, memfd=kind == "memfd"))
             for persist in sorted({p for _, p in mine_all}, reverse=True):
                 mine = [shard for shard, p in mine_all if p == persist]
-                capacity = ranks * max(per_rank(shard, ranks) for shard in mine) + 8 * MiB
+                capacity = ranks * max(per_rank(shard, ranks, rep_bytes) for shard in mine)
+                capacity += 8 * MiB
                 baseline_arena = Arena(ctx.scratch.shm_path("baseline.arena"), capacity)
                 label = f"shm-{ranks}ranks" + ("" if persist else "-nopersist")
                 with (
@@ -408,7 +417,7 @@ def _measure(
     kind: str = "shm",
     persist: bool = True,
 ) -> list[Result]:
-    layout = Layout.build(shard, ranks, per_rank(shard, ranks))
+    layout = Layout.build(shard, ranks, per_rank(shard, ranks, _rep_bytes(ctx)))
     store_moves = layout.baseline_moves(memory, arena.address)
     load_moves = [(dst, src, n) for src, dst, n in store_moves]
     store_name, load_name = result_names(shard, ranks, kind, persist)

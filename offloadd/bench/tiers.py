@@ -63,10 +63,12 @@ VERIFY_EVERY = 8
 PENDING_WAIT = 30.0  # seconds a request waits for its pending keys
 PENDING_POLL = 0.001  # seconds between its lookups meanwhile
 QUICK_REQUESTS, FULL_REQUESTS = 300, 1200
+SMOKE_REQUESTS = 40  # --smoke: 400 chunks asked, still several times the arena
 
 # The cluster comparison.
 CLUSTER_PAGE = 64 << 10  # chunk: 1 MiB
 QUICK_CHUNKS, FULL_CHUNKS = 64, 128  # per rep
+SMOKE_CHUNKS = 8
 
 
 def _engine(endpoint: str, engine_id: str, page: int, memory: RankMemory) -> OffloadClient:
@@ -222,7 +224,7 @@ def run_hit_rate(ctx: Context) -> list[Result]:
     names = ("tiers_hit_rate_disk4x", "tiers_request_time_disk4x")
     if not any(ctx.wanted(name) for name in names):
         return []
-    requests = QUICK_REQUESTS if ctx.quick else FULL_REQUESTS
+    requests = ctx.pick(FULL_REQUESTS, QUICK_REQUESTS, SMOKE_REQUESTS)
     workload = _Workload(requests)
     root = "/var/tmp" if os.path.isdir("/var/tmp") else None
     disk_dir = tempfile.mkdtemp(prefix=f"{ctx.scratch.tag}-disk-", dir=root)
@@ -344,10 +346,10 @@ def run_cluster(ctx: Context) -> list[Result]:
 
     binary, missing = mooncake_installed()
     if binary is None:
-        ctx.progress(f"mooncake daemon: skipped ({missing})")
+        ctx.skip("mooncake daemon", missing)
         return []
-    count = QUICK_CHUNKS if ctx.quick else FULL_CHUNKS
-    reps = 3 if ctx.quick else 7
+    count = ctx.pick(FULL_CHUNKS, QUICK_CHUNKS, SMOKE_CHUNKS)
+    reps = ctx.pick(7, 3, 1)
     chunk = LAYERS * BLOCKS_PER_CHUNK * CLUSTER_PAGE
     total = count * chunk
     segment = max(2 * total, 64 << 20)  # mooncake refuses small segments
