@@ -309,6 +309,7 @@ async def _rate(
         "rounds": rounds,
         "round_seconds": seconds,
         "client": "AsyncOffloadClient, one loop (uvloop) in the benchmark process",
+        "engines": "one per client (role scheduler), each with one idle rank",
         "baseline": "asyncio DEALERs (one context each) -> uvloop ROUTER echo subprocess",
         "ratio": "median of per-round ratios, rounds back to back",
         "goal": "ratio >= 0.7" if concurrency == 1 else "ratio >= 0.85",
