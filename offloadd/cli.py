@@ -427,7 +427,7 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
 def _bench(args: argparse.Namespace) -> int:
     from offloadd.bench import main as bench_main
 
-    argv = ["--quick"] if args.quick else []
+    argv = ["--quick"] if args.quick else ["--smoke"] if args.smoke else []
     if args.json:
         argv += ["--json", args.json]
     if args.only:
@@ -577,10 +577,22 @@ def build_parser() -> _Parser:
     events.add_argument("--log-level", type=_log_level, help="DEBUG, INFO, WARNING (default), ...")
     events.set_defaults(handler=_events)
 
+    from offloadd.bench import groups_help
+
     bench = commands.add_parser(
-        "bench", help="benchmarks: daemon vs same-run baselines, printed as ratios"
+        "bench",
+        help="benchmarks: daemon vs same-run baselines, printed as ratios",
+        epilog=groups_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every group at a tiny size, to check that each runs (not to measure); exit "
+        "status 1 names the groups that failed",
+    )
     bench.add_argument(
         "--json", type=_output_file, metavar="FILE", help="also write the results as JSON"
     )
@@ -589,7 +601,8 @@ def build_parser() -> _Parser:
         type=_bench_name,
         action="append",
         metavar="NAME",
-        help="run only this group or these results (a name pattern such as shm_*_1MiB)",
+        help="run only this group (listed below) or these results (a name pattern such as "
+        "shm_*_1MiB)",
     )
     bench.set_defaults(handler=_bench)
     return parser

@@ -35,18 +35,22 @@ def master_binary() -> str | None:
     return shutil.which("mooncake_master")
 
 
+def mooncake_problem() -> str:
+    """What keeps the cluster tier from running here, or ``""``."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "mooncake is not installed (pip install 'offloadd[mooncake]')"
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError as exc:
+        return f"mooncake.store does not import ({exc}; apt-get install libibverbs1?)"
+    if master_binary() is None:
+        return "mooncake_master is not on the PATH"
+    return ""
+
+
 def require_mooncake() -> None:
     """Skip the calling test module without mooncake; under CI=true, fail instead."""
-    problem = ""
-    if importlib.util.find_spec("mooncake") is None:
-        problem = "mooncake is not installed (pip install 'offloadd[mooncake]')"
-    else:
-        try:
-            importlib.import_module("mooncake.store")
-        except ImportError as exc:
-            problem = f"mooncake.store does not import ({exc}; apt-get install libibverbs1?)"
-        if not problem and master_binary() is None:
-            problem = "mooncake_master is not on the PATH"
+    problem = mooncake_problem()
     if not problem:
         return
     if os.environ.get("CI") == "true":

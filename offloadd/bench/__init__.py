@@ -1,7 +1,14 @@
 """Side-by-side benchmarks of offloadd: every figure is a ratio against a baseline measured
-in the same run (``docs/design.md``, section 11). Not part of ``pytest``.
+in the same run (``docs/design.md``, section 11). Not part of ``pytest``, but for
+``--smoke`` (``tests/integration/test_bench_smoke.py``).
 
-``python -m offloadd.bench [--quick] [--json FILE] [--only NAME ...] [--profile DIR]``
+``python -m offloadd.bench [--quick | --smoke] [--json FILE] [--only NAME ...] [--profile DIR]``
+
+``--smoke`` runs every group at a tiny size (seconds each; ``Context.pick``) to show that
+each still runs, not to measure: its figures are not held to their goals. It ends with one
+line per group on stderr, ``smoke: <group>: ran N rows in Ts`` (or ``skipped in Ts: why``,
+or ``FAILED in Ts: why``), and exits 1 when a group raised, gave a row without a figure, or
+gave no rows without saying why (``Context.skip``: vLLM, mooncake or the checkout missing).
 
 Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1MiB``):
 
@@ -72,11 +79,11 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from offloadd.bench._util import Context, Progress, Result, Scratch
 
-__all__ = ["GROUPS", "main", "name_problem"]
+__all__ = ["GROUPS", "groups_help", "main", "name_problem"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class Group:
     name: str
     patterns: tuple[str, ...]  # the result names it produces
     run: Callable[[Context], list[Result]]
+    about: str  # one line for --help
 
 
 def _shm(ctx: Context) -> list[Result]:
@@ -188,10 +196,10 @@ def _tiers(ctx: Context) -> list[Result]:
 
 
 GROUPS = (
-    Group("shm", ("shm_store_*", "shm_load_*"), _shm),
-    Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd),
-    Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup),
-    Group("handshake", ("handshake_*",), _handshake),
+    Group("shm", ("shm_store_*", "shm_load_*"), _shm, "store/load GB/s, ranks in /dev/shm files"),
+    Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd, "the same, ranks in sealed memfds"),
+    Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup, "lookup round trips and rates"),
+    Group("handshake", ("handshake_*",), _handshake, "8 ranks from Hello to engine ready"),
     Group(
         "index",
         (
@@ -202,27 +210,54 @@ GROUPS = (
             "index_bytes_per_entry*",
         ),
         _index,
+        "the index's cost and memory as it grows",
     ),
-    Group("bounds", ("pinned_lookup_tenant_ns", "reserve_store_lease_ns"), _bounds),
-    Group("events", ("events_per_s",), _events),
-    Group("vllm", ("vllm_*",), _vllm),
-    Group("checksum", ("checksum_*",), _checksum),
-    Group("guarded", ("guarded_*",), _guarded),
-    Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal),
-    Group("disk", ("disk_*",), _disk),
-    Group("mooncake", ("mooncake_*",), _mooncake),
-    Group("tiers", ("tiers_*",), _tiers),
-    Group("sharing", ("mla_bytes_per_token_*",), _sharing),
-    Group("shared_cache", ("shared_cache_*",), _shared_cache),
+    Group(
+        "bounds",
+        ("pinned_lookup_tenant_ns", "reserve_store_lease_ns"),
+        _bounds,
+        "what the per-tenant bounds cost the index",
+    ),
+    Group("events", ("events_per_s",), _events, "KV events per second"),
+    Group("vllm", ("vllm_*",), _vllm, "the vLLM plugin (needs vLLM; vllm_step_*: a checkout)"),
+    Group("checksum", ("checksum_*",), _checksum, "the journal's shard checksum"),
+    Group("guarded", ("guarded_*",), _guarded, "copies through a rank file's descriptor"),
+    Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal, "cuda store job CPU cost, no GPU"),
+    Group("disk", ("disk_*",), _disk, "the disk tier's writes and reads"),
+    Group("mooncake", ("mooncake_*",), _mooncake, "the cluster tier (needs the mooncake extra)"),
+    Group("tiers", ("tiers_*",), _tiers, "hit rate with a disk tier vs the arena alone"),
+    Group("sharing", ("mla_bytes_per_token_*",), _sharing, "MLA arena bytes per token by TP"),
+    Group(
+        "shared_cache",
+        ("shared_cache_*",),
+        _shared_cache,
+        "two DP engines on one arena (needs vLLM and a checkout)",
+    ),
 )
+
+
+def groups_help() -> str:
+    """The groups, one a line: the epilog of ``--help`` here and in ``offloadd bench``."""
+    width = max(len(g.name) for g in GROUPS)
+    lines = [f"  {g.name.ljust(width)}  {g.about}" for g in GROUPS]
+    return "groups (for --only):\n" + "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m offloadd.bench",
         description="offloadd benchmarks: ratios against baselines measured side by side.",
+        epilog=groups_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every group at a tiny size, to check that each runs (not to measure): a "
+        "group that fails, or runs nothing without saying why, makes the exit status 1",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
     parser.add_argument(
         "--only",
@@ -328,6 +363,42 @@ def _judge(result: Result) -> None:
     result.params["goal_met"] = value >= bound if op == ">=" else value <= bound
 
 
+@dataclass
+class Outcome:
+    """How one group's run went: what ``--smoke`` reports, one line per group."""
+
+    group: str
+    seconds: float
+    rows: int = 0
+    skipped: list[str] = field(default_factory=list)
+    failure: str = ""  # why the group failed ("" if it did not)
+
+    def line(self) -> str:
+        """``smoke: <group>: ran|skipped|FAILED ...``: the line the smoke test reads."""
+        took = f"in {self.seconds:.1f}s"
+        skips = "; ".join(self.skipped)
+        if self.failure:
+            status = f"FAILED {took}: {self.failure}"
+        elif self.rows:
+            status = f"ran {self.rows} rows {took}" + (f" (skipped {skips})" if skips else "")
+        else:
+            status = f"skipped {took}: {skips}"
+        return f"smoke: {self.group}: {status}"
+
+
+def _smoke_problem(results: Sequence[Result], skipped: Sequence[str], only: bool) -> str:
+    """Why a group's smoke run counts as failed though it raised nothing, or ``""``: it gave
+    no rows and no reason, or a row without a figure (the sizes are tiny, the goals moot).
+    ``only``: ``--only`` chose the rows, perhaps none of those the smoke's sizes give."""
+    if not results and not skipped:
+        why = "no rows, and no reason given for none"
+        return why + (" (or --only names no row of the smoke's sizes)" if only else "")
+    for result in results:
+        if not (math.isfinite(result.value) and math.isfinite(result.baseline)):
+            return f"{result.name}: value {result.value}, baseline {result.baseline}"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected benchmarks; print the table; write JSON. Returns an exit status."""
     args = _parser().parse_args(argv)
@@ -339,23 +410,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.makedirs(args.profile, exist_ok=True)
     progress = Progress()
     scratch = Scratch()
-    ctx = Context(args.quick, scratch, progress, patterns, args.profile)
+    quick = args.quick or args.smoke
+    ctx = Context(quick, scratch, progress, patterns, args.profile, smoke=args.smoke)
     results: list[Result] = []
-    failed: list[str] = []
+    outcomes: list[Outcome] = []
     started = time.perf_counter()
     try:
         for group in groups:
             progress(f"{group.name}: start")
+            skips = len(ctx.skipped)
+            began = time.perf_counter()
+            outcome = Outcome(group.name, 0.0)
             try:
-                results += group.run(ctx)
+                rows = group.run(ctx)
             except Exception as exc:  # one broken group must not lose the others' figures
-                failed.append(group.name)
-                progress(f"{group.name}: FAILED: {exc!r}")
+                outcome.failure = repr(exc)
+                rows = []
+            outcome.seconds = time.perf_counter() - began
+            outcome.rows = len(rows)
+            outcome.skipped = ctx.skipped[skips:]
+            if args.smoke and not outcome.failure:
+                outcome.failure = _smoke_problem(rows, outcome.skipped, bool(patterns))
+            if outcome.failure:
+                progress(f"{group.name}: FAILED: {outcome.failure}")
+            results += rows
+            outcomes.append(outcome)
     finally:
         scratch.close()
-    for result in results:
-        _judge(result)
-    mode = "quick" if args.quick else "full"
+    if not args.smoke:  # a smoke's figures come from tiny runs: no goal is judged on them
+        for result in results:
+            _judge(result)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     progress(f"done in {time.perf_counter() - started:.0f}s ({mode})")
     if args.profile:
         from offloadd.bench._profile import summarize_dir
@@ -367,6 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump([r.as_json() for r in results], handle, indent=2)
             handle.write("\n")
     print(format_table(results))
+    if args.smoke:
+        for outcome in outcomes:
+            print(outcome.line(), file=sys.stderr)
+    failed = [o.group for o in outcomes if o.failure]
     if failed:
         print(f"failed groups: {', '.join(failed)}", file=sys.stderr)
         return 1

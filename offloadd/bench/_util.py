@@ -10,6 +10,7 @@ import contextlib
 import fnmatch
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from protocol.config import (
     OffloadingCacheConfig,
@@ -42,6 +43,8 @@ SHM_DIR = "/dev/shm"
 
 KiB = 1 << 10
 MiB = 1 << 20
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -142,13 +145,32 @@ class Scratch:
 
 @dataclass
 class Context:
-    """What every benchmark group gets."""
+    """What every benchmark group gets.
+
+    ``smoke`` (``--smoke``, which sets ``quick`` too): every group at a tiny size, to find
+    out whether it runs at all, not to measure; ``pick`` gives a group its sizes. What a
+    group leaves out and why (mooncake not installed, no checkout) goes through ``skip``, so
+    that ``--smoke`` can tell a group that said why it ran nothing from a broken one.
+    """
 
     quick: bool
     scratch: Scratch
     progress: Progress
     patterns: list[str]
     profile_dir: str | None = None
+    smoke: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+    def pick(self, full: _T, quick: _T, smoke: _T) -> _T:
+        """``full``, or ``quick`` in a ``--quick`` run, or ``smoke`` in a ``--smoke`` run."""
+        if self.smoke:
+            return smoke
+        return quick if self.quick else full
+
+    def skip(self, what: str, why: str) -> None:
+        """Say that ``what`` was not measured, and why (a progress line, and ``skipped``)."""
+        self.skipped.append(f"{what}: {why}")
+        self.progress(f"{what}: skipped ({why})")
 
     def wanted(self, name: str) -> bool:
         """Whether the result ``name`` was asked for (everything without --only)."""
@@ -341,12 +363,22 @@ def one_group_config(
 def checkout_modules(*names: str) -> list[ModuleType]:
     """``tests.vllm.harness`` and then the test modules ``names``, imported from the checkout
     this package runs from (the benchmarks that drive vLLM's own scheduler and workers);
-    ``ImportError`` saying why when this is an installed wheel or vLLM is missing."""
-    checkout = Path(__file__).resolve().parents[2] / "tests" / "vllm" / "harness.py"
+    ``ImportError`` saying why when this is an installed wheel or vLLM is missing (the
+    caller skips). Any other failure to import them is ``RuntimeError``: a checkout with
+    vLLM whose harness does not import is broken, and must not read as a skip."""
+    root = Path(__file__).resolve().parents[2]
+    checkout = root / "tests" / "vllm" / "harness.py"
     if not checkout.is_file():
         raise ImportError(f"no {checkout}")
-    # The harness first: importing it selects vLLM's CPU platform.
-    return [importlib.import_module(name) for name in ("tests.vllm.harness", *names)]
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("vLLM is not installed")
+    if str(root) not in sys.path:  # run from elsewhere (an editable install's console script)
+        sys.path.insert(0, str(root))
+    try:
+        # The harness first: importing it selects vLLM's CPU platform.
+        return [importlib.import_module(name) for name in ("tests.vllm.harness", *names)]
+    except ImportError as exc:
+        raise RuntimeError(f"{checkout.parent} does not import: {exc!r}") from exc
 
 
 def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:

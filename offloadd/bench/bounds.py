@@ -88,8 +88,8 @@ def _rounds(
 
 def run(ctx: Context) -> list[Result]:
     """``pinned_lookup_tenant_ns``, ``reserve_store_lease_ns``."""
-    rounds = 7 if ctx.quick else 15
-    per_round = 500 if ctx.quick else 2000
+    rounds = ctx.pick(15, 7, 2)
+    per_round = ctx.pick(2000, 500, 100)
     results: list[Result] = []
     if ctx.wanted("pinned_lookup_tenant_ns"):
         ctx.progress(f"bounds: pinned lookups, {rounds} rounds of {per_round}")

@@ -48,6 +48,7 @@ from protocol.messages import Hello, Lookup, encode
 
 LOOKUP_KEYS = 32  # a prompt of 32 chunks
 LOOKUP_HITS = 16  # of which the first 16 are cached
+RATE_CLIENTS = 8  # lookups_per_s_8
 PAGE = 4096
 NUM_BLOCKS = 64
 LAYER = "model.layers.0.attn"
@@ -106,16 +107,17 @@ def run_lookup(ctx: Context) -> list[Result]:
     keys = chunk_keys(LOOKUP_KEYS, b"lookup")
     payload = encode(Lookup(1_000_000, keys))
     results: list[Result] = []
-    with _servers(ctx, "lookup") as servers, _kv_files(ctx, 1) as files:
+    # One rank file for the engine that stores the keys, one for each client's engine.
+    with _servers(ctx, "lookup") as servers, _kv_files(ctx, 1 + RATE_CLIENTS) as files:
         endpoint, echo = servers.endpoint, servers.echo
-        config = small_config("bench-lookup")
+        regions = [kv.region for kv in files[1:]]
         with _cached_lookup(endpoint, files[0].region, "bench-lookup") as (scheduler, _):
             if any(ctx.wanted(n) for n in ("lookup_rtt_p50", "lookup_rtt_p99")):
                 results += _rtt(ctx, scheduler, keys, servers, payload)
-            for clients in (1, 8):
+            for clients in (1, RATE_CLIENTS):
                 if ctx.wanted(f"lookups_per_s_{clients}"):
                     results.append(
-                        uvloop.run(_rate(ctx, endpoint, config, keys, echo, payload, clients))
+                        uvloop.run(_rate(ctx, endpoint, regions, keys, echo, payload, clients))
                     )
     return [r for r in results if ctx.wanted(r.name)]
 
@@ -123,8 +125,9 @@ def run_lookup(ctx: Context) -> list[Result]:
 def _rtt(
     ctx: Context, client: OffloadClient, keys: list[bytes], servers: Servers, payload: bytes
 ) -> list[Result]:
-    samples = 4000 if ctx.quick else 20000
+    samples = ctx.pick(20000, 4000, 1000)
     block = 500
+    warm_up = ctx.pick(300, 300, 50)
     ctx.progress(f"lookup round trips: {samples} each, daemon and echo alternating")
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
@@ -156,8 +159,8 @@ def _rtt(
             cpu["echo"][1] += servers.echo_server.cpu_seconds() - server_cpu
 
         warm: list[float] = []
-        daemon_block(300, warm)
-        echo_block(300, warm)
+        daemon_block(warm_up, warm)
+        echo_block(warm_up, warm)
         cpu = {"daemon": [0.0, 0.0], "echo": [0.0, 0.0]}
         d: list[float] = []
         e: list[float] = []
@@ -209,25 +212,39 @@ def _rtt(
 async def _rate(
     ctx: Context,
     endpoint: str,
-    config: OffloadingConfig,
+    regions: list[KVRegion],
     keys: list[bytes],
     echo: str,
     payload: bytes,
     concurrency: int,
 ) -> Result:
-    rounds = 3 if ctx.quick else 5
-    seconds = 1.0 if ctx.quick else 2.0
-    ctx.progress(f"lookups/s with {concurrency} clients: {rounds} rounds of {seconds:.0f}s each")
+    rounds = ctx.pick(5, 3, 2)
+    seconds = ctx.pick(2.0, 1.0, 0.2)
+    ctx.progress(f"lookups/s with {concurrency} clients: {rounds} rounds of {seconds:g}s each")
+    workers: list[AsyncOffloadClient] = []
     clients: list[AsyncOffloadClient] = []
     contexts: list[zmq.asyncio.Context] = []
     sockets: list[zmq.asyncio.Socket] = []
     try:
         for index in range(concurrency):
-            clients.append(
-                await AsyncOffloadClient.connect(
-                    endpoint, config, role="scheduler", name=f"bench scheduler {index}"
-                )
+            # An engine per client, each with its one rank (a scheduler's lookups need a ready
+            # engine): the daemon takes a second scheduler Hello of one engine from the same
+            # process as a restart and ends the first session (NOT_REGISTERED at its next
+            # lookup), and vLLM has one scheduler per engine. Same model and geometry as
+            # ``_cached_lookup``'s engine, so one namespace: every client finds its hits.
+            config = small_config(f"bench-lookup-rate-{concurrency}-{index}")
+            worker = await AsyncOffloadClient.connect(
+                endpoint, config, [regions[index]], name=f"bench rank {index}"
             )
+            workers.append(worker)
+            await worker.wait_ready(30)
+            client = await AsyncOffloadClient.connect(
+                endpoint, config, role="scheduler", name=f"bench scheduler {index}"
+            )
+            clients.append(client)
+            hits = (await client.lookup(keys)).hits
+            if hits != LOOKUP_HITS:
+                raise RuntimeError(f"scheduler {index} found {hits} hits, expected {LOOKUP_HITS}")
             zctx = zmq.asyncio.Context()
             contexts.append(zctx)
             sock = zctx.socket(zmq.DEALER)
@@ -274,7 +291,7 @@ async def _rate(
                 e.append(await echo_round(seconds))
                 d.append(await daemon_round(seconds))
     finally:
-        for client in clients:
+        for client in clients + workers:
             with contextlib.suppress(Exception):
                 await client.close()
         for sock in sockets:
@@ -292,6 +309,7 @@ async def _rate(
         "rounds": rounds,
         "round_seconds": seconds,
         "client": "AsyncOffloadClient, one loop (uvloop) in the benchmark process",
+        "engines": "one per client (role scheduler), each with one idle rank",
         "baseline": "asyncio DEALERs (one context each) -> uvloop ROUTER echo subprocess",
         "ratio": "median of per-round ratios, rounds back to back",
         "goal": "ratio >= 0.7" if concurrency == 1 else "ratio >= 0.85",
@@ -331,8 +349,8 @@ def run_under_stores(ctx: Context) -> list[Result]:
     name = "lookup_rtt_under_stores"
     if not ctx.wanted(name):
         return []
-    blocks = 10 if ctx.quick else 40
-    block = 300 if ctx.quick else 500
+    blocks = ctx.pick(40, 10, 2)
+    block = ctx.pick(500, 300, 50)
     ctx.progress(f"lookups under stores: {blocks} blocks of {block}, busy and idle in turn")
     store_kv = SharedKVTensor.create(
         STORE_BLOCKS * STORE_DEPTH, STORE_PAGE, [LAYER], prefix=f"{ctx.scratch.shm_prefix}-st"
@@ -461,7 +479,7 @@ def run_handshake(ctx: Context) -> list[Result]:
 
 
 async def _handshake(ctx: Context, endpoint: str, echo: str, regions: list[KVRegion]) -> Result:
-    reps = 7 if ctx.quick else 21
+    reps = ctx.pick(21, 7, 2)
     ctx.progress(f"handshake of {HANDSHAKE_RANKS} ranks: {reps} reps, alternating with echo")
     hello = encode(
         Hello(

@@ -137,7 +137,7 @@ def run(ctx: Context) -> list[Result]:
     """The ``cuda_marshal`` group of ``offloadd bench``."""
     if not ctx.wanted("cuda_marshal_per_copy"):
         return []
-    figures = measure(128 * 1024, 5 if ctx.quick else 15)
+    figures = measure(ctx.pick(128, 128, 8) * 1024, ctx.pick(15, 5, 2))
     ctx.progress(
         f"cuda_marshal: {figures['new_us_per_copy']:.3f} us/copy "
         f"(old path {figures['old_us_per_copy']:.3f})"

@@ -61,6 +61,9 @@ NOPERSIST_RANKS = 1  # the ..._nopersist rows: one rank
 LAYERS = 4
 BLOCKS_PER_CHUNK = 4
 BYTES_PER_REP = 256 * MiB  # moved per repetition over all ranks (at least 8 chunks per rank)
+# --smoke: one shard size, still every rank count and both journals, a few MiB each.
+SMOKE_SHARD_SIZES = (256 << 10,)
+SMOKE_BYTES_PER_REP = 4 * MiB
 MAX_CHUNKS_PER_JOB = 16
 MAX_JOB_BYTES = 16 * MiB
 SEED = 1234
@@ -129,17 +132,26 @@ class RankMemory:
         """Descriptors the client passes as they are (memfds have no path to open)."""
         return {path: fd for kv in self.files for path, fd in kv.files.items()}
 
-    def regions(self, page: int, num_blocks: int) -> list[KVRegion]:
-        return [
-            KVRegion(
-                handle=ShmHandle(path=kv.path, offset=0, size=num_blocks * page),
-                num_blocks=num_blocks,
-                page_size=page,
-                block_stride=page,
-                layer_names=kv.region.layer_names,
+    def regions(self, page: int) -> list[KVRegion]:
+        """One region per layer file, of ``page``-byte blocks, over the whole file: the daemon
+        refuses a file larger than the end of the regions that use it (``TOO_LARGE``). The
+        files are sized for the largest configuration of their rank count (``run``), so a
+        smaller one registers blocks it does not use (its block ids are the first ones)."""
+        regions = []
+        for kv in self.files:
+            nbytes = kv.tensor.numel()
+            if nbytes % page:
+                raise ValueError(f"{kv.path}: {nbytes} bytes is not a whole number of {page}")
+            regions.append(
+                KVRegion(
+                    handle=ShmHandle(path=kv.path, offset=0, size=nbytes),
+                    num_blocks=nbytes // page,
+                    page_size=page,
+                    block_stride=page,
+                    layer_names=kv.region.layer_names,
+                )
             )
-            for kv in self.files
-        ]
+        return regions
 
     def close(self) -> None:
         for kv in self.files:
@@ -217,7 +229,7 @@ class Ranks:
         try:
             for rank in range(layout.ranks):
                 config = engine_config(engine_id, rank, layout.ranks, layout.page)
-                regions = memory[rank].regions(layout.page, layout.num_blocks)
+                regions = memory[rank].regions(layout.page)
                 self.clients.append(
                     OffloadClient.connect(
                         endpoint,
@@ -287,16 +299,20 @@ def _verify(layout: Layout, memory: Sequence[RankMemory], ranks: Ranks) -> None:
                 )
 
 
-def per_rank(shard: int, ranks: int) -> int:
-    """Bytes each rank moves per repetition."""
-    return max(BYTES_PER_REP // ranks, 8 * shard)
+def per_rank(shard: int, ranks: int, rep_bytes: int = BYTES_PER_REP) -> int:
+    """Bytes each rank moves per repetition (``rep_bytes`` over all ranks)."""
+    return max(rep_bytes // ranks, 8 * shard)
+
+
+def _rep_bytes(ctx: Context) -> int:
+    return ctx.pick(BYTES_PER_REP, BYTES_PER_REP, SMOKE_BYTES_PER_REP)
 
 
 def _configs(ctx: Context, kind: str) -> Iterator[tuple[int, int, bool]]:
     # The ..._nopersist rows are measured for /dev/shm files only.
     for persist in (True, False) if kind == "shm" else (True,):
         for ranks in RANK_COUNTS if persist else (NOPERSIST_RANKS,):
-            for shard in SHARD_SIZES:
+            for shard in ctx.pick(SHARD_SIZES, SHARD_SIZES, SMOKE_SHARD_SIZES):
                 if any(ctx.wanted(name) for name in result_names(shard, ranks, kind, persist)):
                     yield shard, ranks, persist
 
@@ -307,40 +323,46 @@ def run(ctx: Context, kind: str = "shm") -> list[Result]:
     configs = list(_configs(ctx, kind))
     if not configs:
         return []
-    reps = 9 if ctx.quick else 21
+    reps = ctx.pick(21, 9, 2)
+    rep_bytes = _rep_bytes(ctx)
     results: list[Result] = []
-    memory: list[RankMemory] = []
-    try:
-        max_ranks = max(ranks for _, ranks, _ in configs)
-        for rank in range(max_ranks):
-            size = max(per_rank(shard, n) for shard, n, _ in configs if n > rank)
-            ctx.progress(f"shm: filling {size >> 20} MiB of memory for rank {rank}")
-            memory.append(RankMemory(ctx, rank, size // LAYERS, memfd=kind == "memfd"))
-        for persist, ranks in sorted({(p, r) for _, r, p in configs}, reverse=True):
-            mine = [shard for shard, n, p in configs if (n, p) == (ranks, persist)]
-            capacity = ranks * max(per_rank(shard, ranks) for shard in mine) + 8 * MiB
-            baseline_arena = Arena(ctx.scratch.shm_path("baseline.arena"), capacity)
-            label = f"shm-{ranks}ranks" + ("" if persist else "-nopersist")
-            with (
-                contextlib.closing(baseline_arena),
-                daemon(ctx, capacity, label, persist=persist) as (endpoint, server),
-            ):
-                for shard in mine:
-                    results += _measure(
-                        ctx,
-                        endpoint,
-                        server,
-                        shard,
-                        ranks,
-                        reps,
-                        memory,
-                        baseline_arena,
-                        kind,
-                        persist,
-                    )
-    finally:
-        for rank_memory in memory:
-            rank_memory.close()
+    # Each rank count gets rank files of its own, sized for its configurations alone: a rank
+    # registers its files whole (``RankMemory.regions``), and the ranks of one engine must
+    # agree on their regions, so rank 0 cannot keep the larger files a single rank moves.
+    for ranks in sorted({n for _, n, _ in configs}, reverse=True):
+        mine_all = [(shard, persist) for shard, n, persist in configs if n == ranks]
+        size = max(per_rank(shard, ranks, rep_bytes) for shard, _ in mine_all)
+        memory: list[RankMemory] = []
+        try:
+            for rank in range(ranks):
+                ctx.progress(f"shm: filling {size >> 20} MiB of memory for rank {rank}")
+                memory.append(RankMemory(ctx, rank, size // LAYERS, memfd=kind == "memfd"))
+            for persist in sorted({p for _, p in mine_all}, reverse=True):
+                mine = [shard for shard, p in mine_all if p == persist]
+                capacity = ranks * max(per_rank(shard, ranks, rep_bytes) for shard in mine)
+                capacity += 8 * MiB
+                baseline_arena = Arena(ctx.scratch.shm_path("baseline.arena"), capacity)
+                label = f"shm-{ranks}ranks" + ("" if persist else "-nopersist")
+                with (
+                    contextlib.closing(baseline_arena),
+                    daemon(ctx, capacity, label, persist=persist) as (endpoint, server),
+                ):
+                    for shard in mine:
+                        results += _measure(
+                            ctx,
+                            endpoint,
+                            server,
+                            shard,
+                            ranks,
+                            reps,
+                            memory,
+                            baseline_arena,
+                            kind,
+                            persist,
+                        )
+        finally:
+            for rank_memory in memory:
+                rank_memory.close()
     return [r for r in results if ctx.wanted(r.name)]
 
 
@@ -395,7 +417,7 @@ def _measure(
     kind: str = "shm",
     persist: bool = True,
 ) -> list[Result]:
-    layout = Layout.build(shard, ranks, per_rank(shard, ranks))
+    layout = Layout.build(shard, ranks, per_rank(shard, ranks, _rep_bytes(ctx)))
     store_moves = layout.baseline_moves(memory, arena.address)
     load_moves = [(dst, src, n) for src, dst, n in store_moves]
     store_name, load_name = result_names(shard, ranks, kind, persist)

@@ -36,8 +36,8 @@ def run(ctx: Context) -> list[Result]:
     names = [f"disk_write_{label}", f"disk_read_{label}"]
     if not any(ctx.wanted(name) for name in names):
         return []
-    count = 64 if ctx.quick else 256
-    reps = 3 if ctx.quick else 7
+    count = ctx.pick(256, 64, 8)
+    reps = ctx.pick(7, 3, 2)
     total = count * CHUNK
     directory = os.path.join(ctx.scratch.workdir, "disk")
     arena = Arena(ctx.scratch.shm_path("disk-arena"), 2 * total)

@@ -119,8 +119,8 @@ def run(ctx: Context) -> list[Result]:
 
 
 async def _run(ctx: Context) -> Result:
-    rounds = 5 if ctx.quick else 9
-    batches = 20_000 if ctx.quick else 50_000  # below the HWMs and queue bound (100k)
+    rounds = ctx.pick(9, 5, 2)
+    batches = ctx.pick(50_000, 20_000, 2_000)  # below the HWMs and queue bound (100k)
     endpoint = ctx.scratch.endpoint("events")
     replay = ctx.scratch.endpoint("replay")
     raw_endpoint = ctx.scratch.endpoint("rawpub")

@@ -38,6 +38,9 @@ SHARD = 64 << 10
 BATCH = 32
 HOT_KEYS = 10_000  # lookup_hot_cost_*: keys drawn from this many, at every index size
 PROBED = (10_000, 1_000_000)  # dict_probe_*: sizes whose lookups are set against a dict
+# --smoke: no 1M index (about 10 s to build here, and as long again for its memory).
+SMOKE_SIZES = (10_000, 100_000)
+SMOKE_ENTRIES = 100_000
 NAMESPACE = "bench/model@0123456789abcdef"
 
 
@@ -106,11 +109,12 @@ def run(ctx: Context) -> list[Result]:
     if wanted_costs:
         results += _costs(ctx)
     if ctx.wanted("index_bytes_per_entry"):
-        ctx.progress("index memory: 1M committed entries in a fresh process (RSS delta)")
-        memory = _memory_in_subprocess(1_000_000, 1)
+        entries = ctx.pick(1_000_000, 1_000_000, SMOKE_ENTRIES)
+        ctx.progress(f"index memory: {entries:,} committed entries in a fresh process (RSS delta)")
+        memory = _memory_in_subprocess(entries, 1)
         value = memory["bytes_per_entry"]
         params = {
-            "entries": 1_000_000,
+            "entries": entries,
             "shards_per_entry": 1,
             "method": "RSS delta in a fresh process, key objects included",
             "baseline": f"raw key bytes ({KEY_BYTES})",
@@ -124,18 +128,20 @@ def run(ctx: Context) -> list[Result]:
 
 
 def _costs(ctx: Context) -> list[Result]:
-    rounds = 7 if ctx.quick else 15
-    lookups_per_round = 1000 if ctx.quick else 3000
-    stores_per_round = 100 if ctx.quick else 300
+    sizes = ctx.pick(SIZES, SIZES, SMOKE_SIZES)
+    probed = tuple(n for n in PROBED if n in sizes)
+    rounds = ctx.pick(15, 7, 2)
+    lookups_per_round = ctx.pick(3000, 1000, 100)
+    stores_per_round = ctx.pick(300, 100, 10)
     caches: dict[int, ChunkCache] = {}
     keys: dict[int, list[bytes]] = {}
     plain: dict[int, dict[bytes, int]] = {}
     fresh: dict[int, list[list[bytes]]] = {}
-    for n in SIZES:
+    for n in sizes:
         ctx.progress(f"index: building a cache of {n:,} committed keys")
         keys[n] = make_keys(n, n)
         caches[n] = build(keys[n], spare=stores_per_round * BATCH)
-        if n in PROBED:
+        if n in probed:
             plain[n] = {key: i for i, key in enumerate(keys[n])}
         rnd = random.Random(n + 1)
         fresh[n] = [
@@ -143,15 +149,15 @@ def _costs(ctx: Context) -> list[Result]:
         ]
     gc.collect()
     gc.freeze()  # the caches are long-lived: keep the collector from walking them
-    lookup_times: dict[int, list[float]] = {n: [] for n in SIZES}
-    probe_times: dict[int, list[float]] = {n: [] for n in PROBED}
-    hot_times: dict[int, list[float]] = {n: [] for n in SIZES}
-    hot = {n: random.Random(n + 2).sample(keys[n], HOT_KEYS) for n in SIZES}
-    store_times: dict[int, list[float]] = {n: [] for n in SIZES}
+    lookup_times: dict[int, list[float]] = {n: [] for n in sizes}
+    probe_times: dict[int, list[float]] = {n: [] for n in probed}
+    hot_times: dict[int, list[float]] = {n: [] for n in sizes}
+    hot = {n: random.Random(n + 2).sample(keys[n], HOT_KEYS) for n in sizes}
+    store_times: dict[int, list[float]] = {n: [] for n in sizes}
     ctx.progress(f"index: {rounds} rounds of lookups and stores, sizes taking turns")
     try:
         for round_index in range(rounds + 1):  # round 0 warms up
-            order = SIZES if round_index % 2 == 0 else tuple(reversed(SIZES))
+            order = sizes if round_index % 2 == 0 else tuple(reversed(sizes))
             for n in order:
                 rnd = random.Random(round_index * 31 + n)
                 # Copies, as keys decoded from a request are new objects (hashed afresh).
@@ -162,7 +168,7 @@ def _costs(ctx: Context) -> list[Result]:
                 seconds = _time_lookups(caches[n], batches)
                 if round_index:
                     lookup_times[n].append(seconds * 1e9 / (lookups_per_round * BATCH))
-                if n in PROBED:
+                if n in probed:
                     seconds = _time_probes(plain[n], batches)
                     if round_index:
                         probe_times[n].append(seconds * 1e9 / (lookups_per_round * BATCH))
@@ -180,7 +186,7 @@ def _costs(ctx: Context) -> list[Result]:
     finally:
         gc.unfreeze()
     results = []
-    base_n = SIZES[0]
+    base_n = sizes[0]
     for kind, times, unit_params in (
         (
             "lookup",
@@ -203,7 +209,7 @@ def _costs(ctx: Context) -> list[Result]:
         ),
     ):
         base = median(times[base_n])
-        for n in SIZES:
+        for n in sizes:
             value = median(times[n])
             paired = paired_ratio(times[n], times[base_n])
             params = {
@@ -219,7 +225,7 @@ def _costs(ctx: Context) -> list[Result]:
             name = f"{kind}_cost_{NAMES[n]}"
             results.append(Result(name, value, "ns/key", base, paired, params))
             ctx.progress(f"  {name}: {value:.0f} ns/key ({paired:.2f} of 10k)")
-    for n in PROBED:
+    for n in probed:
         value, base = median(lookup_times[n]), median(probe_times[n])
         paired = paired_ratio(lookup_times[n], probe_times[n])
         params = {

@@ -41,8 +41,8 @@ def _moves(
 
 def run(ctx: Context) -> list[Result]:
     """``guarded_store_<page>`` and ``guarded_load_<page>`` for each page size."""
-    total = TOTAL // 2 if ctx.quick else TOTAL
-    reps = 5 if ctx.quick else 11
+    total = ctx.pick(TOTAL, TOTAL // 2, 8 << 20)
+    reps = ctx.pick(11, 5, 2)
     wanted = [
         (direction, size, label)
         for size, label in PAGES.items()

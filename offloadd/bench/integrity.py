@@ -17,33 +17,35 @@ from offloadd.checksum import checksum
 
 SIZES = {64 << 10: "64KiB", 1 << 20: "1MiB", 8 << 20: "8MiB"}
 TOTAL = 256 << 20  # more than the CPU caches: every extent comes from memory
+SMOKE_TOTAL = 16 << 20  # --smoke: two 8 MiB extents
 
 
 def run(ctx: Context) -> list[Result]:
     """``checksum_<size>`` for each size."""
-    reps = 5 if ctx.quick else 15
-    source = (ctypes.c_char * TOTAL)()
-    target = (ctypes.c_char * TOTAL)()
-    ctypes.memset(source, 0x5A, TOTAL)  # touch every page of both before timing
-    ctypes.memset(target, 0, TOTAL)
+    reps = ctx.pick(15, 5, 2)
+    total = ctx.pick(TOTAL, TOTAL, SMOKE_TOTAL)
+    source = (ctypes.c_char * total)()
+    target = (ctypes.c_char * total)()
+    ctypes.memset(source, 0x5A, total)  # touch every page of both before timing
+    ctypes.memset(target, 0, total)
     src, dst = ctypes.addressof(source), ctypes.addressof(target)
     results = []
     for size, label in SIZES.items():
         name = f"checksum_{label}"
         if not ctx.wanted(name):
             continue
-        ctx.progress(f"checksum: {TOTAL >> 20} MiB in {label} extents, {reps} reps")
+        ctx.progress(f"checksum: {total >> 20} MiB in {label} extents, {reps} reps")
         sums: list[float] = []
         copies: list[float] = []
         for _ in range(reps):
             started = time.perf_counter()
-            for offset in range(0, TOTAL, size):
+            for offset in range(0, total, size):
                 checksum(src + offset, size)
-            sums.append(TOTAL / (time.perf_counter() - started) / 1e9)
+            sums.append(total / (time.perf_counter() - started) / 1e9)
             started = time.perf_counter()
-            for offset in range(0, TOTAL, size):
+            for offset in range(0, total, size):
                 ctypes.memmove(dst + offset, src + offset, size)
-            copies.append(TOTAL / (time.perf_counter() - started) / 1e9)
+            copies.append(total / (time.perf_counter() - started) / 1e9)
         value, baseline = sorted(sums)[reps // 2], sorted(copies)[reps // 2]
         results.append(
             Result(
@@ -52,7 +54,7 @@ def run(ctx: Context) -> list[Result]:
                 "GB/s",
                 baseline,
                 paired_ratio(sums, copies),
-                {"extent_bytes": size, "bytes": TOTAL, "reps": reps, "checksum": "xxh3_64"},
+                {"extent_bytes": size, "bytes": total, "reps": reps, "checksum": "xxh3_64"},
             )
         )
     return results

@@ -47,8 +47,8 @@ from offloadd.tiers.base import ChunkAddress
 GiB = 1 << 30
 SHARDS = 4
 BATCH_BYTES = 64 << 20  # one put / get call
+SMOKE_BATCH_BYTES = 8 << 20  # --smoke
 CHUNK_SIZES = (256 << 10, 4 << 20)
-ARENA = BATCH_BYTES + (1 << 20)
 
 
 def _free_port() -> int:
@@ -142,12 +142,13 @@ def run(ctx: Context) -> list[Result]:
 
     binary, missing = mooncake_installed()
     if binary is None:
-        ctx.progress(f"mooncake: skipped ({missing})")
+        ctx.skip("mooncake", missing)
         return []
     sizes = _wanted_sizes(ctx, "put", "get")
     if not sizes:
         return []
-    reps = 3 if ctx.quick else 9
+    reps = ctx.pick(9, 3, 1)
+    batch = ctx.pick(BATCH_BYTES, BATCH_BYTES, SMOKE_BATCH_BYTES)
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
         master, metadata = stack.enter_context(_master(binary))
@@ -162,14 +163,14 @@ def run(ctx: Context) -> list[Result]:
         )
         arenas, tiers = [], []
         for label in ("a", "b"):
-            arena = Arena(ctx.scratch.shm_path(f"mooncake-{label}"), ARENA)
+            arena = Arena(ctx.scratch.shm_path(f"mooncake-{label}"), batch + (1 << 20))
             stack.callback(arena.close)
             tier = MooncakeTier(settings, arena, tenant_of=lambda namespace: f"u{os.getuid()}")
             stack.callback(tier.close)
             arenas.append(arena)
             tiers.append(tier)
         for size in sizes:
-            results += _measure(ctx, arenas, tiers, size, reps)
+            results += _measure(ctx, arenas, tiers, size, reps, batch)
     return results
 
 
@@ -183,25 +184,28 @@ def run_aead(ctx: Context) -> list[Result]:
     try:
         keys = ClusterKeys(os.urandom(32))
     except MooncakeUnavailable as exc:
-        ctx.progress(f"mooncake aead: skipped ({exc})")
+        ctx.skip("mooncake aead", str(exc))
         return []
-    reps = 3 if ctx.quick else 9
+    reps = ctx.pick(9, 3, 1)
+    batch = ctx.pick(BATCH_BYTES, BATCH_BYTES, SMOKE_BATCH_BYTES)
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
-        arena = Arena(ctx.scratch.shm_path("mooncake-aead"), ARENA)
+        arena = Arena(ctx.scratch.shm_path("mooncake-aead"), batch + (1 << 20))
         stack.callback(arena.close)
-        for offset in range(0, BATCH_BYTES, 1 << 20):
+        for offset in range(0, batch, 1 << 20):
             arena.view(offset, 1 << 20)[:] = os.urandom(1 << 20)
         for size in sizes:
-            results += _measure_aead(ctx, arena, keys, size, reps)
+            results += _measure_aead(ctx, arena, keys, size, reps, batch)
     return results
 
 
-def _measure_aead(ctx: Context, arena: Arena, keys, size: int, reps: int) -> list[Result]:
+def _measure_aead(
+    ctx: Context, arena: Arena, keys, size: int, reps: int, batch: int = BATCH_BYTES
+) -> list[Result]:
     from offloadd.checksum import checksum
     from offloadd.tiers.mooncake import _Job, _open_sealed, _seal, sealed_size
 
-    count = BATCH_BYTES // size
+    count = batch // size
     shard = size // SHARDS
     label = size_name(size)
     space = keys.space("bench", f"bench-{uuid.uuid4().hex}")
@@ -242,7 +246,7 @@ def _measure_aead(ctx: Context, arena: Arena, keys, size: int, reps: int) -> lis
                         raise RuntimeError("mooncake aead bench: a sealed shard did not open")
                 else:
                     plain()
-                timings[side].append(BATCH_BYTES / (time.perf_counter() - started) / GiB)
+                timings[side].append(batch / (time.perf_counter() - started) / GiB)
     params = {
         "chunk_bytes": size,
         "shards": SHARDS,
@@ -254,11 +258,13 @@ def _measure_aead(ctx: Context, arena: Arena, keys, size: int, reps: int) -> lis
     return _rows(ctx, label, sides, params)
 
 
-def _measure(ctx: Context, arenas, tiers, size: int, reps: int) -> list[Result]:
+def _measure(
+    ctx: Context, arenas, tiers, size: int, reps: int, batch: int = BATCH_BYTES
+) -> list[Result]:
     arena_a, arena_b = arenas
     tier_a, tier_b = tiers
     raw_a, raw_b = tier_a._client, tier_b._client
-    count = BATCH_BYTES // size
+    count = batch // size
     shard = size // SHARDS
     label = size_name(size)
     ctx.progress(f"mooncake: {count} chunks of {label} ({SHARDS} shards) per call, {reps} reps")
@@ -289,7 +295,7 @@ def _measure(ctx: Context, arenas, tiers, size: int, reps: int) -> list[Result]:
             elapsed = time.perf_counter() - started
             if not ok:
                 raise RuntimeError(f"mooncake bench: a {'raw ' if side else ''}put failed")
-            (puts if side == 0 else raw_puts).append(BATCH_BYTES / elapsed / GiB)
+            (puts if side == 0 else raw_puts).append(batch / elapsed / GiB)
         for side in order:
             started = time.perf_counter()
             if side == 0:
@@ -300,7 +306,7 @@ def _measure(ctx: Context, arenas, tiers, size: int, reps: int) -> list[Result]:
             elapsed = time.perf_counter() - started
             if not ok:
                 raise RuntimeError(f"mooncake bench: a {'raw ' if side else ''}get failed")
-            (gets if side == 0 else raw_gets).append(BATCH_BYTES / elapsed / GiB)
+            (gets if side == 0 else raw_gets).append(batch / elapsed / GiB)
         if rep == 0 and bytes(arena_b.view(0, size)) != bytes(arena_a.view(0, size)):
             raise RuntimeError("mooncake bench: bytes differ after a get")
         tier_a.remove(namespace, keys)

@@ -99,12 +99,12 @@ def run(ctx: Context) -> list[Result]:
     try:
         (harness,) = checkout_modules()
     except ImportError as exc:
-        ctx.progress(f"shared_cache: skipped ({exc}); run from a checkout with vLLM installed")
+        ctx.skip("shared_cache", f"{exc}; run from a checkout with vLLM installed")
         return []
     from offloadd.bench.datapath import daemon
     from offloadd.client import OffloadClient
 
-    prompts = workload(requests=REQUESTS // 2 if ctx.quick else REQUESTS)
+    prompts = workload(requests=ctx.pick(REQUESTS, REQUESTS // 2, REQUESTS // 8))
     ctx.progress(f"shared_cache: {len(prompts)} requests, 2 engines, {ARENA_CHUNKS}-chunk arena")
     with daemon(ctx, ARENA_CHUNKS * CHUNK_BYTES, "shared-cache", persist=False) as (endpoint, _):
         monitor = OffloadClient(endpoint, timeout=30.0, heartbeat=0)

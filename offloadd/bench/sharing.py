@@ -31,6 +31,8 @@ LATENT_BYTES = (512 + 64) * 2  # kv_lora_rank + qk_rope_head_dim, bf16 (DeepSeek
 PAGE = TOKENS_PER_BLOCK * LATENT_BYTES
 BLOCKS_PER_CHUNK = 4
 CHUNKS = 64
+SMOKE_TP_SIZES = (1, 2)  # --smoke: a daemon and its ranks per TP size, 8 chunks each
+SMOKE_CHUNKS = 8
 SEED = 4321
 
 
@@ -38,19 +40,19 @@ def result_name(tp: int) -> str:
     return f"mla_bytes_per_token_tp{tp}"
 
 
-def _measure(ctx: Context, tp: int) -> Result:
+def _measure(ctx: Context, tp: int, chunks: int = CHUNKS) -> Result:
     from offloadd.bench.datapath import daemon
 
-    num_blocks = CHUNKS * BLOCKS_PER_CHUNK
+    num_blocks = chunks * BLOCKS_PER_CHUNK
     chunk_bytes = PAGE * BLOCKS_PER_CHUNK * LAYERS
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     generator = torch.Generator().manual_seed(SEED)
     latent = torch.randint(0, 256, (LAYERS, num_blocks, PAGE), generator=generator).to(torch.uint8)
-    keys = chain_keys(CHUNKS, f"mla-tp{tp}".encode())
+    keys = chain_keys(chunks, f"mla-tp{tp}".encode())
     blocks = list(range(num_blocks))
     with contextlib.ExitStack() as stack:
         endpoint, _server = stack.enter_context(
-            daemon(ctx, tp * CHUNKS * chunk_bytes + (8 << 20), f"mla-tp{tp}", persist=False)
+            daemon(ctx, tp * chunks * chunk_bytes + (8 << 20), f"mla-tp{tp}", persist=False)
         )
         memory: list[list[SharedKVTensor]] = []
         clients: list[OffloadClient] = []
@@ -92,8 +94,8 @@ def _measure(ctx: Context, tp: int) -> Result:
         for client in clients:
             client.wait([1], timeout=120)
         stats = clients[0].stats()
-        if stats.committed_entries != CHUNKS:
-            raise RuntimeError(f"mla tp={tp}: {stats.committed_entries} of {CHUNKS} committed")
+        if stats.committed_entries != chunks:
+            raise RuntimeError(f"mla tp={tp}: {stats.committed_entries} of {chunks} committed")
         for rank, tensors in enumerate(memory):
             for kv in tensors:
                 kv.tensor.zero_()
@@ -102,7 +104,7 @@ def _measure(ctx: Context, tp: int) -> Result:
             for layer, kv in enumerate(tensors):
                 if not torch.equal(kv.tensor, latent[layer]):
                     raise RuntimeError(f"mla tp={tp}: rank {rank} layer {layer} differs")
-        tokens = CHUNKS * BLOCKS_PER_CHUNK * TOKENS_PER_BLOCK
+        tokens = chunks * BLOCKS_PER_CHUNK * TOKENS_PER_BLOCK
         value = stats.used_bytes / tokens
         baseline = float(LATENT_BYTES * LAYERS)
         return Result(
@@ -115,7 +117,7 @@ def _measure(ctx: Context, tp: int) -> Result:
                 "tp": tp,
                 "layers": LAYERS,
                 "latent_bytes": LATENT_BYTES,
-                "chunks": CHUNKS,
+                "chunks": chunks,
                 "goal": "ratio <= 1.01",  # one copy at every TP size: flat
             },
         )
@@ -123,8 +125,9 @@ def _measure(ctx: Context, tp: int) -> Result:
 
 def run(ctx: Context) -> list[Result]:
     results = []
-    for tp in TP_SIZES:
+    chunks = ctx.pick(CHUNKS, CHUNKS, SMOKE_CHUNKS)
+    for tp in ctx.pick(TP_SIZES, TP_SIZES, SMOKE_TP_SIZES):
         if ctx.wanted(result_name(tp)):
-            ctx.progress(f"mla: {tp} ranks storing {CHUNKS} chunks")
-            results.append(_measure(ctx, tp))
+            ctx.progress(f"mla: {tp} ranks storing {chunks} chunks")
+            results.append(_measure(ctx, tp, chunks))
     return results

@@ -63,20 +63,20 @@ VERIFY_EVERY = 8
 PENDING_WAIT = 30.0  # seconds a request waits for its pending keys
 PENDING_POLL = 0.001  # seconds between its lookups meanwhile
 QUICK_REQUESTS, FULL_REQUESTS = 300, 1200
+SMOKE_REQUESTS = 40  # --smoke: 400 chunks asked, still several times the arena
 
 # The cluster comparison.
 CLUSTER_PAGE = 64 << 10  # chunk: 1 MiB
 QUICK_CHUNKS, FULL_CHUNKS = 64, 128  # per rep
+SMOKE_CHUNKS = 8
 
 
-def _engine(
-    endpoint: str, engine_id: str, page: int, memory: RankMemory, slots: int
-) -> OffloadClient:
+def _engine(endpoint: str, engine_id: str, page: int, memory: RankMemory) -> OffloadClient:
     config = _engine_config(engine_id, 0, 1, page)
     client = OffloadClient.connect(
         endpoint,
         config,
-        memory.regions(page, slots * BLOCKS_PER_CHUNK),
+        memory.regions(page),
         name=f"bench {engine_id}",
         files=memory.files_by_path(),
     )
@@ -180,7 +180,7 @@ class _HitSide:
         self.slots = 2 * DOC_CHUNKS + SUFFIX_CHUNKS  # sources, then load targets
         self.memory = RankMemory(ctx, 0, self.slots * BLOCKS_PER_CHUNK * HIT_PAGE)
         stack.callback(self.memory.close)
-        self.client = _engine(endpoint, f"bench-tiers-{label}", HIT_PAGE, self.memory, self.slots)
+        self.client = _engine(endpoint, f"bench-tiers-{label}", HIT_PAGE, self.memory)
         stack.callback(self.client.close)
         self.jobs = itertools.count(1)
         self.hits = self.asked = self.lookups = self.verified = self.failed = 0
@@ -224,7 +224,7 @@ def run_hit_rate(ctx: Context) -> list[Result]:
     names = ("tiers_hit_rate_disk4x", "tiers_request_time_disk4x")
     if not any(ctx.wanted(name) for name in names):
         return []
-    requests = QUICK_REQUESTS if ctx.quick else FULL_REQUESTS
+    requests = ctx.pick(FULL_REQUESTS, QUICK_REQUESTS, SMOKE_REQUESTS)
     workload = _Workload(requests)
     root = "/var/tmp" if os.path.isdir("/var/tmp") else None
     disk_dir = tempfile.mkdtemp(prefix=f"{ctx.scratch.tag}-disk-", dir=root)
@@ -291,14 +291,12 @@ def _salted(client_id: str, page: int, salt: str) -> OffloadingConfig:
     return msgspec.structs.replace(config, extra_config={NAMESPACE_SALT_KEY: salt})
 
 
-def _cluster_engine(
-    endpoint: str, label: str, memory: RankMemory, slots: int, salt: str
-) -> OffloadClient:
+def _cluster_engine(endpoint: str, label: str, memory: RankMemory, salt: str) -> OffloadClient:
     """An engine in a namespace of its own (``salt``): each rep starts from an empty cluster."""
     client = OffloadClient.connect(
         endpoint,
         _salted(f"bench-cluster-{label}", CLUSTER_PAGE, salt),
-        memory.regions(CLUSTER_PAGE, slots * BLOCKS_PER_CHUNK),
+        memory.regions(CLUSTER_PAGE),
         name=f"bench cluster {label}",
         files=memory.files_by_path(),
     )
@@ -348,10 +346,10 @@ def run_cluster(ctx: Context) -> list[Result]:
 
     binary, missing = mooncake_installed()
     if binary is None:
-        ctx.progress(f"mooncake daemon: skipped ({missing})")
+        ctx.skip("mooncake daemon", missing)
         return []
-    count = QUICK_CHUNKS if ctx.quick else FULL_CHUNKS
-    reps = 3 if ctx.quick else 7
+    count = ctx.pick(FULL_CHUNKS, QUICK_CHUNKS, SMOKE_CHUNKS)
+    reps = ctx.pick(7, 3, 1)
     chunk = LAYERS * BLOCKS_PER_CHUNK * CLUSTER_PAGE
     total = count * chunk
     segment = max(2 * total, 64 << 20)  # mooncake refuses small segments
@@ -416,9 +414,9 @@ def run_cluster(ctx: Context) -> list[Result]:
             raw_names = [f"bench-raw/{salt}/{i}" for i in range(count)]
             addresses = [[arena.address + i * chunk for i in range(count)] for arena in raw_arenas]
             with contextlib.ExitStack() as engines:
-                on_a = _cluster_engine(endpoints[0], "a", memory_a, count, salt)
+                on_a = _cluster_engine(endpoints[0], "a", memory_a, salt)
                 engines.callback(on_a.close)
-                on_b = _cluster_engine(endpoints[1], "b", memory_b, count, salt)
+                on_b = _cluster_engine(endpoints[1], "b", memory_b, salt)
                 engines.callback(on_b.close)
                 jobs = itertools.count(1)
                 order = ("daemon", "raw") if rep % 2 == 0 else ("raw", "daemon")

@@ -35,12 +35,12 @@ def run(ctx: Context) -> list[Result]:
     try:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     except ImportError as exc:
-        ctx.progress(f"vllm: skipped ({exc}); install vLLM 0.33 to measure the plugin")
+        ctx.skip("vllm", f"{exc}; install vLLM 0.33 to measure the plugin")
         return []
     from offloadd.vllm.manager import OffloaddManager
 
-    requests = 200 if ctx.quick else 1000
-    lookups = 50_000 if ctx.quick else 200_000
+    requests = ctx.pick(1000, 200, 20)
+    lookups = ctx.pick(200_000, 50_000, 2_000)
     results: list[Result] = []
     label = "vllm"
     with daemon(ctx, 512 << 20, label) as (endpoint, _process):

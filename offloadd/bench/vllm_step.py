@@ -43,6 +43,7 @@ from offloadd.bench.datapath import daemon
 
 BLOCK = 16
 SIZES = (64, 256)
+SMOKE_SIZES = (16,)  # --smoke
 # The ranks' KV memory: memfds, what a CPU host should give offloadd (the daemon copies
 # through a mapping; a /dev/shm file costs a pwrite per run of blocks, see
 # offloadd.vllm.regions). The native spec reads the same memory.
@@ -51,18 +52,18 @@ KV_MEMORY = "memfd"
 
 def run(ctx: Context) -> list[Result]:
     """``vllm_step_64`` and ``vllm_step_256`` (offloadd vs the native in-process spec)."""
-    wanted = [n for n in SIZES if ctx.wanted(f"vllm_step_{n}")]
+    wanted = [n for n in ctx.pick(SIZES, SIZES, SMOKE_SIZES) if ctx.wanted(f"vllm_step_{n}")]
     if not wanted:
         return []
     try:
         harness, simple_spec = checkout_modules("tests.vllm.simple_spec")
     except ImportError as exc:
-        ctx.progress(f"vllm_step: skipped ({exc}); run from a checkout with vLLM 0.33 installed")
+        ctx.skip("vllm_step", f"{exc}; run from a checkout with vLLM 0.33 installed")
         return []
     # A run is as steady as its count of rounds: this machine's slow spells last about a
     # round (0.25 s at N=64, 1 s at N=256), one round's median step swinging 0.9-1.8 ms at
     # N=64 on either side.
-    rounds = 4 if ctx.quick else 12
+    rounds = ctx.pick(12, 4, 1)
     results = []
     with daemon(ctx, 256 << 20, "vllm-step") as (endpoint, _process):
         for n in wanted:

@@ -317,6 +317,17 @@ def test_bench_passes_every_only_and_the_results_file(
     assert args == (["--quick", "--json", results, "--only", "shm", "lookup_rtt_*"],)
 
 
+def test_bench_passes_smoke_and_refuses_it_with_quick(
+    isolated: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _out, err = run_cli(["bench", "--smoke", "--only", "vllm"], capsys)
+    assert status == 0, err
+    args, _kwargs = recorder.last("bench")
+    assert args == (["--smoke", "--only", "vllm"],)
+    status, _out, err = run_cli(["bench", "--smoke", "--quick"], capsys)
+    assert_refused(status, err, "--smoke", "--quick")
+
+
 def test_check_config_takes_serves_flags_and_names_them_as_sources(
     isolated: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
 ) -> None:
