@@ -18,13 +18,16 @@ from offloadd.client import OffloadClient
 from tests.integration.harness import ServeProcess
 
 
-def _offloadd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _offloadd(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "offloadd", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
 
 
@@ -44,8 +47,14 @@ def served() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 def test_demo_starts_its_own_daemon_and_verifies_every_byte() -> None:
-    result = _offloadd("demo", "--json", "--chunks", "32")
+    tmp = tempfile.mkdtemp(prefix="od-", dir="/tmp")  # where the demo makes its directory
+    try:
+        result = _offloadd("demo", "--json", "--chunks", "32", env={**os.environ, "TMPDIR": tmp})
+        left = os.listdir(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert result.returncode == 0, result.stderr
+    assert left == [], "the demo left its directory (or the daemon's sockets in it)"
     summary = json.loads(result.stdout)
     assert summary["mismatches"] == 0
     assert summary["chunks_stored"] == 32
