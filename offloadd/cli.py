@@ -56,7 +56,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
         "journal",
         "commit journal ('' = <state dir>/<arena name>.journal; its key beside it)",
     ),
-    "--capacity": ("cache", "capacity", "arena size, e.g. 8GiB (default 1GiB)"),
+    "--capacity": ("cache", "capacity", "arena size, e.g. 8GiB or 8GB (default 1GiB)"),
     "--policy": ("cache", "policy", "eviction policy: lru (default) or arc"),
     "--log-level": ("log", "level", "DEBUG, INFO (default), WARNING, ..."),
     "--events-endpoint": (
@@ -453,7 +453,8 @@ environment variables < flags. systemd/offloadd.toml lists every setting at its 
 SETTINGS_EPILOG = """\
 Settings without a flag ({count}) are set in the --config file or as OFFLOADD_<SECTION>__<KEY>
 environment variables, e.g. OFFLOADD_SERVER__COPY_ENGINE=cuda: {names}.
-Sizes take units (8GiB); "" means the setting's default or "off", as each says.
+Sizes take units: 8GiB (binary), 8GB (decimal: 8e9 bytes); a bare 8G is refused. "" means
+the setting's default or "off", as each says.
 """
 
 
