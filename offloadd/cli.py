@@ -16,6 +16,7 @@ import difflib
 import logging
 import math
 import os
+import select
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 # Exit status for values that cannot be used (a usage error, as argparse uses).
 BAD_SETTINGS = 2
+# Exit status when the reader of stdout went away (``| head -1``): 128 + SIGPIPE, what a
+# shell reports for ``yes | head -1``'s ``yes``. Not 0: the output was cut short, and a
+# script under ``set -o pipefail`` should see it as it sees any other tool's.
+BROKEN_PIPE = 128 + signal.SIGPIPE
 
 # The flags that set a setting, shared by serve and check-config: flag -> (section, key, help).
 SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
@@ -417,10 +422,8 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
             task.cancel()
         await asyncio.gather(printer, stopper, return_exceptions=True)
     exc = None if printer.cancelled() else printer.exception()
-    if isinstance(exc, BrokenPipeError):  # the reader went away (| head): not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    elif exc is not None:
-        raise exc
+    if exc is not None:
+        raise exc  # a BrokenPipeError too: main ends the command quietly
     return 0
 
 
@@ -597,7 +600,24 @@ def build_parser() -> _Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``offloadd`` console script."""
+    """Entry point of the ``offloadd`` console script.
+
+    A command whose stdout's reader went away (``offloadd check-config | head -1``) ends
+    quietly with ``BROKEN_PIPE``, whichever command it is, ``--help`` included.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a socket's EPIPE: an error of the command, not of its reader
+        _quiet_stdout()
+        return BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -612,3 +632,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = handler(args)
     assert isinstance(status, int)
     return status
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader went away (the kernel reports an
+    error or a hang-up on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        events = poller.poll(0)
+    except (OSError, ValueError):
+        return False
+    return any(mask & (select.POLLERR | select.POLLHUP) for _fd, mask in events)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: what is left in its buffer goes nowhere at exit, instead of
+    the interpreter printing a BrokenPipeError it cannot flush."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
