@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ __all__ = [
     "chunk_block_ids",
     "make_config",
     "make_rank",
+    "scrape_unix",
     "shm_leftovers",
     "with_token",
 ]
@@ -218,6 +220,18 @@ def make_rank(
             rank.close()  # a refused Hello must not leave its tensors in /dev/shm
             raise
     return rank
+
+
+def scrape_unix(path: str, target: str = "/metrics") -> str:
+    """The HTTP answer to a GET of ``target`` on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.sendall(f"GET {target} HTTP/1.0\r\n\r\n".encode())
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def shm_leftovers() -> list[str]:

@@ -1,9 +1,10 @@
-"""``offloadd serve`` as an operator runs it: what it leaves behind at exit, and what SIGHUP
-does to it."""
+"""``offloadd serve`` as an operator runs it: what it leaves behind at exit, what a fresh
+daemon's metrics already hold, and what SIGHUP does to it."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -11,8 +12,12 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import ServeProcess
+from protocol.errors import ErrorCode
+from protocol.messages import REFUSAL_REASONS
+from tests.deploy_series import rule_expressions
+from tests.integration.harness import ServeProcess, scrape_unix
 
 
 @pytest.fixture
@@ -48,3 +53,38 @@ def test_sigterm_leaves_only_the_arena_the_journal_and_its_key(workdir: str) -> 
         assert os.path.exists(serve.arena)
     finally:
         serve.cleanup()  # and the arena
+
+
+# A selector with one label matcher in an alert rule: name, label, values ("A|B" alternatives).
+_SELECTOR = re.compile(r'(offloadd_\w+)\{(\w+)=~?"([^"]*)"\}')
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_daemon_exports_every_known_label_value_at_0(workdir: str) -> None:
+    # increase() and rate() need a sample before the first event: a series born at 1 when
+    # the first INTERNAL error happens makes increase() over it 0, and the alert never fires.
+    serve = ServeProcess(workdir, _arena(), persist=False, beside=True)
+    try:
+        serve.start()
+        reply = scrape_unix(serve.metrics_path)
+    finally:
+        serve.cleanup()
+    status, _, body = reply.partition("\r\n\r\n")
+    assert status.startswith("HTTP/1.0 200"), status
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+    expected = {("offloadd_protocol_errors_total", ("code", code.name)) for code in ErrorCode}
+    expected |= {("offloadd_stores_refused_keys_total", ("reason", r)) for r in REFUSAL_REASONS}
+    expected |= {("offloadd_lookup_keys_total", ("result", r)) for r in ("hit", "miss")}
+    for text in rule_expressions():  # and whatever the shipped alerts select by label
+        for name, label, values in _SELECTOR.findall(text):
+            expected |= {(name, (label, one)) for one in values.split("|") if one}
+    for name, label in sorted(expected):
+        assert samples.get((name, (label,))) == 0, f"{name}{{{label[0]}={label[1]!r}}}"
+    for direction in ("store", "load"):
+        for outcome in ("ok", "failed"):
+            key = ("offloadd_jobs_total", (("direction", direction), ("outcome", outcome)))
+            assert samples.get(key) == 0, key
