@@ -276,6 +276,15 @@ def _check_config(args: argparse.Namespace) -> int:
         return BAD_SETTINGS
     if args.preflight:
         return _preflight(settings)
+    from offloadd.server.preflight import capacity_problem
+
+    problem = capacity_problem(settings.cache.capacity)
+    if problem:  # only a warning: the file may be meant for another machine
+        sys.stderr.write(
+            f"offloadd check-config: warning: {problem}: pre-faulting the arena would run "
+            "out of memory here, where the OOM killer picks the daemon (--preflight fails "
+            "on it)\n"
+        )
     if args.json:
         encoded = msgspec.json.encode(settings)
         sys.stdout.write(msgspec.json.format(encoded, indent=2).decode() + "\n")
