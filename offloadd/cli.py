@@ -241,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(settings.log)
     try:
-        status = run(settings)
+        status = run(settings, reload=lambda: _reloaded(args), source=args.config or "")
     except (
         EndpointInUse,
         EndpointRefused,
@@ -268,6 +268,12 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(status)
     return 0
+
+
+def _reloaded(args: argparse.Namespace) -> Settings:
+    """The settings ``serve`` reads again on SIGHUP: the file once more, under the environment
+    and flags it started with. Raises SettingsError."""
+    return load_settings(args.config, flags=_flag_settings(args))
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -496,8 +502,10 @@ def build_parser() -> _Parser:
         "serve",
         help="run the daemon (built-in defaults need no file)",
         description="Run the daemon in the foreground until SIGTERM or SIGINT (a second one "
-        "ends the drain at once). Every port, directory and the arena's room are checked "
-        "before the arena is pre-faulted; a start that fails says which setting and exits 1.",
+        "ends the drain at once); SIGHUP reads --config again and applies the log's level and "
+        "format, and logs which changed settings wait for a restart. Every port, directory "
+        "and the arena's room are checked before the arena is pre-faulted; a start that "
+        "fails says which setting and exits 1.",
         epilog=_settings_epilog(),
     )
     _add_settings_flags(serve)

@@ -8,12 +8,14 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from offloadd.client import OffloadClient
 from protocol.errors import ErrorCode
 from protocol.messages import REFUSAL_REASONS
 from tests.deploy_series import rule_expressions
@@ -88,3 +90,38 @@ def test_a_fresh_daemon_exports_every_known_label_value_at_0(workdir: str) -> No
         for outcome in ("ok", "failed"):
             key = ("offloadd_jobs_total", (("direction", direction), ("outcome", outcome)))
             assert samples.get(key) == 0, key
+
+
+def _log_line(serve: ServeProcess, start: str, timeout: float = 20) -> str:
+    """The first line of the daemon's log that contains ``start``, once it is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [line for line in serve.log().splitlines() if start in line]
+        if found:
+            return found[0]
+        assert serve.process is not None and serve.process.poll() is None, serve.log()
+        assert time.monotonic() < deadline, f"no {start!r} in the log:\n{serve.log()}"
+        time.sleep(0.02)  # poll interval
+
+
+@pytest.mark.timeout(60)
+def test_sighup_applies_the_files_log_level_and_keeps_serving(workdir: str) -> None:
+    config = f"{workdir}/offloadd.toml"
+    with open(config, "w") as handle:
+        handle.write('[log]\nlevel = "WARNING"\n')
+    serve = ServeProcess(workdir, _arena(), persist=False, config=config, log_level=None)
+    try:
+        serve.start(log=True)
+        assert serve.process is not None
+        with open(config, "w") as handle:
+            handle.write('[log]\nlevel = "DEBUG"\n[cache]\npolicy = "arc"\n')
+        serve.process.send_signal(signal.SIGHUP)
+        line = _log_line(serve, "SIGHUP: read")
+        assert f"SIGHUP: read {config} again: applied log.level 'WARNING' -> 'DEBUG'; " in line
+        assert "until a restart: cache.policy 'lru' -> 'arc'" in line
+        with OffloadClient(serve.endpoint, timeout=5, heartbeat=0) as client:
+            assert client.stats().capacity_bytes == 64 << 20  # still serving
+        assert serve.stop(signal.SIGTERM) == 0
+        assert "SIGTERM: stopping" in serve.log()  # an INFO line: the WARNING level is gone
+    finally:
+        serve.cleanup()
