@@ -620,7 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``offloadd`` console script.
 
     A command whose stdout's reader went away (``offloadd check-config | head -1``) ends
-    quietly with ``BROKEN_PIPE``, whichever command it is, ``--help`` included.
+    quietly with ``BROKEN_PIPE``, whichever command it is (``--help`` and ``--version`` with
+    0: argparse drops what it cannot write).
     """
     try:
         try:
