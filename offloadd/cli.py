@@ -16,6 +16,7 @@ import difflib
 import logging
 import math
 import os
+import select
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 # Exit status for values that cannot be used (a usage error, as argparse uses).
 BAD_SETTINGS = 2
+# Exit status when the reader of stdout went away (``| head -1``): 128 + SIGPIPE, what a
+# shell reports for ``yes | head -1``'s ``yes``. Not 0: the output was cut short, and a
+# script under ``set -o pipefail`` should see it as it sees any other tool's.
+BROKEN_PIPE = 128 + signal.SIGPIPE
 
 # The flags that set a setting, shared by serve and check-config: flag -> (section, key, help).
 SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
@@ -56,7 +61,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, str, str]] = {
         "journal",
         "commit journal ('' = <state dir>/<arena name>.journal; its key beside it)",
     ),
-    "--capacity": ("cache", "capacity", "arena size, e.g. 8GiB (default 1GiB)"),
+    "--capacity": ("cache", "capacity", "arena size, e.g. 8GiB or 8GB (default 1GiB)"),
     "--policy": ("cache", "policy", "eviction policy: lru (default) or arc"),
     "--log-level": ("log", "level", "DEBUG, INFO (default), WARNING, ..."),
     "--events-endpoint": (
@@ -236,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(settings.log)
     try:
-        status = run(settings)
+        status = run(settings, reload=lambda: _reloaded(args), source=args.config or "")
     except (
         EndpointInUse,
         EndpointRefused,
@@ -265,12 +270,27 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reloaded(args: argparse.Namespace) -> Settings:
+    """The settings ``serve`` reads again on SIGHUP: the file once more, under the environment
+    and flags it started with. Raises SettingsError."""
+    return load_settings(args.config, flags=_flag_settings(args))
+
+
 def _check_config(args: argparse.Namespace) -> int:
     settings = _settings(args, "offloadd check-config", flags=True)
     if settings is None:
         return BAD_SETTINGS
     if args.preflight:
         return _preflight(settings)
+    from offloadd.server.preflight import capacity_problem
+
+    problem = capacity_problem(settings.cache.capacity)
+    if problem:  # only a warning: the file may be meant for another machine
+        sys.stderr.write(
+            f"offloadd check-config: warning: {problem}: pre-faulting the arena would run "
+            "out of memory here, where the OOM killer picks the daemon (--preflight fails "
+            "on it)\n"
+        )
     if args.json:
         encoded = msgspec.json.encode(settings)
         sys.stdout.write(msgspec.json.format(encoded, indent=2).decode() + "\n")
@@ -417,10 +437,8 @@ async def _watch_events(endpoint: str, replay: str | None, *, topic: str, as_jso
             task.cancel()
         await asyncio.gather(printer, stopper, return_exceptions=True)
     exc = None if printer.cancelled() else printer.exception()
-    if isinstance(exc, BrokenPipeError):  # the reader went away (| head): not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    elif exc is not None:
-        raise exc
+    if exc is not None:
+        raise exc  # a BrokenPipeError too: main ends the command quietly
     return 0
 
 
@@ -453,7 +471,8 @@ environment variables < flags. systemd/offloadd.toml lists every setting at its 
 SETTINGS_EPILOG = """\
 Settings without a flag ({count}) are set in the --config file or as OFFLOADD_<SECTION>__<KEY>
 environment variables, e.g. OFFLOADD_SERVER__COPY_ENGINE=cuda: {names}.
-Sizes take units (8GiB); "" means the setting's default or "off", as each says.
+Sizes take units: 8GiB (binary), 8GB (decimal: 8e9 bytes); a bare 8G is refused. "" means
+the setting's default or "off", as each says.
 """
 
 
@@ -483,8 +502,10 @@ def build_parser() -> _Parser:
         "serve",
         help="run the daemon (built-in defaults need no file)",
         description="Run the daemon in the foreground until SIGTERM or SIGINT (a second one "
-        "ends the drain at once). Every port, directory and the arena's room are checked "
-        "before the arena is pre-faulted; a start that fails says which setting and exits 1.",
+        "ends the drain at once); SIGHUP reads --config again and applies the log's level and "
+        "format, and logs which changed settings wait for a restart. Every port, directory "
+        "and the arena's room are checked before the arena is pre-faulted; a start that "
+        "fails says which setting and exits 1.",
         epilog=_settings_epilog(),
     )
     _add_settings_flags(serve)
@@ -609,7 +630,25 @@ def build_parser() -> _Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``offloadd`` console script."""
+    """Entry point of the ``offloadd`` console script.
+
+    A command whose stdout's reader went away (``offloadd check-config | head -1``) ends
+    quietly with ``BROKEN_PIPE``, whichever command it is (``--help`` and ``--version`` with
+    0: argparse drops what it cannot write).
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a socket's EPIPE: an error of the command, not of its reader
+        _quiet_stdout()
+        return BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -624,3 +663,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = handler(args)
     assert isinstance(status, int)
     return status
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader went away (the kernel reports an
+    error or a hang-up on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        events = poller.poll(0)
+    except (OSError, ValueError):
+        return False
+    return any(mask & (select.POLLERR | select.POLLHUP) for _fd, mask in events)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: what is left in its buffer goes nowhere at exit, instead of
+    the interpreter printing a BrokenPipeError it cannot flush."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -344,8 +345,8 @@ def spawned_daemon(capacity: int) -> Iterator[tuple[str, tuple[str, str]]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        with contextlib.suppress(OSError):
-            os.rmdir(workdir)
+        # What a daemon that had to be killed left there too: no run leaves a directory.
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _wait_until_serving(endpoint: str, process: subprocess.Popen[bytes]) -> None:

@@ -8,8 +8,10 @@ there is stale (left by a crash) and is removed before binding.
 Every ipc socket the daemon binds (control, KV events, replay, metrics) lives in a directory
 only the daemon's user can change (``prepare_ipc_dir``), is created with no access for
 anyone else and then given ``server.socket_mode`` and ``server.socket_group``
-(``restrict_socket``). A tcp control endpoint off loopback needs CURVE with a client
-allow-list, and a secret key file nobody else can read (``check_tcp_security``).
+(``restrict_socket``); whoever binds one removes its file at close (``remove_socket_file``
+for the zmq ones, which libzmq leaves behind). A tcp control endpoint off loopback needs
+CURVE with a client allow-list, and a secret key file nobody else can read
+(``check_tcp_security``).
 """
 
 from __future__ import annotations
@@ -103,6 +105,25 @@ def bind_ipc(bind: Callable[[], _T], path: str, mode: str, group: str) -> _T:
         bound = bind()
     restrict_socket(path, mode, group)
     return bound
+
+
+def socket_file(path: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of the file at ``path``, None when there is none: what
+    ``remove_socket_file`` compares, taken right after the bind."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def remove_socket_file(path: str, bound: tuple[int, int] | None) -> None:
+    """Remove the ipc socket file at ``path`` if it is still the one this process bound
+    (``bound``, from ``socket_file``). libzmq leaves the file of a socket it closes, and
+    binds over a file that is there: one another process bound since stays its own."""
+    if bound is not None and socket_file(path) == bound:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def restrict_socket(path: str, mode: str, group: str) -> None:

@@ -36,7 +36,9 @@ setting cannot take, is a ``SettingsError`` whose one-line message names the set
 source. Environment values are strings, converted to the field's type: integers, numbers,
 booleans (true/false/1/0/yes/no/on/off), strings, comma-separated lists; sizes such as
 ``8GiB`` are accepted for every setting in bytes (``cache.capacity``, ``disk.capacity``,
-``mooncake.segment``, ...) everywhere.
+``mooncake.segment``, ...) everywhere: ``8GB`` is 8e9 bytes and ``8GiB`` 8 * 2**30, as the
+units say, and a bare ``8G``, which tools read either way, is refused with both readings
+(``parse_size``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from typing import IO, Any, Literal, get_args, get_origin
 
 import msgspec
@@ -345,19 +348,39 @@ def default_arena_dir() -> str:
     return f"/dev/shm/offloadd-{os.getuid()}"
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# What each unit multiplies by, case aside: SI units are decimal, IEC units binary (also
+# in Kubernetes' short form, 8Gi). A bare K, M, G or T says neither: refused (AmbiguousSize).
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{f"{prefix}b": 1000 ** (power + 1) for power, prefix in enumerate("kmgt")},
+    **{f"{prefix}ib": 1 << 10 * (power + 1) for power, prefix in enumerate("kmgt")},
+    **{f"{prefix}i": 1 << 10 * (power + 1) for power, prefix in enumerate("kmgt")},
+}
+
+
+class AmbiguousSize(ValueError):
+    """A size whose unit is a bare K, M, G or T: 8G is 8 GiB to some tools and 8 GB to others."""
 
 
 def parse_size(text: str) -> int:
-    """``"8GiB"`` -> bytes. Binary units (K, KiB, KB all mean 1024); a bare number is bytes."""
+    """``"8GiB"`` -> bytes: kB, MB, GB, TB are powers of 1000 (8GB = 8e9 bytes), KiB, MiB,
+    GiB, TiB (and Ki, Mi, Gi, Ti) powers of 1024, in any case; a bare number, or B, is bytes;
+    fractions of a byte are dropped. Raises ValueError, and AmbiguousSize (which says both
+    readings) for a bare K, M, G or T."""
     match = _SIZE.match(text)
-    if not match:
+    unit = match.group(2).lower() if match else None
+    if match and unit in ("k", "m", "g", "t"):
+        number, letter = match.group(1), match.group(2).upper()
+        binary, decimal = parse_size(f"{number}{letter}iB"), parse_size(f"{number}{letter}B")
+        raise AmbiguousSize(
+            f"{text.strip()!r} is ambiguous: write {number}{letter}iB ({binary} bytes) or "
+            f"{number}{letter}B ({decimal} bytes)"
+        )
+    if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (try 512MiB or 8GiB)")
-    unit = (match.group(2) or "").upper()[:1]
-    if unit == "B":
-        unit = ""
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(Fraction(match.group(1)) * _SIZE_UNITS[unit])  # never negative: floored
 
 
 def format_size(nbytes: int) -> str:
@@ -566,6 +589,8 @@ def _coerce(
         if isinstance(value, str):
             try:
                 size = parse_size(value)
+            except AmbiguousSize as exc:
+                raise SettingsError(f"{head}{exc}{tail}") from None
             except ValueError:
                 size = -1
             if size >= least:

@@ -18,7 +18,8 @@ Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT 
 jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
 the drain forces the exit: the drain is cancelled, nothing waits for copies still running
 (their imports and the arena stay mapped until the process ends), and ``serve`` returns
-128 + that signal's number for ``offloadd serve`` to exit with at once.
+128 + that signal's number for ``offloadd serve`` to exit with at once. SIGHUP reloads the
+settings it can (``offloadd.server.reload``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from offloadd.server.peers import PeerListener, listen_beside
 from offloadd.server.preflight import raise_on_failure
 from offloadd.server.publisher import PublisherSet
 from offloadd.server.registry import Registry
+from offloadd.server.reload import Reloader
 from offloadd.server.requests import CacheRequests
 from offloadd.server.schedulers import Schedulers
 from offloadd.server.sessions import Sessions, close_on
@@ -429,13 +431,17 @@ async def serve(
     shutdown: asyncio.Event | None = None,
     force: asyncio.Event | None = None,
     ready: Callable[[], None] | None = None,
+    reload: Callable[[], Settings] | None = None,
+    source: str = "",
 ) -> int:
     """Run a daemon until ``shutdown`` is set, or until SIGTERM/SIGINT when none is given; a
     second signal, or ``force``, during the drain forces the exit. Returns the exit status
-    (``offloadd.server.shutdown``). ``ready()``: once the daemon is built, before it serves."""
+    (``offloadd.server.shutdown``). ``ready()``: once the daemon is built, before it serves.
+    With signals, SIGHUP runs ``reload()`` (the file ``source``): ``offloadd.server.reload``."""
     stopping = Shutdown(shutdown, force)
-    if shutdown is None:
+    if shutdown is None:  # SIGHUP taken from the start: one during the pre-fault waits for it
         stopping.install(asyncio.get_running_loop())
+        Reloader(settings, reload, source=source).install()
     async with Daemon(settings) as daemon:
         if ready is not None:
             ready()

@@ -11,6 +11,12 @@ The daemon owns one ``Metrics`` and tells it what happens, from its event loop:
 - ``lookup_finished(seconds)`` per Lookup request: the ``offloadd_lookup_seconds`` histogram.
 - ``protocol_error(code)`` per Error reply, ``code`` the ErrorCode name.
 
+A labelled counter whose label values are known at start has each of them from the start, at
+0 (``offloadd_jobs_total``, ``offloadd_protocol_errors_total`` for every ErrorCode,
+``offloadd_stores_refused_keys_total`` for every reason, ``offloadd_lookup_keys_total``): a
+rate or ``increase()`` over them counts the first event, which a series born at 1 hides. Only
+the ``engine`` and ``dp`` labels, not known before an engine copies, appear with it.
+
 ``Counters`` are the daemon's own counts that ``GetStats`` reports beside the cache's.
 
 Everything else is read when Prometheus scrapes: ``snapshot()`` (the daemon's ``stats``)
@@ -80,6 +86,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from offloadd import __version__
 from offloadd.endpoint import EndpointRefused, bind_ipc, is_loopback
 from offloadd.settings import UNIX_PREFIX, parse_address
+from protocol.errors import ErrorCode
 from protocol.messages import REFUSAL_REASONS, DaemonStats
 
 logger = logging.getLogger(__name__)
@@ -183,7 +190,9 @@ class Metrics:
         }
         self._job_bytes = {direction: job_bytes.labels(direction) for direction in DIRECTIONS}
         self._copies: dict[tuple[str, str, int], tuple[Counter, Counter]] = {}
-        self._errors: dict[str, Counter] = {}
+        # Every code from the start, at 0 until it counts: a series that appears at 1 has no
+        # earlier sample, so increase() over it (the INTERNAL alert) would miss that error.
+        self._errors = {code.name: self._protocol_errors.labels(code.name) for code in ErrorCode}
         self._collector = _SnapshotCollector(snapshot, pending_jobs, snapshot_timeout)
         if snapshot is not None or pending_jobs is not None:
             self.registry.register(self._collector)

@@ -3,8 +3,10 @@
 ``preflight(settings)`` returns one ``Check`` per need: every endpoint can be bound (each
 tcp port is bound and released at once; an ipc socket's directory is one only the daemon's
 user can change, and no live daemon holds the path), the arena's directory takes the file
-and its file system has room for ``cache.capacity``, the state directory keeps the journal
-privately, the disk tier's directory is usable, and the copy engine can run here.
+and its file system has room for ``cache.capacity``, as has the memory this process may take
+(its cgroup's limit, else the machine's: ``offloadd.server.memory``), the state directory
+keeps the journal privately, the disk tier's directory is usable, and the copy engine can
+run here.
 ``offloadd check-config --preflight`` prints them; ``serve`` runs the same checks first, so a
 busy port or an unwritable arena stops it in a second, not after minutes of pre-faulting.
 A check names the setting it is about and the path or address.
@@ -27,16 +29,16 @@ from dataclasses import dataclass
 from offloadd.cache.journal import shm_dirs_problem
 from offloadd.endpoint import check_tcp_security, ipc_path
 from offloadd.safety import private_dir_problem, secret_file_problem
+from offloadd.server.memory import MemoryLimit, available_memory
 from offloadd.settings import (
     UNIX_PREFIX,
     Settings,
     format_size,
     parse_address,
-    physical_memory,
 )
 from offloadd.transfer.choice import choose_copy_engine, cuda_copy_problem
 
-__all__ = ["Check", "PreflightError", "preflight", "raise_on_failure"]
+__all__ = ["Check", "PreflightError", "capacity_problem", "preflight", "raise_on_failure"]
 
 
 @dataclass(frozen=True)
@@ -208,12 +210,8 @@ def _arena_check(settings: Settings) -> Check:
     problem = _creatable_dir(directory)
     if not problem and os.path.lexists(path):
         problem = _file_problem(path, lambda info: os.access(path, os.R_OK | os.W_OK))
-    memory = physical_memory()
-    if not problem and memory and capacity > memory:
-        problem = (
-            f"cache.capacity {format_size(capacity)} is more than this machine's memory "
-            f"({format_size(memory)})"
-        )
+    if not problem:
+        problem = capacity_problem(capacity)
     if not problem and os.path.isdir(directory):
         info = os.statvfs(directory)
         existing = os.stat(path).st_size if os.path.exists(path) else 0
@@ -224,6 +222,19 @@ def _arena_check(settings: Settings) -> Check:
                 f"{format_size(free)} free"
             )
     return _named("cache.arena", path, problem)
+
+
+def capacity_problem(capacity: int, memory: MemoryLimit | None = None) -> str:
+    """Why an arena of ``capacity`` bytes cannot be pre-faulted here: more than the memory
+    this process may take (``memory``, by default ``available_memory()``: its cgroup's limit,
+    else the machine's); "" when it fits (or nothing says how much there is)."""
+    memory = memory or available_memory()
+    if not memory.nbytes or capacity <= memory.nbytes:
+        return ""
+    return (
+        f"cache.capacity {format_size(capacity)} is more than {memory.what}, "
+        f"{format_size(memory.nbytes)}"
+    )
 
 
 def _file_problem(path: str, usable: Callable[[os.stat_result], bool]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Callable
 
 from offloadd.server.daemon import serve
 from offloadd.settings import Settings
@@ -20,9 +21,12 @@ from offloadd.settings import Settings
 __all__ = ["freeze_startup_heap", "run"]
 
 
-def run(settings: Settings) -> int:
-    """Blocking entry point for ``offloadd serve`` (uvloop when installed): its exit status."""
-    main = serve(settings, ready=freeze_startup_heap)
+def run(
+    settings: Settings, *, reload: Callable[[], Settings] | None = None, source: str = ""
+) -> int:
+    """Blocking entry point for ``offloadd serve`` (uvloop when installed): its exit status.
+    ``reload()`` loads the settings again from ``source`` (the ``--config`` file) on SIGHUP."""
+    main = serve(settings, ready=freeze_startup_heap, reload=reload, source=source)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency, but keep serving without

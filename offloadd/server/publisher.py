@@ -17,8 +17,9 @@
   then the end marker ``[identity, b"", b"", END_SEQ, b""]`` (vLLM >= 0.26). Anything
   else is counted in ``invalid_replay_requests``, logged (rate-limited) and ignored.
 * ``close()`` sends what is still queued (bounded by a timeout), then closes the sockets
-  with linger 0. A subscriber that sees ``seq`` go backwards knows the publisher restarted;
-  nothing else on the wire says so (as in vLLM).
+  with linger 0 and removes the ipc socket files it bound (libzmq leaves them). A
+  subscriber that sees ``seq`` go backwards knows the publisher restarted; nothing else on
+  the wire says so (as in vLLM).
 
 ``PublisherSet`` maps dp indexes to publishers: one per dp index on ``port + k`` when
 ``EventSettings.port_per_dp`` (vLLM's convention), else one shared by all. An empty
@@ -52,6 +53,8 @@ from offloadd.endpoint import (
     ipc_path,
     is_loopback,
     offset_endpoint_port,
+    remove_socket_file,
+    socket_file,
 )
 from offloadd.logs import LogLimiter
 from offloadd.settings import EventSettings
@@ -131,6 +134,8 @@ class EventPublisher:
         self._buffer: deque[tuple[bytes, int, bytes]] = deque()
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
+        # The ipc socket files this publisher bound, removed when it closes (libzmq keeps them).
+        self._files: list[tuple[str, tuple[int, int] | None]] = []
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = asyncio.Event()
@@ -164,6 +169,7 @@ class EventPublisher:
             pub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
+            self._remove_files()
             raise
         self._pub = pub
         self._replay = replay
@@ -192,9 +198,20 @@ class EventPublisher:
             if path is None:
                 sock.bind(endpoint)
             else:
-                bind_ipc(lambda: sock.bind(endpoint), path, self._socket_mode, self._socket_group)
+
+                def bind() -> None:
+                    sock.bind(endpoint)
+                    self._files.append((path, socket_file(path)))  # before its mode is set
+
+                bind_ipc(bind, path, self._socket_mode, self._socket_group)
         except zmq.ZMQError as exc:
             raise EventBindError(f"{setting}: cannot bind {endpoint!r}: {exc}") from None
+
+    def _remove_files(self) -> None:
+        """Remove the ipc socket files bound (their sockets closed): none is left at exit."""
+        for path, bound in self._files:
+            remove_socket_file(path, bound)
+        self._files.clear()
 
     def publish(self, topic: str, batch: KVEventBatch) -> bool:
         """Queue ``batch`` for ``topic``; False (and counted in ``dropped``) if it was dropped.
@@ -263,6 +280,7 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
+        self._remove_files()
 
     async def __aenter__(self) -> EventPublisher:
         self.start()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ __all__ = [
     "chunk_block_ids",
     "make_config",
     "make_rank",
+    "scrape_unix",
     "shm_leftovers",
     "with_token",
 ]
@@ -220,6 +222,18 @@ def make_rank(
     return rank
 
 
+def scrape_unix(path: str, target: str = "/metrics") -> str:
+    """The HTTP answer to a GET of ``target`` on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.sendall(f"GET {target} HTTP/1.0\r\n\r\n".encode())
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
 def shm_leftovers() -> list[str]:
     """Test files still in /dev/shm (fixtures must remove what they create)."""
     return [name for name in os.listdir("/dev/shm") if name.startswith("od-test")]
@@ -231,7 +245,10 @@ class ServeProcess:
     The journal and its key go in ``<workdir>/state``. ``start(runner=[...])`` runs another
     module in place of ``-m offloadd`` (e.g. one that injects journal faults); with
     ``log=True`` the daemon's stderr goes to ``log_path`` (appended across restarts);
-    ``config``: a TOML settings file it reads (``--config``).
+    ``config``: a TOML settings file it reads (``--config``); ``beside=True``: the events,
+    replay and metrics sockets where the daemon puts them by default ("auto": beside the
+    control socket) instead of private paths and no metrics; ``log_level=None``: no
+    ``--log-level`` flag (the config file's level counts).
     """
 
     def __init__(
@@ -242,12 +259,17 @@ class ServeProcess:
         *,
         persist: bool = True,
         config: str = "",
+        beside: bool = False,
+        log_level: str | None = "WARNING",
     ) -> None:
         self.persist = persist
         self.config = config
+        self.beside = beside
+        self.log_level = log_level
         self.endpoint = f"ipc://{workdir}/d.sock"
-        self.events_endpoint = f"ipc://{workdir}/ev.sock"
-        self.replay_endpoint = f"ipc://{workdir}/replay.sock"
+        self.events_endpoint = f"ipc://{workdir}/" + ("d.sock.events" if beside else "ev.sock")
+        self.replay_endpoint = f"ipc://{workdir}/" + ("d.sock.replay" if beside else "replay.sock")
+        self.metrics_path = f"{workdir}/d.sock.metrics" if beside else ""
         self.arena = arena
         self.journal = f"{workdir}/state/d.journal"
         self.capacity = capacity
@@ -261,11 +283,15 @@ class ServeProcess:
             sys.executable, *runner, "serve",
             "--endpoint", self.endpoint, "--arena", self.arena, "--capacity", self.capacity,
             "--journal", self.journal,
-            "--events-endpoint", self.events_endpoint,
-            "--events-replay-endpoint", self.replay_endpoint,
-            "--metrics-address", "",
-            "--log-level", "WARNING",
         ]  # fmt: skip
+        if not self.beside:
+            command += [
+                "--events-endpoint", self.events_endpoint,
+                "--events-replay-endpoint", self.replay_endpoint,
+                "--metrics-address", "",
+            ]  # fmt: skip
+        if self.log_level is not None:
+            command += ["--log-level", self.log_level]
         if not self.persist:
             command.append("--no-persist")
         if self.config:

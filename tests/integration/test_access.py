@@ -8,7 +8,6 @@ import grp
 import logging
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import urllib.request
@@ -34,7 +33,7 @@ from offloadd.settings import (
     load_settings,
 )
 from offloadd.shm import SharedKVTensor
-from tests.integration.harness import LAYERS, DaemonThread, make_config
+from tests.integration.harness import LAYERS, DaemonThread, make_config, scrape_unix
 from tests.ports import free_port
 
 
@@ -190,18 +189,6 @@ def test_events_sockets_may_have_a_mode_and_group_of_their_own() -> None:
         daemon.stop()
 
 
-def _scrape_unix(path: str, target: str = "/metrics") -> str:
-    """The HTTP answer to a GET of ``target`` on the unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(10)
-        conn.connect(path)
-        conn.sendall(f"GET {target} HTTP/1.0\r\n\r\n".encode())
-        chunks = []
-        while chunk := conn.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks).decode()
-
-
 def test_metrics_on_a_unix_socket_get_the_control_sockets_mode(short_dir: str) -> None:
     path = os.path.join(short_dir, "run", "metrics.sock")
     with Metrics() as metrics:
@@ -209,7 +196,7 @@ def test_metrics_on_a_unix_socket_get_the_control_sockets_mode(short_dir: str) -
         metrics.start(f"unix:{path}", socket_mode="0600")
         assert metrics.address == f"unix:{path}"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        text = _scrape_unix(path)
+        text = scrape_unix(path)
         assert text.startswith("HTTP/1.0 200")
         assert 'offloadd_protocol_errors_total{code="MALFORMED"} 1.0' in text
         with Metrics() as second, pytest.raises(MetricsError, match="in use"):
@@ -294,8 +281,8 @@ def test_events_and_metrics_default_to_sockets_beside_the_control_socket() -> No
         metrics = control + ".metrics"
         assert stat.S_IMODE(os.stat(metrics).st_mode) == 0o600
         for target in ("/metrics", "/healthz", "/readyz"):
-            assert _scrape_unix(metrics, target).startswith("HTTP/1.0 200"), target
-        assert "offloadd_build_info" in _scrape_unix(metrics, "/metrics")
+            assert scrape_unix(metrics, target).startswith("HTTP/1.0 200"), target
+        assert "offloadd_build_info" in scrape_unix(metrics, "/metrics")
         with OffloadClient(daemon.endpoint, heartbeat=0) as client:
             stats = client.stats()
         assert stats.events_endpoint == f"ipc://{control}.events"

@@ -18,13 +18,16 @@ from offloadd.client import OffloadClient
 from tests.integration.harness import ServeProcess
 
 
-def _offloadd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _offloadd(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "offloadd", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
 
 
@@ -43,9 +46,66 @@ def served() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """``offloadd ARGS`` whose stdout is a pipe nobody reads any more (``| head -1`` once
+    head has exited): every write to it fails with EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "offloadd", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check-config"],
+        ["check-config", "--json", "--capacity", "8GiB"],
+        ["check-config", "--preflight", "--events-endpoint", "", "--metrics-address", ""],
+    ],
+)
+def test_a_command_whose_reader_went_away_ends_quietly(args: list[str]) -> None:
+    result = _into_closed_pipe(*args)
+    assert result.stderr == ""  # no BrokenPipeError traceback, nor "Exception ignored"
+    assert result.returncode == 141  # 128 + SIGPIPE, as the shell reports `yes | head -1`
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["serve", "--help"]])
+def test_help_into_a_closed_pipe_ends_quietly(args: list[str]) -> None:
+    result = _into_closed_pipe(*args)
+    assert result.stderr == ""
+    assert result.returncode == 0  # argparse's: it drops what it could not write
+
+
+@pytest.mark.timeout(120)
+def test_status_and_demo_into_a_closed_pipe_end_quietly(
+    served: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    endpoint, _ = served
+    for args in (["status"], ["status", "--json"], ["demo", "--chunks", "4", "--json"]):
+        result = _into_closed_pipe(*args, "--endpoint", endpoint)
+        assert (result.returncode, result.stderr) == (141, ""), args
+
+
 def test_demo_starts_its_own_daemon_and_verifies_every_byte() -> None:
-    result = _offloadd("demo", "--json", "--chunks", "32")
+    tmp = tempfile.mkdtemp(prefix="od-", dir="/tmp")  # where the demo makes its directory
+    try:
+        result = _offloadd("demo", "--json", "--chunks", "32", env={**os.environ, "TMPDIR": tmp})
+        left = os.listdir(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert result.returncode == 0, result.stderr
+    assert left == [], "the demo left its directory (or the daemon's sockets in it)"
     summary = json.loads(result.stdout)
     assert summary["mismatches"] == 0
     assert summary["chunks_stored"] == 32

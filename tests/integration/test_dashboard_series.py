@@ -94,14 +94,15 @@ def daemon() -> Iterator[Daemon]:
 
 
 def _scrape(daemon: Daemon, *, until: str, timeout: float = 60) -> str:
-    """``/metrics`` once it answers with a sample named ``until``."""
+    """``/metrics`` once it answers with a line that begins with ``until`` (a pattern: a
+    sample's name, or its name, labels and value) up to a word's end."""
     deadline = time.monotonic() + timeout
     while True:
         assert daemon.process.poll() is None, f"daemon exited:\n{daemon.log()}"
         try:
             with urllib.request.urlopen(f"http://{daemon.metrics}/metrics", timeout=5) as reply:
                 text: str = reply.read().decode()
-            if re.search(rf"^{until}[ {{]", text, re.MULTILINE):
+            if re.search(rf"^{until}\b", text, re.MULTILINE):
                 return text
         except (urllib.error.URLError, ConnectionError):
             pass
@@ -171,7 +172,8 @@ def test_dashboard_and_rules_use_only_exported_series(daemon: Daemon) -> None:
     seen.add(_scrape(daemon, until="offloadd_uptime_seconds"))
     _demo_while_scraping(daemon, seen)
     _send_garbage(daemon.endpoint)
-    seen.add(_scrape(daemon, until="offloadd_protocol_errors_total"))
+    # Every code's series is there from the start, at 0: wait for the error to count.
+    seen.add(_scrape(daemon, until=r'offloadd_protocol_errors_total\{code="MALFORMED"\} 1'))
     samples = seen.samples
 
     used = used_series()

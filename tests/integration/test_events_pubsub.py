@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -905,3 +906,31 @@ async def test_cli_events_json(
         assert lines[1]["replayed"] is True
         assert lines[-1]["replayed"] is False
         assert decode_batch(encode_batch(make_batch(0))) == make_batch(0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_cli_events_whose_reader_went_away_ends_quietly(
+    ctx: zmq.asyncio.Context, endpoints: tuple[str, str]
+) -> None:
+    pub_ep, replay_ep = endpoints
+    async with EventPublisher(pub_ep, replay_ep, ctx=ctx) as publisher:
+        publisher.publish("kv@pod@model", make_batch(0))
+        await wait_until(lambda: publisher.published == 1)
+        read, write = os.pipe()
+        os.close(read)  # `offloadd events | head -1` once head has exited
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "offloadd", "events",
+                "--endpoint", pub_ep, "--replay", replay_ep,
+                stdout=write, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        try:  # the replayed batch is its first write
+            _, stderr = await asyncio.wait_for(process.communicate(), 30)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert (process.returncode, stderr.decode()) == (141, "")

@@ -113,8 +113,12 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     """Replace everything that would start or reach something with a recorder."""
     record = Recorder()
 
-    def run(settings: Settings) -> None:
+    def run(
+        settings: Settings, *, reload: Callable[[], Settings] | None = None, source: str = ""
+    ) -> None:
         record.calls.append(("serve", settings))
+        # What SIGHUP reads again: the same sources, so the same settings while none changed.
+        assert reload is not None and reload() == settings
 
     async def watch(endpoint: str, replay: str | None, *, topic: str, as_json: bool) -> int:
         record.calls.append(("watch", (endpoint, replay, topic)))

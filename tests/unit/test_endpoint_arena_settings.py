@@ -17,7 +17,7 @@ import pytest
 
 from offloadd.cache.arena import Arena, ArenaError
 from offloadd.endpoint import EndpointClaim, EndpointInUse, ipc_path
-from offloadd.settings import format_size, parse_size
+from offloadd.settings import AmbiguousSize, format_size, parse_size
 
 SHM = "/dev/shm"
 ARENA_SIZE = 1 << 20
@@ -261,17 +261,24 @@ def test_arena_larger_than_the_filesystem_is_refused(arena_path: str) -> None:
     [
         ("8GiB", 8 << 30),
         ("512MiB", 512 << 20),
-        ("1.5G", 3 << 29),
+        ("1.5GiB", 3 << 29),
         ("4096", 4096),
         ("4096B", 4096),
         ("0", 0),
-        ("64K", 64 << 10),
-        ("64KB", 64 << 10),
         ("64kib", 64 << 10),
-        ("2T", 2 << 40),
         ("2TiB", 2 << 40),
         (" 8 GiB ", 8 << 30),
         ("0.5MiB", 512 << 10),
+        ("1.3MiB", 1363148),  # 1363148.8: the fraction of a byte is dropped
+        ("8Gi", 8 << 30),  # Kubernetes' short form is binary too
+        # SI units are decimal: what an operator writing "8GB" reads on a disk's label.
+        ("8GB", 8 * 10**9),
+        ("8gb", 8 * 10**9),
+        ("64kB", 64_000),
+        ("64KB", 64_000),
+        ("512MB", 512 * 10**6),
+        ("1.5GB", 15 * 10**8),
+        ("2TB", 2 * 10**12),
     ],
 )
 def test_parse_size(text: str, nbytes: int) -> None:
@@ -280,11 +287,27 @@ def test_parse_size(text: str, nbytes: int) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "GiB", "abc", "-1G", "8XB", "8 G B", "1.5.2G", "8PiB", "1e9", "0x10", "8GiBs"],
+    ["", "GiB", "abc", "-1G", "8XB", "8 G B", "1.5.2G", "8PiB", "1e9", "0x10", "8GiBs", "8Gb s"],
 )
 def test_parse_size_refuses_what_is_not_a_size(text: str) -> None:
     with pytest.raises(ValueError, match="not a size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "binary", "decimal"),
+    [
+        ("8G", "8GiB (8589934592 bytes)", "8GB (8000000000 bytes)"),
+        ("64k", "64KiB (65536 bytes)", "64KB (64000 bytes)"),
+        ("1.5M", "1.5MiB (1572864 bytes)", "1.5MB (1500000 bytes)"),
+        ("2T", "2TiB (2199023255552 bytes)", "2TB (2000000000000 bytes)"),
+    ],
+)
+def test_a_bare_unit_is_refused_with_both_readings(text: str, binary: str, decimal: str) -> None:
+    # 8G is 8 GiB to systemd and dd and 8 GB to Kubernetes: no guess either way.
+    with pytest.raises(AmbiguousSize) as refused:
+        parse_size(text)
+    assert str(refused.value) == f"{text!r} is ambiguous: write {binary} or {decimal}"
 
 
 @pytest.mark.parametrize(

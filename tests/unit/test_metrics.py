@@ -13,6 +13,7 @@ import pytest
 
 from offloadd import __version__
 from offloadd.server.metrics import JOB_BYTES_BUCKETS, Metrics, MetricsError
+from protocol.errors import ErrorCode
 from protocol.messages import REFUSAL_REASONS, DaemonStats, TierState
 from tests.helpers import fake_stats, value
 
@@ -109,6 +110,16 @@ def test_protocol_errors_by_code() -> None:
     assert value(metrics, "offloadd_protocol_errors_total", code="NOT_REGISTERED") == 1
 
 
+def test_every_error_code_and_job_outcome_counts_from_0_before_the_first() -> None:
+    metrics = Metrics()
+    for code in ErrorCode:
+        assert value(metrics, "offloadd_protocol_errors_total", code=code.name) == 0, code
+    for direction in ("store", "load"):
+        for outcome in ("ok", "failed"):
+            labels = {"direction": direction, "outcome": outcome}
+            assert value(metrics, "offloadd_jobs_total", **labels) == 0
+
+
 def test_gauges_and_cache_counters_come_from_the_snapshot() -> None:
     stats = fake_stats()
     metrics = Metrics(lambda: stats, pending_jobs=lambda: 6)
@@ -164,7 +175,8 @@ def test_without_a_snapshot_there_are_no_gauges() -> None:
 def test_instances_have_their_own_registries() -> None:
     first, second = Metrics(fake_stats), Metrics(fake_stats)
     first.protocol_error("MALFORMED")
-    assert value(second, "offloadd_protocol_errors_total", code="MALFORMED") is None
+    assert value(first, "offloadd_protocol_errors_total", code="MALFORMED") == 1
+    assert value(second, "offloadd_protocol_errors_total", code="MALFORMED") == 0
 
 
 @pytest.fixture

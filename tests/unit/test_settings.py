@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -132,6 +133,26 @@ def test_sizes_in_toml_as_strings_or_integers(toml: Path) -> None:
     settings = load_settings(path, environ=NO_ENV)
     assert settings.cache.capacity == 512 << 20
     assert settings.server.max_frame_bytes == 65536
+
+
+def test_sizes_in_si_units_are_decimal_and_in_iec_units_binary(toml: Path) -> None:
+    path = write(toml, '[cache]\ncapacity = "8GB"\n[disk]\ncapacity = "200GiB"\n')
+    settings = load_settings(path, environ=NO_ENV)
+    assert settings.cache.capacity == 8_000_000_000
+    assert settings.disk.capacity == 200 << 30
+    from_env = load_settings(environ={"OFFLOADD_CACHE__CAPACITY": "8GiB"})
+    assert from_env.cache.capacity == 8 << 30
+
+
+def test_a_size_with_a_bare_unit_names_the_setting_and_both_readings(toml: Path) -> None:
+    path = write(toml, '[cache]\ncapacity = "8G"\n')
+    assert error_of(path) == (
+        "cache.capacity: '8G' is ambiguous: write 8GiB (8589934592 bytes) or 8GB "
+        f"(8000000000 bytes) (from {path})"
+    )
+    message = error_of(env={"OFFLOADD_DISK__CAPACITY": "200g"})
+    assert message.startswith("disk.capacity: '200g' is ambiguous: write 200GiB")
+    assert message.endswith("(from OFFLOADD_DISK__CAPACITY)")
 
 
 def test_lists_in_toml(toml: Path) -> None:
@@ -540,9 +561,11 @@ def test_a_capacity_above_the_machines_memory_is_refused_by_the_preflight() -> N
     settings = load_settings(
         environ={}, overrides={"cache": {"capacity": str(memory + (1 << 30))}}
     )  # a file written for a bigger node is valid: the machine decides
+    # (Or than its cgroup's limit, lower where there is one: offloadd.server.memory.)
+    limit = r"(this machine's memory \(MemTotal\)|the memory limit of its cgroup \(.*\))"
     (arena,) = [c for c in preflight(settings) if c.what.startswith("cache.arena")]
-    assert "is more than this machine's memory" in arena.problem
-    with pytest.raises(PreflightError, match=r"^cache.arena .*more than this machine's memory"):
+    assert re.search(f"is more than {limit}, ", arena.problem), arena.problem
+    with pytest.raises(PreflightError, match=rf"^cache.arena .*more than {limit}"):
         raise_on_failure(settings)
 
 

@@ -58,6 +58,7 @@ def one(unit: dict[str, dict[str, list[str]]], section: str, key: str) -> str:
     [
         ("Type", "notify"),
         ("NotifyAccess", "main"),
+        ("ExecReload", "/bin/kill -HUP $MAINPID"),  # SIGHUP reloads, never stops it
         ("WatchdogSec", "30"),
         ("Restart", "on-failure"),
         ("RestartSec", "2"),
