@@ -644,3 +644,56 @@ def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservation
         sched.close()
         r.close()
         d.stop()
+
+
+def test_a_scheduler_that_holds_less_than_it_loads_acknowledges_its_own_evictions() -> None:
+    """A Reserve's evictions are freed at once for its own scheduler only while it holds
+    every key it asked to hold: after a hold that was not taken, they wait for its
+    acknowledgement (its mirror holds that back while the key's load runs), and the rank's
+    load by key still reads the evicted key's bytes."""
+    d = DaemonThread(
+        capacity=4 * KEY_FOOTPRINT, limits=LimitsSettings(protected_fraction=1.0)
+    ).start()
+    r = rank(d.endpoint, seed=6)
+    sched = scheduler(d.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(6, b"u")
+        assert sched.reserve(keys[:4]).reserved == [0, 1, 2, 3]
+        store_reserved(r, 1, keys[:4], [0, 1, 2, 3])
+        assert d.daemon is not None
+        wait_for(lambda: d.daemon is not None and d.daemon.stats().committed_entries == 4, sched)
+        seen: list[KeysChanged] = []
+
+        def mirror() -> set[bytes]:
+            seen.extend(sched.take_notices())
+            return mirror_of(sched, seen)
+
+        wait_for(lambda: mirror() == set(keys[:4]), sched)
+        # Request "r" loads a key the daemon does not hold for it (here: one it never had).
+        absent = chain_keys(1, b"absent")
+        assert sched.update_holds([HoldKeys("r", absent)]).missing == absent
+        assert sched.reserve(keys[4:5]).reserved == [0]  # evicts keys[0], the oldest
+        assert d.daemon.stats().used_bytes == 4 * KEY_FOOTPRINT  # kept: not acknowledged
+        assert r.client is not None
+        r.client.load(2, keys[:1], chunk_block_ids([10], BPC))  # by key, no hold
+        r.client.wait([2])
+        for got, want in zip(
+            r.pages(chunk_block_ids([10], BPC)), r.pages(chunk_block_ids([0], BPC)), strict=True
+        ):
+            assert got.equal(want)
+        # The load completed: released, the scheduler's own evictions free at once again.
+        sched.update_holds(release=[HoldKeys("r", absent)], ack=sched_seq(sched, seen))
+        assert sched.reserve(keys[5:6]).reserved == [0]
+        assert d.daemon.stats().used_bytes == 4 * KEY_FOOTPRINT
+        assert d.daemon.stats().committed_entries == 2  # keys[1] and keys[2]: 4 and 5 pend
+    finally:
+        sched.close()
+        r.close()
+        d.stop()
+
+
+def sched_seq(client: OffloadClient, seen: list[KeysChanged]) -> int:
+    """The newest seq of the notices the scheduler applied (what its mirror acknowledges)."""
+    seen.extend(client.take_notices())
+    return max(notice.seq for notice in seen)

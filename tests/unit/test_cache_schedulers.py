@@ -429,3 +429,21 @@ def test_holds_of_many_tokens_are_charged_and_refunded_in_one_call_each() -> Non
     assert cache.release_hold_tokens("sched", [("b", [key(1)]), ("none", [key(0)])]) == 1
     assert cache.protected_bytes("sched") == 0 and cache.stats().held == 0
     assert len(cache.begin_store(NS, [key(5), key(6)], 0, sizes).writes) == 2
+
+
+def test_a_load_by_key_reads_a_removal_not_yet_acknowledged() -> None:
+    """A rank's load that arrives before its scheduler's hold (or whose hold was refused)
+    finds the bytes the scheduler's mirror still shows; once every mirror acknowledged the
+    removal, it misses."""
+    cache = ChunkCache(2 * SIZE)
+    cache.watch(NS, "sched")
+    commit(cache, [key(0), key(1)])
+    res = cache.begin_store(NS, [key(2)], 0, sizes)
+    assert [e.key for e in res.evicted] == [key(0)]  # leaving: "sched" has not acknowledged
+    reads = cache.begin_reads(NS, [key(0), key(1)])
+    assert reads.missing == [] and len(reads.rows) == 2
+    cache.ack("sched", cache.seq)
+    assert cache.stats().used_bytes == 2 * SIZE  # being read: its extents stay
+    cache.finish_reads([reads])
+    assert cache.stats().leaving == 0
+    assert cache.begin_reads(NS, [key(0)]).missing == [key(0)]

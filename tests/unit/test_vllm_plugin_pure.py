@@ -15,6 +15,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from offloadd.transfer.plan import group_layouts
+from offloadd.vllm.load_failures import LoadFailures
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.regions import NotShareable, kv_regions, open_region_files, shared_file_of
 from offloadd.vllm.stores import Stores
@@ -402,3 +403,46 @@ def test_without_skipped_splits_segments_at_the_holes() -> None:
     out_keys, out_blocks, out_segments = without_skipped(keys, block_ids, segments, bpc, {0})
     assert out_segments == [Segment(2, 0, 7), Segment(2, 0, 8)]
     assert out_blocks == block_ids[2:]
+
+
+def test_the_mirror_never_acknowledges_the_removal_of_a_key_being_loaded() -> None:
+    """The daemon keeps a removed key's bytes until the mirror acknowledges the removal: the
+    acknowledgement stays below the first notice that removed a key still loading, until
+    that load completes, whatever happened to its hold."""
+    a, b, c = b"a" * 12, b"b" * 12, b"c" * 12
+    mirror = KeyMirror(record_events=False)
+    mirror.apply([KeysChanged(3, [a, b, c], [], reset=True)])
+    mirror.start_loading("r1", [a, b])
+    mirror.apply([KeysChanged(5, [], [c])])  # no loading key: acknowledged in full
+    assert mirror.ackable == 5
+    mirror.apply([KeysChanged(7, [], [b]), KeysChanged(9, [], [a])])
+    assert b not in mirror.keys and mirror.seq == 9
+    assert mirror.ackable == 5  # before the notice that removed b
+    assert mirror.loads() == {"r1": [a, b]}  # what a new session is sent to hold again
+    mirror.finish_loading("r1", [a, b])
+    assert mirror.ackable == 9 and mirror.loads() == {}
+
+
+def test_a_snapshot_ends_the_barriers_of_the_session_before() -> None:
+    a = b"a" * 12
+    mirror = KeyMirror(record_events=False)
+    mirror.apply([KeysChanged(3, [a], [], reset=True)])
+    mirror.start_loading("r1", [a])
+    mirror.apply([KeysChanged(4, [], [a])])
+    assert mirror.ackable == 3
+    mirror.apply([KeysChanged(1, [a], [], reset=True)])  # a restarted daemon, its own seq
+    assert mirror.ackable == 1
+    mirror.apply([KeysChanged(2, [], [a])])  # still loading: held back again
+    assert mirror.ackable == 1
+
+
+def test_load_failures_are_reported_by_request_or_by_block() -> None:
+    failures = LoadFailures()
+    assert not failures.can_report(expedited=False)  # vLLM's connector not found: raise
+    failures.reporting = True
+    failures.failed("r1", [4, 5], expedited=False)
+    failures.failed("r2", [7], expedited=True)
+    assert failures.take() == ({"r1"}, {7}) and failures.take() == (set(), set())
+    assert failures.count == 2
+    failures.groups = 2  # vLLM refuses block ids with several KV cache groups
+    assert failures.can_report(expedited=False) and not failures.can_report(expedited=True)
