@@ -89,6 +89,15 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line: the command, the flag and the problem."""
 
     commands: Mapping[str, argparse.ArgumentParser]  # the subcommands' parsers, by name
+    # An epilog made when help is printed (the bench's groups: importing the bench would
+    # cost every other command, a daemon that dropped its privileges included).
+    lazy_epilog: Callable[[], str] | None = None
+
+    def format_help(self) -> str:
+        """The help, with ``lazy_epilog`` made now."""
+        if self.lazy_epilog is not None:
+            self.epilog, self.lazy_epilog = self.lazy_epilog(), None
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         """Print ``message`` as one line and exit with status 2."""
@@ -487,6 +496,12 @@ def _settings_epilog() -> str:
     return SETTINGS_EPILOG.format(count=len(names), names=", ".join(names))
 
 
+def _bench_groups() -> str:
+    from offloadd.bench import groups_help
+
+    return groups_help()
+
+
 def build_parser() -> _Parser:
     """The argument parser (exposed for tests and docs)."""
     parser = _Parser(
@@ -598,14 +613,12 @@ def build_parser() -> _Parser:
     events.add_argument("--log-level", type=_log_level, help="DEBUG, INFO, WARNING (default), ...")
     events.set_defaults(handler=_events)
 
-    from offloadd.bench import groups_help
-
     bench = commands.add_parser(
         "bench",
         help="benchmarks: daemon vs same-run baselines, printed as ratios",
-        epilog=groups_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    bench.lazy_epilog = _bench_groups
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
     size.add_argument(
