@@ -61,6 +61,12 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   vs an exact shared LRU of the same capacity over the same requests
   (``shared_cache_hit_rate``; goal: ratio >= 0.9) and the keys refused vs those offered
   (``shared_cache_refused``; goal: ratio <= 0.01). From a checkout, as ``vllm_step``.
+- ``vllm_trace``: the Mooncake conversation trace through vLLM's real scheduler and worker
+  connectors, one engine (``vllm_trace_1``) and two DP engines sharing a daemon
+  (``vllm_trace_dp2``), steps back to back, offloadd vs vLLM's own CPU spec on the same
+  requests in the same run: total hit over an exact LRU of the same capacity (goal >= 0.97),
+  engine steps, load and store latency (median, p99) of both; and the daemon's CPU per chunk
+  moved on that traffic (``daemon_cpu_per_chunk``). From a checkout, as ``vllm_step``.
 - ``sharing``: arena bytes per cached token of an MLA engine (latent replicated on every TP
   rank, stored once) at TP=1/2/4/8 vs one copy of the latent (``mla_bytes_per_token_tp<N>``;
   goal: 1.0, flat).
@@ -112,6 +118,12 @@ def _lookup(ctx: Context) -> list[Result]:
     from offloadd.bench import control
 
     return control.run_lookup(ctx) + control.run_under_stores(ctx)
+
+
+def _vllm_trace(ctx: Context) -> list[Result]:
+    from offloadd.bench import vllm_trace
+
+    return vllm_trace.run(ctx)
 
 
 def _handshake(ctx: Context) -> list[Result]:
@@ -227,6 +239,12 @@ GROUPS = (
     Group("mooncake", ("mooncake_*",), _mooncake, "the cluster tier (needs the mooncake extra)"),
     Group("tiers", ("tiers_*",), _tiers, "hit rate with a disk tier vs the arena alone"),
     Group("sharing", ("mla_bytes_per_token_*",), _sharing, "MLA arena bytes per token by TP"),
+    Group(
+        "vllm_trace",
+        ("vllm_trace_*", "daemon_cpu_per_chunk"),
+        _vllm_trace,
+        "the Mooncake trace through vLLM, vs its CPU spec (a checkout)",
+    ),
     Group(
         "shared_cache",
         ("shared_cache_*",),

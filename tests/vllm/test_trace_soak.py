@@ -49,8 +49,8 @@ FAULT_ROUND = 90
 MIRROR_ACK_TIMEOUT = 1.0  # the daemon's, in the fault soaks: SIGSTOP outlasts it
 # "stalls": the daemon frozen this long every STALL_EVERY steps (a daemon behind its engines:
 # a loaded node). Today's main lost its loads' keys this way ("daemon behind", holds lost).
-STALL_SECONDS = 0.2
-STALL_EVERY = 20
+STALL_SECONDS = 0.3
+STALL_EVERY = 10
 
 
 @pytest.fixture
