@@ -161,6 +161,7 @@ class OffloaddManager(OffloadingManager):
         self.refused_keys = 0  # keys of sent steps it did not reserve
         self.unsent_steps = 0  # steps not sent (no daemon, too many unanswered)
         self._last_request = time.monotonic()
+        self._capacity_asked = -KEEPALIVE_SECONDS  # get_stats asks it once, a second apart
         self._reconnect_pause = KEEPALIVE_SECONDS  # between attempts to connect again
         self._client: OffloadClient | None = None
         self._stop = threading.Event()
@@ -328,9 +329,19 @@ class OffloaddManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats:
         """Usage and allocation sizes since the last call (vLLM calls it every step)."""
-        if self._stats.capacity_bytes is None and self._client is not None:
+        now = time.monotonic()
+        if (
+            self._stats.capacity_bytes is None
+            and self._client is not None
+            and now >= self._capacity_asked + KEEPALIVE_SECONDS
+        ):
+            self._capacity_asked = now
             try:
                 self._stats.capacity_bytes = self._client.stats().capacity_bytes
+            except DaemonUnavailable as exc:
+                # A busy daemon's late answer says nothing of the session (the step
+                # messages and keepalives judge that): asked again a second later.
+                logger.debug("offloadd: the daemon's capacity not known yet: %s", exc)
             except OffloaddError as exc:
                 self._failed("stats", exc)
             else:
