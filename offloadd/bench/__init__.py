@@ -231,7 +231,12 @@ GROUPS = (
         "what the per-tenant bounds cost the index",
     ),
     Group("events", ("events_per_s",), _events, "KV events per second"),
-    Group("vllm", ("vllm_*",), _vllm, "the vLLM plugin (needs vLLM; vllm_step_*: a checkout)"),
+    Group(
+        "vllm",
+        ("vllm_lookup_*", "vllm_request_*", "vllm_step_*"),
+        _vllm,
+        "the vLLM plugin (needs vLLM; vllm_step_*: a checkout)",
+    ),
     Group("checksum", ("checksum_*",), _checksum, "the journal's shard checksum"),
     Group("guarded", ("guarded_*",), _guarded, "copies through a rank file's descriptor"),
     Group("cuda_marshal", ("cuda_marshal_*",), _cuda_marshal, "cuda store job CPU cost, no GPU"),

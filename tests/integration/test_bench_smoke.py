@@ -40,9 +40,9 @@ LINE = re.compile(r"^smoke: (?P<group>\w+): (?P<status>ran|skipped|FAILED) (?P<r
 
 def _must_run() -> set[str]:
     """The groups that may not skip here: everything they need is installed."""
-    must = {g.name for g in GROUPS} - {"vllm", "shared_cache", "mooncake"}
+    must = {g.name for g in GROUPS} - {"vllm", "shared_cache", "vllm_trace", "mooncake"}
     if importlib.util.find_spec("vllm") is not None:
-        must |= {"vllm", "shared_cache"}  # from a checkout: this one
+        must |= {"vllm", "shared_cache", "vllm_trace"}  # from a checkout: this one
     if not mooncake_problem():
         must.add("mooncake")
     return must
