@@ -298,6 +298,9 @@ class OffloaddManager(OffloadingManager):
         next session clears before it offloads anything."""
         self._stores.reset()
         self._probes = TierProbes()
+        # vLLM completes none of the loads the reset flushed: their holds are released now.
+        for token, keys in self._mirror.forget_loads().items():
+            self._releases.setdefault(token, []).extend(keys)
         self._reset_due = True
         client = self._client
         if client is None:  # a dropped session: the daemon still holds the namespace's chunks

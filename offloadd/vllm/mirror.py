@@ -55,6 +55,14 @@ class KeyMirror:
         """Every load not complete yet: request -> keys (what a new session holds again)."""
         return {token: list(keys) for token, keys in self._loads.items()}
 
+    def forget_loads(self) -> dict[str, list[bytes]]:
+        """vLLM's cache reset flushed every load in flight without completing it: none
+        holds the acknowledgement back any more. Returns what they were loading."""
+        loads, self._loads = self._loads, {}
+        self._loading = {}
+        self._barriers = []
+        return loads
+
     def finish_loading(self, token: str, keys: Iterable[bytes]) -> None:
         """That load ended (``complete_load``): its keys' removals may be acknowledged."""
         keys = list(keys)

@@ -446,3 +446,14 @@ def test_load_failures_are_reported_by_request_or_by_block() -> None:
     assert failures.count == 2
     failures.groups = 2  # vLLM refuses block ids with several KV cache groups
     assert failures.can_report(expedited=False) and not failures.can_report(expedited=True)
+
+
+def test_a_cache_reset_forgets_the_loads_vllm_will_never_complete() -> None:
+    a = b"a" * 12
+    mirror = KeyMirror(record_events=False)
+    mirror.apply([KeysChanged(3, [a], [], reset=True)])
+    mirror.start_loading("r1", [a])
+    mirror.apply([KeysChanged(4, [], [a])])
+    assert mirror.ackable == 3
+    assert mirror.forget_loads() == {"r1": [a]}
+    assert mirror.ackable == 4 and mirror.loads() == {}
