@@ -104,8 +104,10 @@ def test_the_trace_through_the_real_scheduler(
     assert failed == 0 and loads_missing(serve) == 0  # the contract held: no load failed
     assert run.recomputed() == 0
     # One engine matches the exact LRU (0.1832 vs 0.1830 here). Two engines lose a little
-    # (0.957-0.967 measured here; not yet understood: a hint to the other engine that a key
-    # is being stored, so it waits instead of computing it, did not change it).
+    # (0.955-0.967 measured): 7-8 requests of long prefixes miss from their second chunk on,
+    # which the LRU still has (it counts every use of a chunk, the daemon only its loads: a
+    # prefix one engine keeps hitting in its GPU cache ages out of the arena, and the other
+    # engine needs it). No store is refused; see the issue "vLLM on real traffic".
     ratio = run.hit() / oracle
     if count > 1:  # one shared cache serves both engines better than two private halves
         assert run.hit() > native.hit()
