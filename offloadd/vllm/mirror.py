@@ -67,7 +67,9 @@ class KeyMirror:
         """That load ended (``complete_load``): its keys' removals may be acknowledged."""
         keys = list(keys)
         mine = self._loads.get(token)
-        if mine is not None:
+        if mine == keys:  # the request's one load (the usual case): no search
+            del self._loads[token]
+        elif mine is not None:
             for key in keys:
                 if key in mine:
                     mine.remove(key)
