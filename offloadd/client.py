@@ -342,11 +342,19 @@ class _ClientCore:
         release: Sequence[HoldKeys],
         ack: int,
         lookups: Sequence[Sequence[bytes]],
+        *,
+        posted: bool = False,
     ) -> Reserve:
         """A Reserve with a ``Lookup`` per key run of ``lookups`` (numbered after it)."""
         request_id = self.next_id()
         return Reserve(
-            request_id, list(keys), list(holds), ack, list(release), self.lookups(lookups)
+            request_id,
+            list(keys),
+            list(holds),
+            ack,
+            list(release),
+            self.lookups(lookups),
+            posted,
         )
 
     def update_holds(
@@ -648,7 +656,9 @@ class OffloadClient:
         (key runs) in the same message. Returns the request ids whose replies arrive with
         ``take_answers`` (the ``Reserved`` first, then one per lookup). Raises
         DaemonUnavailable when it cannot be sent now (nothing is sent then)."""
-        return self._post_awaited(self._core.reserve(keys, holds, release, ack, lookups))
+        return self._post_awaited(
+            self._core.reserve(keys, holds, release, ack, lookups, posted=True)
+        )
 
     def post_update_holds(
         self,
@@ -1079,7 +1089,9 @@ class AsyncOffloadClient:
         reader task keeps for ``take_answers`` (the ``Reserved`` first, then one per lookup).
         Never suspends: raises DaemonUnavailable when the frame cannot be queued at once
         (nothing is sent then), as ``OffloadClient.post_reserve``."""
-        return self._post_awaited(self._core.reserve(keys, holds, release, ack, lookups))
+        return self._post_awaited(
+            self._core.reserve(keys, holds, release, ack, lookups, posted=True)
+        )
 
     async def post_update_holds(
         self,

@@ -219,6 +219,10 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     # answered alone (its own request_id; a LookupResult, or an Error), so one message carries
     # a scheduling step whole.
     lookups: list[Lookup] = msgspec.field(default_factory=list)
+    # The requester does not wait for the reply (``post_reserve``): it may look keys up
+    # before it reads the removals this Reserve causes, so they wait for its acknowledgement
+    # like anyone's. False: it reads them first, and they count as acknowledged by it.
+    posted: bool = False
 
 
 class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):

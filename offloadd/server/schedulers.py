@@ -26,17 +26,16 @@ Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Err
   told that every key misses (``Mirrors.drain``), and a scheduler treats the refusal as the
   daemon being away. ``ack`` is still taken.
 - ``acker(mirrors, state)``: the requester, when its mirror applies this request's removals
-  before any lookup (FIFO on its socket) and it holds everything it is loading: no key it
-  asked to hold went unheld (``SessionState.unheld``: beyond its share, or in a refused
-  message) and was not released since. Otherwise the Reserve's evictions wait for its
-  acknowledgement, which its mirror holds back while such a key's load runs
-  (``offloadd.vllm.mirror``): a key its mirror answered as a hit stays readable by key.
+  before any lookup (FIFO on its socket) and it holds everything it has looked up: a
+  requester that waits for the reply. A posted Reserve (``Reserve.posted``: the vLLM plugin's
+  step message) gets none: its scheduler looks keys up in its next step before it reads the
+  reply, so its evictions wait for its acknowledgement like anyone's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 from offloadd.cache.index import ChunkCache
 from offloadd.server.announce import Announcer
@@ -69,35 +68,11 @@ __all__ = ["Schedulers", "acker"]
 logger = logging.getLogger(__name__)
 
 
-# Tokens a session's ``unheld`` remembers at most: beyond, the oldest are forgotten (only
-# that scheduler's own loads can then miss: its engine recomputes them).
-MAX_UNHELD_TOKENS = 4096
-
-
 def acker(mirrors: Mirrors, state: SessionState) -> str | None:
     """The requester, when its mirror applies this request's removals before any lookup
-    (FIFO on its socket) and it holds everything it is loading: see the module docstring."""
+    (FIFO on its socket) and it holds everything it has looked up: see ``Reserve``."""
     session_id = state.session.session_id
-    return session_id if mirrors.watching(session_id) and not state.unheld else None
-
-
-def note_unheld(state: SessionState, token: str, keys: Iterable[bytes]) -> None:
-    """Keys ``token``'s load reads that the session asked to hold and does not."""
-    unheld = state.unheld
-    unheld.setdefault(token, set()).update(keys)
-    while len(unheld) > MAX_UNHELD_TOKENS:
-        del unheld[next(iter(unheld))]
-
-
-def note_released(state: SessionState, release: Sequence[HoldKeys]) -> None:
-    """Released keys are no longer loading (their load completed)."""
-    unheld = state.unheld
-    for item in release:
-        keys = unheld.get(item.token)
-        if keys is not None:
-            keys.difference_update(item.keys)
-            if not keys:
-                del unheld[item.token]
+    return session_id if mirrors.watching(session_id) else None
 
 
 class Schedulers:
@@ -137,14 +112,10 @@ class Schedulers:
         # this handler: ``WaitingStores``).
         state.session.reserves_read = request.request_id
         self._reserve_read()
-        try:
-            engine, namespace = self._scheduler_checks(state)
-            check_keys(request.keys, engine, self._limits)
-            self._jobs.refuse_while_draining(len(request.keys))
-            check_offloaded(request.keys, namespace)
-        except Refused:
-            _refused_holds(state, request.holds)
-            raise
+        engine, namespace = self._scheduler_checks(state)
+        check_keys(request.keys, engine, self._limits)
+        self._jobs.refuse_while_draining(len(request.keys))
+        check_offloaded(request.keys, namespace)
         _held, missing = self._apply_holds(
             state, engine, namespace, request.holds, request.release, request.ack
         )
@@ -155,7 +126,10 @@ class Schedulers:
             request.keys,
             owner,
             namespace.shard_sizes_for_key,
-            acker=acker(self._mirrors, state),
+            # A posted Reserve's requester may look its evicted keys up before it reads their
+            # removal: they wait for its acknowledgement (and a load promised meanwhile finds
+            # their bytes; offloadd.vllm.mirror holds that acknowledgement back).
+            acker=None if request.posted else acker(self._mirrors, state),
             account=engine.key,  # the leading keys within the engine's budget only,
             tenant=engine.tenant,  # and its tenant's (all its engines together)
         )
@@ -164,12 +138,8 @@ class Schedulers:
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
-        try:
-            engine, namespace = self._scheduler_checks(state)
-            self._jobs.refuse_while_draining()
-        except Refused:
-            _refused_holds(state, request.hold)
-            raise
+        engine, namespace = self._scheduler_checks(state)
+        self._jobs.refuse_while_draining()
         held, missing = self._apply_holds(
             state, engine, namespace, request.hold, request.release, request.ack
         )
@@ -193,14 +163,9 @@ class Schedulers:
         owner = state.session.session_id
         items = (*hold, *release)
         if not keys_pass_together([item.keys for item in items], engine, self._limits):
-            try:
-                for item in items:  # one of them fails: its own refusal
-                    check_keys(item.keys, engine, self._limits)
-            except Refused:
-                _refused_holds(state, hold)
-                raise
+            for item in items:  # one of them fails: its own refusal
+                check_keys(item.keys, engine, self._limits)
         cache.release_hold_tokens(owner, [(item.token, item.keys) for item in release])
-        note_released(state, release)
         # Missing keys, then those beyond the engine's or its tenant's budget.
         missing = cache.hold_tokens(
             namespace.name,
@@ -211,11 +176,6 @@ class Schedulers:
         )
         held = sum(len(item.keys) for item in hold) - len(missing)
         if missing:
-            not_held = set(missing)
-            for item in hold:
-                keys = not_held.intersection(item.keys)
-                if keys:
-                    note_unheld(state, item.token, keys)
             logger.info(
                 "%s: %d keys not held (not in the cache, or beyond the engine's share)",
                 state.session.describe(),
@@ -224,10 +184,3 @@ class Schedulers:
         if ack:
             cache.ack(owner, ack)
         return held, missing
-
-
-def _refused_holds(state: SessionState, hold: Sequence[HoldKeys]) -> None:
-    """A refused message took none of its holds (nor applied its releases)."""
-    for item in hold:
-        if item.keys:
-            note_unheld(state, item.token, item.keys)

@@ -39,10 +39,6 @@ class SessionState:
     peer: Peer = REMOTE  # who the kernel says the peer is (offloadd.peer)
     windows: tuple[FileWindow, ...] = ()  # its shared-memory files, reached by descriptor
     unsealed: tuple[FileWindow, ...] = ()  # those that could shrink: checked before each job
-    # A scheduler's load tokens -> keys it asked to hold that are not held (no room in its
-    # share, or the message was refused): while any, its Reserves' evictions wait for its
-    # acknowledgement like anyone's (``offloadd.server.schedulers.acker``).
-    unheld: dict[str, set[bytes]] = field(default_factory=dict)
 
 
 def silent_sessions(

@@ -30,9 +30,9 @@ no room in the engine's share) needs no answer, and neither does a hold late beh
 rank's ``Load(hold=token)``: the rank's load reads by key (the removed key's bytes too). A
 step that cannot be sent (no daemon, send refused, or ``MAX_UNANSWERED_STEPS`` unanswered)
 marks its stores skipped before the specs leave; its holds go with the next message, and a
-new session is sent the holds of every load not complete (``KeyMirror.loads``). The daemon
-frees the evictions of a scheduler's own Reserve at once only while that scheduler holds
-every key it asked to hold (``offloadd.server.schedulers.acker``).
+new session is sent the holds of every load not complete (``KeyMirror.loads``). The step's
+Reserve is posted (``Reserve.posted``): its evictions wait for this scheduler's
+acknowledgement, since its next step may look a key up before it read their removal.
 ``complete_store`` waits for nothing: a key the ranks stored answers ``HIT_PENDING`` until
 its commit reaches the mirror (a second at most).
 

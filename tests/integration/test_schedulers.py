@@ -646,11 +646,10 @@ def test_a_stopping_daemon_empties_the_mirrors_and_refuses_holds_and_reservation
         d.stop()
 
 
-def test_a_scheduler_that_holds_less_than_it_loads_acknowledges_its_own_evictions() -> None:
-    """A Reserve's evictions are freed at once for its own scheduler only while it holds
-    every key it asked to hold: after a hold that was not taken, they wait for its
-    acknowledgement (its mirror holds that back while the key's load runs), and the rank's
-    load by key still reads the evicted key's bytes."""
+def test_a_posted_reserves_evictions_wait_for_its_own_scheduler_and_stay_loadable() -> None:
+    """A posted Reserve's evictions are not acknowledged for its scheduler: its next step
+    may look a key up before it read the removal. Until the scheduler
+    acknowledges, a rank's load by key (its hold late, refused or lost) reads the bytes."""
     d = DaemonThread(
         capacity=4 * KEY_FOOTPRINT, limits=LimitsSettings(protected_fraction=1.0)
     ).start()
@@ -670,10 +669,17 @@ def test_a_scheduler_that_holds_less_than_it_loads_acknowledges_its_own_eviction
             return mirror_of(sched, seen)
 
         wait_for(lambda: mirror() == set(keys[:4]), sched)
-        # Request "r" loads a key the daemon does not hold for it (here: one it never had).
-        absent = chain_keys(1, b"absent")
-        assert sched.update_holds([HoldKeys("r", absent)]).missing == absent
-        assert sched.reserve(keys[4:5]).reserved == [0]  # evicts keys[0], the oldest
+        # Posted, as the vLLM plugin's step: it evicts keys[0], the oldest.
+        (reserve_id,) = sched.post_reserve(keys[4:5])
+        answers: list[object] = []
+
+        def answered() -> bool:
+            answers.extend(sched.take_answers())
+            return any(getattr(a, "request_id", None) == reserve_id for a in answers)
+
+        wait_for(answered, sched)
+        (reserved,) = [a for a in answers if isinstance(a, Reserved)]
+        assert reserved.reserved == [0]
         assert d.daemon.stats().used_bytes == 4 * KEY_FOOTPRINT  # kept: not acknowledged
         assert r.client is not None
         r.client.load(2, keys[:1], chunk_block_ids([10], BPC))  # by key, no hold
@@ -682,11 +688,12 @@ def test_a_scheduler_that_holds_less_than_it_loads_acknowledges_its_own_eviction
             r.pages(chunk_block_ids([10], BPC)), r.pages(chunk_block_ids([0], BPC)), strict=True
         ):
             assert got.equal(want)
-        # The load completed: released, the scheduler's own evictions free at once again.
-        sched.update_holds(release=[HoldKeys("r", absent)], ack=sched_seq(sched, seen))
-        assert sched.reserve(keys[5:6]).reserved == [0]
-        assert d.daemon.stats().used_bytes == 4 * KEY_FOOTPRINT
-        assert d.daemon.stats().committed_entries == 2  # keys[1] and keys[2]: 4 and 5 pend
+        # Acknowledged: the room goes to the reserved key, and keys[0] is gone.
+        wait_for(lambda: keys[0] not in mirror(), sched)
+        sched.update_holds(ack=sched_seq(sched, seen))
+        r.client.load(3, keys[:1], chunk_block_ids([20], BPC))
+        (done,) = r.client.wait([3], raise_on_failure=False)
+        assert not done.ok and done.failed_keys == keys[:1]
     finally:
         sched.close()
         r.close()
