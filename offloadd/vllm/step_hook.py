@@ -145,7 +145,8 @@ def report_load_failures(connector: Any, failures: LoadFailures, kv_cache_config
         requests, blocks = failures.take()
         if requests:
             results.failed_recving = set(results.failed_recving) | requests
-        taken.append(blocks)
+        if blocks:
+            taken.append(blocks)
         return results
 
     @functools.wraps(load_errors)
