@@ -620,7 +620,9 @@ def build_parser() -> _Parser:
     )
     bench.lazy_epilog = _bench_groups
     size = bench.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the short run (< 5 minutes)")
+    size.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (about 7 minutes on a 2-core VM)"
+    )
     size.add_argument(
         "--smoke",
         action="store_true",

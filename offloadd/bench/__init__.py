@@ -274,7 +274,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
+    size.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (about 7 minutes on a 2-core VM)"
+    )
     size.add_argument(
         "--smoke",
         action="store_true",
