@@ -29,13 +29,12 @@ class OffloaddStoreSpec(LoadStoreSpec):
 
 
 class OffloaddLoadSpec(LoadStoreSpec):
-    """Keys the scheduler holds under token ``hold`` until the load completes, for vLLM
-    request ``request`` (named when a failed load is reported for recompute)."""
+    """Keys the scheduler holds until the load completes, under token ``hold``: vLLM's
+    request id (a failed load is reported to vLLM for that request)."""
 
-    def __init__(self, keys: list[bytes], hold: str, request: str = "") -> None:
+    def __init__(self, keys: list[bytes], hold: str) -> None:
         self.keys = keys
         self.hold = hold
-        self.request = request or hold
 
     def __repr__(self) -> str:
         return f"OffloaddLoadSpec({len(self.keys)} keys, hold={self.hold!r})"

@@ -311,7 +311,7 @@ class OffloaddWorker(OffloadingWorker):
         assert isinstance(src_spec, OffloaddLoadSpec)
         segments = segments_for(src_spec.keys, dst_spec, self._bpc, self._group_ids)
         job = _Job(load=True, started=time.perf_counter())
-        job.request, job.expedited = src_spec.request, expedited
+        job.request, job.expedited = src_spec.hold, expedited
         job.redo = (list(src_spec.keys), dst_spec.block_ids.tolist(), segments)
         client = self._connected()
         if client is None:

@@ -423,16 +423,24 @@ def test_the_mirror_never_acknowledges_the_removal_of_a_key_being_loaded() -> No
     assert mirror.ackable == 9 and mirror.loads() == {}
 
 
-def test_a_snapshot_ends_the_barriers_of_the_session_before() -> None:
-    a = b"a" * 12
+A_KEY = b"a" * 12
+
+
+def _removed_while_loading(key: bytes) -> KeyMirror:
+    """A mirror whose key, loading for request "r1", was removed at seq 4 (held back at 3)."""
     mirror = KeyMirror(record_events=False)
-    mirror.apply([KeysChanged(3, [a], [], reset=True)])
-    mirror.start_loading("r1", [a])
-    mirror.apply([KeysChanged(4, [], [a])])
+    mirror.apply([KeysChanged(3, [key], [], reset=True)])
+    mirror.start_loading("r1", [key])
+    mirror.apply([KeysChanged(4, [], [key])])
     assert mirror.ackable == 3
-    mirror.apply([KeysChanged(1, [a], [], reset=True)])  # a restarted daemon, its own seq
+    return mirror
+
+
+def test_a_snapshot_ends_the_barriers_of_the_session_before() -> None:
+    mirror = _removed_while_loading(A_KEY)
+    mirror.apply([KeysChanged(1, [A_KEY], [], reset=True)])  # a restarted daemon, its own seq
     assert mirror.ackable == 1
-    mirror.apply([KeysChanged(2, [], [a])])  # still loading: held back again
+    mirror.apply([KeysChanged(2, [], [A_KEY])])  # still loading: held back again
     assert mirror.ackable == 1
 
 
@@ -449,11 +457,6 @@ def test_load_failures_are_reported_by_request_or_by_block() -> None:
 
 
 def test_a_cache_reset_forgets_the_loads_vllm_will_never_complete() -> None:
-    a = b"a" * 12
-    mirror = KeyMirror(record_events=False)
-    mirror.apply([KeysChanged(3, [a], [], reset=True)])
-    mirror.start_loading("r1", [a])
-    mirror.apply([KeysChanged(4, [], [a])])
-    assert mirror.ackable == 3
-    assert mirror.forget_loads() == {"r1": [a]}
+    mirror = _removed_while_loading(A_KEY)
+    assert mirror.forget_loads() == {"r1": [A_KEY]}
     assert mirror.ackable == 4 and mirror.loads() == {}

@@ -16,12 +16,9 @@ without a GPU. Each engine's rank has its own store, as each engine has its own 
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import (
-    CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
-)
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, LoadStoreSpec, OffloadingWorker
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
@@ -31,23 +28,9 @@ from tests.vllm.simple_spec import SimpleWorker
 class NativeCPUWorker(SimpleWorker):
     """Copies a job's blocks to or from the host chunks vLLM's manager chose."""
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
-        assert isinstance(dst_spec, CPULoadStoreSpec)
-        self._copy(job_id, src_spec, [int(c) for c in dst_spec.block_ids], store=True)  # type: ignore[misc]
-        return True
-
-    def submit_load(
-        self,
-        job_id: int,
-        src_spec: LoadStoreSpec,
-        dst_spec: GPULoadStoreSpec,
-        expedited: bool = False,
-    ) -> bool:
-        assert isinstance(src_spec, CPULoadStoreSpec)
-        self._copy(job_id, dst_spec, [int(c) for c in src_spec.block_ids], store=False)  # type: ignore[misc]
-        return True
+    def _chunks(self, spec: LoadStoreSpec) -> list[Any]:
+        assert isinstance(spec, CPULoadStoreSpec)
+        return [int(chunk) for chunk in spec.block_ids]
 
 
 class NativeCPUSpec(CPUOffloadingSpec):

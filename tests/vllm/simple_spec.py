@@ -222,8 +222,7 @@ class SimpleWorker(OffloadingWorker):
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        assert isinstance(dst_spec, SimpleLoadStoreSpec)
-        self._copy(job_id, src_spec, dst_spec.keys, store=True)
+        self._copy(job_id, src_spec, self._chunks(dst_spec), store=True)
         return True
 
     def submit_load(
@@ -233,9 +232,13 @@ class SimpleWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        assert isinstance(src_spec, SimpleLoadStoreSpec)
-        self._copy(job_id, dst_spec, src_spec.keys, store=False)
+        self._copy(job_id, dst_spec, self._chunks(src_spec), store=False)
         return True
+
+    def _chunks(self, spec: LoadStoreSpec) -> list[OffloadKey]:
+        """What names the host chunks of ``spec`` in the store (its keys here)."""
+        assert isinstance(spec, SimpleLoadStoreSpec)
+        return spec.keys
 
     def get_finished(self) -> list[TransferResult]:
         ready: list[TransferResult] = []
