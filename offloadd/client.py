@@ -344,6 +344,7 @@ class _ClientCore:
         lookups: Sequence[Sequence[bytes]],
         *,
         posted: bool = False,
+        touch: Sequence[bytes] = (),
     ) -> Reserve:
         """A Reserve with a ``Lookup`` per key run of ``lookups`` (numbered after it)."""
         request_id = self.next_id()
@@ -355,6 +356,7 @@ class _ClientCore:
             list(release),
             self.lookups(lookups),
             posted,
+            list(touch),
         )
 
     def update_holds(
@@ -363,10 +365,13 @@ class _ClientCore:
         release: Sequence[HoldKeys],
         ack: int,
         lookups: Sequence[Sequence[bytes]],
+        touch: Sequence[bytes] = (),
     ) -> UpdateHolds:
         """An UpdateHolds with its lookups, as ``reserve``."""
         request_id = self.next_id()
-        return UpdateHolds(request_id, list(hold), list(release), ack, self.lookups(lookups))
+        return UpdateHolds(
+            request_id, list(hold), list(release), ack, self.lookups(lookups), list(touch)
+        )
 
     def posted(self, request: Reserve | UpdateHolds | Ping) -> list[int]:
         """Book ``request``'s reply (and its lookups') for ``take_answers``; their ids."""
@@ -651,13 +656,15 @@ class OffloadClient:
         release: Sequence[HoldKeys] = (),
         ack: int = 0,
         lookups: Sequence[Sequence[bytes]] = (),
+        touch: Sequence[bytes] = (),
     ) -> list[int]:
         """(Scheduler) ``reserve`` without waiting, with a ``Lookup`` of each of ``lookups``
-        (key runs) in the same message. Returns the request ids whose replies arrive with
-        ``take_answers`` (the ``Reserved`` first, then one per lookup). Raises
-        DaemonUnavailable when it cannot be sent now (nothing is sent then)."""
+        (key runs) in the same message, and the committed keys in ``touch`` marked recently
+        used. Returns the request ids whose replies arrive with ``take_answers`` (the
+        ``Reserved`` first, then one per lookup). Raises DaemonUnavailable when it cannot be
+        sent now (nothing is sent then)."""
         return self._post_awaited(
-            self._core.reserve(keys, holds, release, ack, lookups, posted=True)
+            self._core.reserve(keys, holds, release, ack, lookups, posted=True, touch=touch)
         )
 
     def post_update_holds(
@@ -667,9 +674,10 @@ class OffloadClient:
         *,
         ack: int = 0,
         lookups: Sequence[Sequence[bytes]] = (),
+        touch: Sequence[bytes] = (),
     ) -> list[int]:
         """(Scheduler) ``update_holds`` without waiting; as ``post_reserve``."""
-        return self._post_awaited(self._core.update_holds(hold, release, ack, lookups))
+        return self._post_awaited(self._core.update_holds(hold, release, ack, lookups, touch))
 
     def post_ping(self) -> int:
         """Prove the session without waiting: its ``Ok`` (count 0: the daemon no longer knows
@@ -1083,6 +1091,7 @@ class AsyncOffloadClient:
         release: Sequence[HoldKeys] = (),
         ack: int = 0,
         lookups: Sequence[Sequence[bytes]] = (),
+        touch: Sequence[bytes] = (),
     ) -> list[int]:
         """(Scheduler) ``reserve`` without awaiting the reply, with a ``Lookup`` of each of
         ``lookups`` (key runs) in the same message. Returns the request ids whose replies the
@@ -1090,7 +1099,7 @@ class AsyncOffloadClient:
         Never suspends: raises DaemonUnavailable when the frame cannot be queued at once
         (nothing is sent then), as ``OffloadClient.post_reserve``."""
         return self._post_awaited(
-            self._core.reserve(keys, holds, release, ack, lookups, posted=True)
+            self._core.reserve(keys, holds, release, ack, lookups, posted=True, touch=touch)
         )
 
     async def post_update_holds(
@@ -1100,9 +1109,10 @@ class AsyncOffloadClient:
         *,
         ack: int = 0,
         lookups: Sequence[Sequence[bytes]] = (),
+        touch: Sequence[bytes] = (),
     ) -> list[int]:
         """(Scheduler) ``update_holds`` without awaiting the reply; as ``post_reserve``."""
-        return self._post_awaited(self._core.update_holds(hold, release, ack, lookups))
+        return self._post_awaited(self._core.update_holds(hold, release, ack, lookups, touch))
 
     async def post_ping(self) -> int:
         """Prove the session without awaiting the reply: its ``Ok`` (count 0: the daemon no

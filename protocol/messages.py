@@ -223,6 +223,10 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     # before it reads the removals this Reserve causes, so they wait for its acknowledgement
     # like anyone's. False: it reads them first, and they count as acknowledged by it.
     posted: bool = False
+    # Committed keys the scheduler's requests used without loading them (its GPU prefix cache
+    # had them): touched first, so a prefix one engine keeps using is not evicted from the
+    # cache other engines share. Keys not committed are skipped.
+    touch: list[bytes] = msgspec.field(default_factory=list)
 
 
 class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):
@@ -234,6 +238,7 @@ class UpdateHolds(msgspec.Struct, frozen=True, tag="holds"):
     release: list[HoldKeys] = msgspec.field(default_factory=list)
     ack: int = 0
     lookups: list[Lookup] = msgspec.field(default_factory=list)  # as in ``Reserve``
+    touch: list[bytes] = msgspec.field(default_factory=list)  # as in ``Reserve``
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

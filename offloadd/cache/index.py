@@ -1137,6 +1137,18 @@ class ChunkCache:
 
     # -- holds ------------------------------------------------------------------------------
 
+    def touch(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Mark the committed ``keys`` recently used, as a load does; returns how many were.
+        A scheduler's requests used them without loading them (its GPU prefix cache had
+        them), and another engine sharing the cache may need them next."""
+        table = self._tables.get(namespace, _NO_ROWS)
+        state = self._state.v
+        rows = [row for key in keys if (row := table.get(key)) is not None]
+        rows = [row for row in rows if state[row] & _COMMITTED]
+        if rows:
+            self._policy.touch(rows)
+        return len(rows)
+
     def hold(
         self,
         namespace: str,

@@ -117,7 +117,7 @@ class Schedulers:
         self._jobs.refuse_while_draining(len(request.keys))
         check_offloaded(request.keys, namespace)
         _held, missing = self._apply_holds(
-            state, engine, namespace, request.holds, request.release, request.ack
+            state, engine, namespace, request.holds, request.release, request.ack, request.touch
         )
         cache = self._cache
         owner = state.session.session_id
@@ -141,7 +141,7 @@ class Schedulers:
         engine, namespace = self._scheduler_checks(state)
         self._jobs.refuse_while_draining()
         held, missing = self._apply_holds(
-            state, engine, namespace, request.hold, request.release, request.ack
+            state, engine, namespace, request.hold, request.release, request.ack, request.touch
         )
         return HoldResult(request.request_id, held, missing)
 
@@ -158,6 +158,7 @@ class Schedulers:
         hold: list[HoldKeys],
         release: list[HoldKeys],
         ack: int,
+        touch: list[bytes],
     ) -> tuple[int, list[bytes]]:
         cache = self._cache
         owner = state.session.session_id
@@ -165,6 +166,9 @@ class Schedulers:
         if not keys_pass_together([item.keys for item in items], engine, self._limits):
             for item in items:  # one of them fails: its own refusal
                 check_keys(item.keys, engine, self._limits)
+        if touch:  # before this step's evictions: what its requests used stays
+            check_keys(touch, engine, self._limits)
+            cache.touch(namespace.name, touch)
         cache.release_hold_tokens(owner, [(item.token, item.keys) for item in release])
         # Missing keys, then those beyond the engine's or its tenant's budget.
         missing = cache.hold_tokens(

@@ -87,6 +87,7 @@ from offloadd.client import OffloadClient
 from offloadd.endpoint import nobody_listens
 from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed, error_from_reply
 from offloadd.vllm.mirror import KeyMirror
+from offloadd.vllm.prefix_use import PrefixUse
 from offloadd.vllm.probes import Probe, TierProbes
 from offloadd.vllm.stats import ManagerStats
 from offloadd.vllm.stores import StepStores, Stores
@@ -151,6 +152,7 @@ class OffloaddManager(OffloadingManager):
         self._stats = ManagerStats(config)
         self._acked = 0
         self._stores = Stores()  # what this scheduler stores, until the mirror shows it
+        self._prefix_use = PrefixUse()  # keys its requests use from the GPU, to touch
         self._holds: dict[str, list[bytes]] = {}  # not yet sent to the daemon
         self._welcome: object = None  # the session the mirror belongs to
         self._releases: dict[str, list[bytes]] = {}
@@ -243,12 +245,19 @@ class OffloaddManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Chunk-level offload: prefix hits are not stored again."""
+        self._prefix_use.started(req_context.req_id, req_context)
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._prefix_use.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Apply what arrived, then post the step's one message: its reservations, holds,
-        releases, acknowledgement and tier probes, before its specs reach the ranks. Waits
-        for nothing. A quiet step touches no socket (``_quiet``)."""
+        releases, acknowledgement, tier probes and the cached keys its new requests use
+        (``PrefixUse``: touched, they go with the next message that goes anyway), before its
+        specs reach the ranks. Waits for nothing. A quiet step touches no socket
+        (``_quiet``)."""
+        self._prefix_use.scheduled(context.new_req_ids, self._mirror.keys)
         if self._quiet():
             return
         self._read()
@@ -410,10 +419,17 @@ class OffloaddManager(OffloadingManager):
         try:
             if stores is not None:
                 ids = client.post_reserve(
-                    stores.keys, holds=holds, release=releases, ack=ack, lookups=probes
+                    stores.keys,
+                    holds=holds,
+                    release=releases,
+                    ack=ack,
+                    lookups=probes,
+                    touch=self._prefix_use.take(),
                 )
             elif holds or releases or probes:
-                ids = client.post_update_holds(holds, releases, ack=ack, lookups=probes)
+                ids = client.post_update_holds(
+                    holds, releases, ack=ack, lookups=probes, touch=self._prefix_use.take()
+                )
             elif ack > self._acked:
                 client.ack(ack)
                 ids = []

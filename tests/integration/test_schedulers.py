@@ -18,7 +18,7 @@ from offloadd.errors import InvalidRequest, RequestFailed
 from offloadd.settings import LimitsSettings
 from protocol.config import OffloadingGroupConfig
 from protocol.errors import ErrorCode
-from protocol.messages import HoldKeys, KeysChanged, Reserved, Segment
+from protocol.messages import Error, HoldKeys, KeysChanged, Reserved, Segment
 from tests.fakes import FakeCopyEngine
 from tests.integration.harness import (
     LAYERS,
@@ -704,3 +704,42 @@ def sched_seq(client: OffloadClient, seen: list[KeysChanged]) -> int:
     """The newest seq of the notices the scheduler applied (what its mirror acknowledges)."""
     seen.extend(client.take_notices())
     return max(notice.seq for notice in seen)
+
+
+def test_a_touched_key_outlives_an_older_use_when_room_is_needed() -> None:
+    """Keys a scheduler's requests used from the GPU (``touch``) count as used in the shared
+    cache: the next eviction takes the least recently used key instead. A touched key the
+    cache does not hold is skipped, not refused."""
+    d = DaemonThread(
+        capacity=4 * KEY_FOOTPRINT, limits=LimitsSettings(protected_fraction=1.0)
+    ).start()
+    r = rank(d.endpoint, seed=7)
+    sched = scheduler(d.endpoint)
+    try:
+        sched.wait_ready()
+        keys = chain_keys(6, b"t")
+        assert sched.reserve(keys[:4]).reserved == [0, 1, 2, 3]
+        store_reserved(r, 1, keys[:4], [0, 1, 2, 3])
+        seen: list[KeysChanged] = []
+
+        def mirror() -> set[bytes]:
+            seen.extend(sched.take_notices())
+            return mirror_of(sched, seen)
+
+        wait_for(lambda: mirror() == set(keys[:4]), sched)
+        (touch_id,) = sched.post_update_holds(touch=[keys[0], keys[5]])
+        answers: list[object] = []
+
+        def answered() -> bool:
+            answers.extend(sched.take_answers())
+            return any(getattr(a, "request_id", None) == touch_id for a in answers)
+
+        wait_for(answered, sched)
+        assert not any(isinstance(a, Error) for a in answers)
+        assert sched.reserve(keys[4:5]).reserved == [0]  # evicts one key: keys[1], not keys[0]
+        wait_for(lambda: len(mirror()) == 3, sched)
+        assert mirror() == {keys[0], keys[2], keys[3]}
+    finally:
+        sched.close()
+        r.close()
+        d.stop()
