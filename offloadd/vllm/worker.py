@@ -8,7 +8,7 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   without loads (before the forward pass), else after ``start_kv_transfers``: methods of the
   one calling ``OffloadingConnectorWorker`` instance, wrapped, not vLLM's classes, nor
   ``get_kv_transfer_group()`` (unset in some processes, a ``MultiConnector`` when connectors
-  are combined); see docs/design.md. The step's jobs also leave at the next call that needs
+  are combined); see docs/decisions.md. The step's jobs also leave at the next call that needs
   them sent: ``wait`` (synchronous loads, flushed stores) and ``get_finished`` (after the
   forward pass; all that is left to send where the hook could not be installed). One message
   per rank per step, whatever the batch, and no round trip: the daemon answers each job with
