@@ -65,7 +65,8 @@ class FakeCopyEngine:
       and wait while ``gate`` is clear (it starts set), to catch jobs mid-flight; ``started``
       is released as each reaches the gate. Other directions copy at once.
     - With ``manual``, nothing is copied: each ``submit`` appends a future to ``futures`` for
-      the test to resolve, and what it was handed to ``handed`` (direction, moves, event).
+      the test to resolve, and what it was handed to ``handed`` (direction, moves, event;
+      ``moves`` keeps each as it came, to copy it with ``inner``).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class FakeCopyEngine:
         self.started = threading.Semaphore(0)
         self.futures: list[Future[float]] = []
         self.handed: list[tuple[Direction, list[Triple], bytes | None]] = []
+        self.moves: list[Sequence[Triple]] = []  # each as handed over (a rank's windows kept)
 
     def submit(
         self,
@@ -105,6 +107,7 @@ class FakeCopyEngine:
             future: Future[float] = Future()
             self.futures.append(future)
             self.handed.append((direction, list(moves), wait_event))
+            self.moves.append(moves)
             return future
         if direction not in self.held:
             return self.inner.submit(direction, moves)

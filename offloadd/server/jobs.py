@@ -340,6 +340,14 @@ class Jobs:
                 return
             finished()
 
+        if future.done() and not store:
+            # Copied already (a small load, on this thread): its JobDone goes now, before
+            # anything planned after it (a step's stores), not a turn of the loop later.
+            try:
+                self._copies_finished(copy, future)
+            except Exception:
+                logger.exception("internal error ending a load copied at once")
+            return
         future.add_done_callback(on_done)
 
     def _not_started(self, copy: _Copy, exc: Exception) -> None:

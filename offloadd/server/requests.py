@@ -42,7 +42,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from itertools import accumulate, chain, groupby, repeat
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Reads
@@ -243,13 +243,19 @@ class CacheRequests:
             step = _Step(engine, namespace, self._checked_together(state, request.jobs, engine))
         except Refused as refused:
             problem = refused
-        with self._jobs.batch():
-            for loads, run in groupby(request.jobs, key=lambda job: isinstance(job, Load)):
-                if loads and step is not None:
-                    loaded = self._loads(state, cast(list[Load], list(run)), step)
+        # Loads first, as a copy of their own: a request's first token waits for them, a
+        # store can wait (vLLM orders neither against the other: they use other blocks).
+        loads = [job for job in request.jobs if isinstance(job, Load)]
+        stores = [job for job in request.jobs if not isinstance(job, Load)]
+        if loads:
+            with self._jobs.batch():
+                if step is not None:
+                    loaded = self._loads(state, loads, step)
                     started += sum(map(self._started, repeat(state), loaded))
                 else:
-                    started += sum(self._step_job(state, job, step, problem) for job in run)
+                    started += sum(self._step_job(state, job, step, problem) for job in loads)
+        with self._jobs.batch():
+            started += sum(self._step_job(state, job, step, problem) for job in stores)
         return Ok(request.request_id, started)
 
     def _checked_together(

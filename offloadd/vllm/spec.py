@@ -15,6 +15,11 @@ process: the scheduler asks it for a manager, each rank for a worker. Keys read 
 - ``offloadd_store_timeout``: seconds after which a store the daemon has not finished is given
   up (done, nothing cached; the daemon commits none of it later): how long a stalled daemon
   holds a request's GPU blocks (default 10, > 0).
+- ``offloadd_load_wait_ms``: how long ``get_finished`` waits, from their submit, for the loads
+  a rank sent in this step (default 2; 0: never waits). vLLM submits asynchronous loads after
+  it launched the forward pass and asks for them once it ended: on a GPU they are done by
+  then, but on a host where the forward pass ran before the submit (a CPU host), each load
+  would finish a whole step later for a turnaround of a millisecond or two.
 ``block_size`` / ``blocks_per_chunk``, ``namespace`` and ``private_cache`` are read by vLLM and
 the daemon as usual; ``canonical_layout: true`` (vLLM's parallelism-free host layout) makes each
 rank send its canonical page mappings with its regions, and engines of the same model in that
@@ -84,6 +89,12 @@ class OffloaddSpec(OffloadingSpec):
                 f"offloadd_store_timeout must be a finite number of seconds > 0, got "
                 f"{extra.get('offloadd_store_timeout')!r}"
             )
+        self.load_wait = float(extra.get("offloadd_load_wait_ms", 2.0)) / 1000
+        if not (math.isfinite(self.load_wait) and self.load_wait >= 0):
+            raise ValueError(
+                f"offloadd_load_wait_ms must be a finite number of milliseconds >= 0, got "
+                f"{extra.get('offloadd_load_wait_ms')!r}"
+            )
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -115,6 +126,7 @@ class OffloaddSpec(OffloadingSpec):
                 load_timeout=self.load_timeout,
                 timeout=self.timeout,
                 store_timeout=self.store_timeout,
+                load_wait=self.load_wait,
             )
             # The step's jobs leave once vLLM submitted them all (before the forward pass
             # where it can), not at get_finished: see step_hook.

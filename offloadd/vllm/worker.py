@@ -217,6 +217,7 @@ class OffloaddWorker(OffloadingWorker):
         load_timeout: float = 60.0,
         timeout: float = 10.0,
         store_timeout: float = 10.0,
+        load_wait: float = 0.0,
     ) -> None:
         self._config = config
         self._endpoint = endpoint
@@ -232,6 +233,7 @@ class OffloaddWorker(OffloadingWorker):
         self._device = next((t.tensor.device for t in kv_caches.tensors if t.tensor.is_cuda), None)
         self._load_timeout = load_timeout
         self._store_timeout = store_timeout
+        self._load_wait = load_wait  # get_finished waits this long for a step's loads
         self._warn_given_up = LogLimiter(logger)  # a frozen daemon gives up every store
         self._warn_load_failed = LogLimiter(logger)  # a daemon that lost its arena fails many
         self.load_failures = LoadFailures()  # reported to vLLM by step_hook's wrappers
@@ -342,6 +344,7 @@ class OffloaddWorker(OffloadingWorker):
             if self._jobs:
                 try:
                     client.poll(0)
+                    self._await_new_loads(client)
                 except OffloaddError as exc:
                     logger.warning("offloadd: poll failed: %s", exc)
                 self._collect(client)
@@ -349,6 +352,26 @@ class OffloaddWorker(OffloadingWorker):
             self._tend(client, posted=posted)
         results, self._results = self._results, []
         return results
+
+    def _await_new_loads(self, client: OffloadClient) -> None:
+        """Wait until the loads sent in the last ``offloadd_load_wait_ms`` are answered, or
+        that bound from the newest one's submit has passed (see ``offloadd.vllm.spec``)."""
+        if not self._load_wait:
+            return
+        finished = client.finished
+        while True:
+            newest = max(
+                (
+                    job.started
+                    for job_id, job in self._jobs.items()
+                    if job.load and job.sent and job_id not in finished
+                ),
+                default=None,
+            )
+            left = 0.0 if newest is None else newest + self._load_wait - time.perf_counter()
+            if left <= 0:
+                return
+            client.poll(max(left, 0.001))  # zmq waits whole milliseconds
 
     @_taking_turns
     def wait(self, job_ids: set[int]) -> None:

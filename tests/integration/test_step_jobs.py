@@ -12,7 +12,7 @@ import torch
 from offloadd.settings import LimitsSettings
 from offloadd.transfer.types import Direction
 from protocol.errors import ErrorCode
-from protocol.messages import JobDone, Load
+from protocol.messages import JobDone, Load, Store
 from tests.fakes import FakeCopyEngine
 from tests.integration.conftest import DaemonFactory
 from tests.integration.harness import Rank, chain_keys, chunk_block_ids, make_rank
@@ -167,4 +167,41 @@ def test_a_step_of_loads_of_many_shapes_moves_every_byte(
     assert all(result.ok for result in done), done
     for blocks, source in wanted:
         for got, want in zip(rank.pages(blocks), rank.pages(source), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_a_steps_loads_reach_the_copy_engine_ahead_of_its_stores(
+    daemon_factory: DaemonFactory, ranks: list[Rank]
+) -> None:
+    """Loads first: a request's first token waits for them, a store can wait. A step that
+    lists its stores first hands its loads to the copy engine first, and every byte of both
+    moves."""
+    engine = FakeCopyEngine()
+    rank = _stored(daemon_factory, ranks, copy_engine=engine)
+    client = rank.client
+    assert client is not None
+    engine.manual = True  # from here the test hands each copy over, in the order it came
+    stores = [Store(0, 300 + i, chain_keys(2, salt=b"new-%d" % i), _source(i)) for i in range(2)]
+    loads = _loads()
+    client.post_jobs([*stores, *loads])
+    while len(engine.handed) < 2:
+        client.poll(0.05)
+    assert [direction for direction, _moves, _event in engine.handed] == [
+        Direction.LOAD,
+        Direction.STORE,
+    ]
+    for future, (direction, _, _event), moves in zip(
+        engine.futures, engine.handed, engine.moves, strict=True
+    ):
+        future.set_result(engine.inner.submit(direction, moves).result(10))
+    ids = [store.job_id for store in stores] + [load.job_id for load in loads]
+    done = client.wait(ids, 10)
+    assert all(result.ok for result in done), done
+    _assert_loaded(rank, loads, done[len(stores) :])
+    engine.manual = False
+    check = [Load(0, 400 + i, store.keys, _destination(i)) for i, store in enumerate(stores)]
+    client.post_jobs(check)
+    assert all(result.ok for result in client.wait([load.job_id for load in check], 10))
+    for i in range(len(stores)):
+        for got, want in zip(rank.pages(_destination(i)), rank.pages(_source(i)), strict=True):
             assert torch.equal(got, want)

@@ -101,6 +101,39 @@ def test_load_starting_mid_chunk(tmp_path: Path, daemon: DaemonThread) -> None:
         assert h.assert_loaded_pages(b) == 3 * NUM_LAYERS
 
 
+def test_a_steps_loads_are_reported_by_its_own_get_finished_within_the_load_wait(
+    tmp_path: Path, daemon: DaemonThread
+) -> None:
+    """``offloadd_load_wait_ms``: vLLM submits a step's asynchronous loads after the forward
+    pass it launched and asks for them at once on a CPU host; get_finished waits for them
+    (here up to a minute: always met), so a loaded request runs a step sooner."""
+    extra = extra_for(daemon, block_size=BLOCK, offloadd_load_wait_ms=60_000)
+    with VllmHarness(tmp_path, extra) as h:
+        compute(h, A_PROMPT)
+        settle(h, 96 // BLOCK)
+        h.reset_prefix_cache()
+        worker = h.ranks[0].offloading_worker
+        submitted: list[int] = []
+        reported: list[list[int]] = []
+        submit_load, get_finished = worker.submit_load, worker.get_finished
+
+        def record_submit(job_id: int, *args: Any, **kwargs: Any) -> bool:
+            submitted.append(job_id)
+            return bool(submit_load(job_id, *args, **kwargs))
+
+        def record_finished() -> Any:
+            results = get_finished()
+            reported.append([result.job_id for result in results])
+            return results
+
+        worker.submit_load, worker.get_finished = record_submit, record_finished
+        b = compute(h, b_prompt(85))
+        (job,) = submitted
+        first_call = next(i for i, jobs in enumerate(reported) if job in jobs)
+        assert first_call == 0  # the get_finished right after its submit
+        assert h.assert_loaded_pages(b) == 80 // BLOCK * NUM_LAYERS
+
+
 def test_two_dp_engines_share_one_cache(tmp_path: Path, daemon: DaemonThread) -> None:
     extra = extra_for(daemon)
     with (
@@ -262,13 +295,24 @@ def test_stores_carry_a_deadline_only_on_a_shared_clock(
                 time.sleep(0.01)
 
 
-@pytest.mark.parametrize("value", [0, -1.0, "nan", "inf"])
-def test_a_store_timeout_that_is_not_a_positive_number_is_a_clear_error(
-    tmp_path: Path, value: object
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("offloadd_store_timeout", 0),
+        ("offloadd_store_timeout", -1.0),
+        ("offloadd_store_timeout", "nan"),
+        ("offloadd_store_timeout", "inf"),
+        ("offloadd_load_wait_ms", -1),
+        ("offloadd_load_wait_ms", "nan"),
+        ("offloadd_load_wait_ms", "inf"),
+    ],
+)
+def test_a_bound_that_is_not_a_finite_number_is_a_clear_error(
+    tmp_path: Path, name: str, value: object
 ) -> None:
     extra: dict[str, object] = {"spec_name": "OffloaddSpec", "spec_module_path": "offloadd.vllm"}
-    extra |= {"offloadd_endpoint": f"ipc://{tmp_path}/d.sock", "offloadd_store_timeout": value}
-    with pytest.raises(ValueError, match="offloadd_store_timeout must be"):
+    extra |= {"offloadd_endpoint": f"ipc://{tmp_path}/d.sock", name: value}
+    with pytest.raises(ValueError, match=f"{name} must be"):
         VllmHarness(tmp_path, extra)
 
 
