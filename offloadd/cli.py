@@ -1,5 +1,5 @@
 """The ``offloadd`` command line: ``serve``, ``status``, ``check-config``, ``demo``, ``events``,
-``bench``.
+``bench``, ``check-gpu``.
 
 A value a command cannot use is a usage error, reported before anything starts: one line on
 stderr that names the flag (or the setting and where its value came from) and exit status 2.
@@ -35,6 +35,7 @@ from offloadd.settings import (
     endpoint_problem,
     load_settings,
     log_level_problem,
+    parse_size,
     settings_toml,
 )
 
@@ -163,6 +164,19 @@ def _integer(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _size(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected at least {low} bytes, got {text!r}")
         return value
 
     return parse
@@ -462,6 +476,14 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(argv)
 
 
+def _check_gpu(args: argparse.Namespace) -> int:
+    from offloadd import gpu_check
+
+    fields = gpu_check.Options.__dataclass_fields__  # the flags' dests, by name
+    options = gpu_check.Options(**{k: v for k, v in vars(args).items() if k in fields})
+    return gpu_check.main(options)
+
+
 OVERVIEW = """\
 offloadd keeps a node's KV cache in host memory for the inference engines (vLLM) on it.
 Run one daemon per GPU node; engines connect to its socket through the plugin.
@@ -472,6 +494,7 @@ Run one daemon per GPU node; engines connect to its socket through the plugin.
   offloadd demo                       a daemon and simulated engines moving real bytes
   offloadd events                     follow the KV-cache events routers receive
   offloadd bench                      measure it against same-run baselines
+  offloadd check-gpu                  the CUDA path end to end on this GPU host, verified
 
 Settings come from built-in defaults < --config FILE (TOML) < OFFLOADD_<SECTION>__<KEY>
 environment variables < flags. systemd/offloadd.toml lists every setting at its default.
@@ -497,9 +520,9 @@ def _settings_epilog() -> str:
 
 
 def _bench_groups() -> str:
-    from offloadd.bench import groups_help
+    from offloadd.bench import ELSEWHERE, groups_help
 
-    return groups_help()
+    return f"{groups_help()}\n\n{ELSEWHERE[0].upper()}{ELSEWHERE[1:]}"
 
 
 def build_parser() -> _Parser:
@@ -641,6 +664,88 @@ def build_parser() -> _Parser:
         "shm_*_1MiB)",
     )
     bench.set_defaults(handler=_bench)
+
+    gpu = commands.add_parser(
+        "check-gpu",
+        help="the CUDA path end to end on this GPU host: stores and loads verified byte for "
+        "byte, GB/s next to a torch copy_ baseline",
+        description="offloadd's CUDA path end to end: a real daemon (copy engine cuda) on a "
+        "thread, two rank processes on GPU 0 registering CUDA KV tensors over IPC, stores and "
+        "loads verified byte for byte, GB/s next to a torch copy_ baseline measured in the "
+        "same run, job latency. Exit status 0 when every byte matched on a pinned, batched "
+        "copy path; 1 otherwise; 2 without CUDA (or for a bad flag).",
+    )
+    gpu.add_argument(
+        "--total",
+        type=_size(1),
+        metavar="SIZE",
+        default="4GiB",
+        help="bytes stored (and loaded), both ranks (default 4GiB)",
+    )
+    gpu.add_argument(
+        "--layers", type=_integer(1), metavar="N", default=32, help="KV layers per rank (32)"
+    )
+    gpu.add_argument(
+        "--page",
+        type=_size(1),
+        metavar="SIZE",
+        default="64KiB",
+        help="bytes moved per block per layer (default 64KiB; odd sizes such as 18KiB, 40KiB, "
+        "61KiB work)",
+    )
+    gpu.add_argument(
+        "--pad",
+        type=_size(0),
+        metavar="SIZE",
+        default="4KiB",
+        help="padding after each block's page, never copied (default 4KiB)",
+    )
+    gpu.add_argument(
+        "--arena",
+        type=_size(1),
+        metavar="SIZE",
+        default=0,
+        help="arena size (default: --total plus slack); above 64GiB the arena is pinned in "
+        "several pieces (needs that much /dev/shm and RAM)",
+    )
+    gpu.add_argument(
+        "--blocks-per-chunk",
+        type=_integer(1),
+        metavar="N",
+        default=16,
+        help="GPU blocks per cached chunk (16)",
+    )
+    gpu.add_argument(
+        "--chunks-per-job",
+        type=_integer(1),
+        metavar="N",
+        default=4,
+        help="chunks per store/load request (4)",
+    )
+    gpu.add_argument(
+        "--latency-jobs",
+        type=_integer(0),
+        metavar="N",
+        default=200,
+        help="single-chunk jobs timed one by one (200; 0 for none)",
+    )
+    gpu.add_argument(
+        "--contiguous", action="store_true", help="consecutive block ids (default: shuffled)"
+    )
+    gpu.add_argument(
+        "--allow-degraded",
+        action="store_true",
+        help="report, but do not fail, when copies are not batched or the arena not pinned",
+    )
+    gpu.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        default=240.0,
+        help="seconds for everything (default 240)",
+    )
+    gpu.add_argument("--json", type=_output_file, metavar="FILE", help="write the results as JSON")
+    gpu.set_defaults(handler=_check_gpu)
     return parser
 
 

@@ -3,7 +3,7 @@
 # 13, cuda-bindings, numpy, uvloop, xxhash, pytest and hypothesis already there): installs
 # what is missing from the wheels scripts/fetch-device-wheels.sh put in wheels/ (carried
 # along, as it is git-ignored), then runs the CUDA path end to end
-# (python3 -m offloadd.bench.gpu_check) and the tests marked gpu, plus the unit tests that
+# (python3 -m offloadd check-gpu) and the tests marked gpu, plus the unit tests that
 # hold offloadd's ctypes ABI against the node's cuda-bindings. Every step has a timeout and
 # the whole stays under 8 minutes; logs and results go to $OUT (./device-out without it),
 # a table of the steps comes last. Exit status: 0 when every step passed.
@@ -163,7 +163,7 @@ if step wheels 60 wheels.log install_wheels; then
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     step imports 45 environment.txt imports
     # Within about a minute on an H200; its own budget is --timeout.
-    step gpu_check 240 gpu_check.log "$python" -m offloadd.bench.gpu_check --timeout 200 \
+    step check-gpu 240 gpu_check.log "$python" -m offloadd check-gpu --timeout 200 \
         --json "$out/gpu_check.json"
     step "pytest -m gpu" 150 pytest.log pytest_run -m gpu --junitxml="$out/pytest-gpu.xml" tests
     step "pytest cuda" 60 pytest.log pytest_run tests/unit/test_cuda_batch.py \

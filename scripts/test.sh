@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-.venv/bin/ruff check protocol offloadd tests
-.venv/bin/ruff format --check protocol offloadd tests
+.venv/bin/ruff check protocol offloadd tests benchmarks
+.venv/bin/ruff format --check protocol offloadd tests benchmarks
 .venv/bin/mypy
 set +e
 # The vLLM plugin's tests run against the vLLM bootstrap.sh pinned, never skip (tests/vllm).

@@ -8,7 +8,7 @@ in the same run (``docs/design.md``, section 11). Not part of ``pytest``, but fo
 each still runs, not to measure: its figures are not held to their goals. It ends with one
 line per group on stderr, ``smoke: <group>: ran N rows in Ts`` (or ``skipped in Ts: why``,
 or ``FAILED in Ts: why``), and exits 1 when a group raised, gave a row without a figure, or
-gave no rows without saying why (``Context.skip``: vLLM, mooncake or the checkout missing).
+gave no rows without saying why (``Context.skip``: vLLM or mooncake missing).
 
 Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1MiB``):
 
@@ -29,12 +29,7 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``events``: KV events per second through EventPublisher -> Subscriber, every seq checked,
   vs raw PUB/SUB of same-size payloads.
 - ``vllm``: the vLLM plugin's scheduler-side cost per lookup and per scheduled request vs
-  vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed); and
-  ``vllm_step_64`` / ``vllm_step_256``: worker ms per step, messages per rank per step,
-  ``schedule()`` median and p99, the scheduler's messages inside ``schedule()``, store and
-  load latency with N requests storing (then loading) in one step, through vLLM's real
-  scheduler and worker connectors, vs an in-process spec, both engines alive and their
-  rounds taking turns (from a checkout: it uses tests/vllm's harness).
+  vLLM's own ``CPUOffloadingManager`` driven the same way (needs vLLM 0.33 installed).
 - ``checksum``: GB/s of the journal's shard checksum vs memmove of the same extents.
 - ``guarded``: GB/s of copies through a rank file's descriptor (pread/pwrite, what the cpu
   engine does) vs memmove through a mapping of the same file (``guarded_store_<page>``,
@@ -56,20 +51,14 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
   documents, each request a document plus its own chunks, several times the arena) on a
   daemon with a disk tier of 4x its arena vs one with the same arena alone, same requests
   interleaved (``tiers_hit_rate_disk4x``, ``tiers_request_time_disk4x``).
-- ``shared_cache``: two DP engines through vLLM's real scheduler and worker connectors on one
-  arena smaller than their working set, a prefix-sharing workload: the total chunk hit rate
-  vs an exact shared LRU of the same capacity over the same requests
-  (``shared_cache_hit_rate``; goal: ratio >= 0.9) and the keys refused vs those offered
-  (``shared_cache_refused``; goal: ratio <= 0.01). From a checkout, as ``vllm_step``.
-- ``vllm_trace``: the Mooncake conversation trace through vLLM's real scheduler and worker
-  connectors, one engine (``vllm_trace_1``) and two DP engines sharing a daemon
-  (``vllm_trace_dp2``), steps back to back, offloadd vs vLLM's own CPU spec on the same
-  requests in the same run: total hit over an exact LRU of the same capacity (goal >= 0.97),
-  engine steps, load and store latency (median, p99) of both; and the daemon's CPU per chunk
-  moved on that traffic (``daemon_cpu_per_chunk``). From a checkout, as ``vllm_step``.
 - ``sharing``: arena bytes per cached token of an MLA engine (latent replicated on every TP
   rank, stored once) at TP=1/2/4/8 vs one copy of the latent (``mla_bytes_per_token_tp<N>``;
   goal: 1.0, flat).
+
+The development benchmarks that drive vLLM's real scheduler and workers through the test
+harness (``vllm_step``, ``vllm_trace``, ``shared_cache``) are not here: the wheel carries no
+tests. They run from a checkout, ``python -m benchmarks``, with this runner (``main``'s
+``groups``).
 
 Progress goes to stderr, the table to stdout, the results (a list of
 ``{"name", "value", "unit", "baseline", "ratio", "params"}``) to ``--json``.
@@ -89,7 +78,7 @@ from dataclasses import dataclass, field
 
 from offloadd.bench._util import Context, Progress, Result, Scratch
 
-__all__ = ["GROUPS", "groups_help", "main", "name_problem"]
+__all__ = ["GROUPS", "Group", "format_table", "groups_help", "main", "name_problem"]
 
 
 @dataclass(frozen=True)
@@ -120,12 +109,6 @@ def _lookup(ctx: Context) -> list[Result]:
     return control.run_lookup(ctx) + control.run_under_stores(ctx)
 
 
-def _vllm_trace(ctx: Context) -> list[Result]:
-    from offloadd.bench import vllm_trace
-
-    return vllm_trace.run(ctx)
-
-
 def _handshake(ctx: Context) -> list[Result]:
     from offloadd.bench import control
 
@@ -145,12 +128,9 @@ def _bounds(ctx: Context) -> list[Result]:
 
 
 def _vllm(ctx: Context) -> list[Result]:
-    from offloadd.bench import vllm_manager, vllm_step
+    from offloadd.bench import vllm_manager
 
-    steps = vllm_step.run(ctx)  # first: its harness selects vLLM's CPU platform
-    if not any(ctx.wanted(name) for name in ("vllm_lookup_ns", "vllm_request_us")):
-        return steps
-    return vllm_manager.run(ctx) + steps
+    return vllm_manager.run(ctx)
 
 
 def _events(ctx: Context) -> list[Result]:
@@ -195,12 +175,6 @@ def _sharing(ctx: Context) -> list[Result]:
     return sharing.run(ctx)
 
 
-def _shared_cache(ctx: Context) -> list[Result]:
-    from offloadd.bench import shared_cache
-
-    return shared_cache.run(ctx)
-
-
 def _tiers(ctx: Context) -> list[Result]:
     from offloadd.bench import tiers
 
@@ -233,9 +207,9 @@ GROUPS = (
     Group("events", ("events_per_s",), _events, "KV events per second"),
     Group(
         "vllm",
-        ("vllm_lookup_*", "vllm_request_*", "vllm_step_*"),
+        ("vllm_lookup_*", "vllm_request_*"),
         _vllm,
-        "the vLLM plugin (needs vLLM; vllm_step_*: a checkout)",
+        "the vLLM plugin's scheduler side (needs vLLM)",
     ),
     Group("checksum", ("checksum_*",), _checksum, "the journal's shard checksum"),
     Group("guarded", ("guarded_*",), _guarded, "copies through a rank file's descriptor"),
@@ -244,33 +218,31 @@ GROUPS = (
     Group("mooncake", ("mooncake_*",), _mooncake, "the cluster tier (needs the mooncake extra)"),
     Group("tiers", ("tiers_*",), _tiers, "hit rate with a disk tier vs the arena alone"),
     Group("sharing", ("mla_bytes_per_token_*",), _sharing, "MLA arena bytes per token by TP"),
-    Group(
-        "vllm_trace",
-        ("vllm_trace_*", "daemon_cpu_per_chunk"),
-        _vllm_trace,
-        "the Mooncake trace through vLLM, vs its CPU spec (a checkout)",
-    ),
-    Group(
-        "shared_cache",
-        ("shared_cache_*",),
-        _shared_cache,
-        "two DP engines on one arena (needs vLLM and a checkout)",
-    ),
 )
 
 
-def groups_help() -> str:
+# What ``name_problem`` adds for a name none of ``offloadd bench``'s groups gives.
+ELSEWHERE = "the development benchmarks run from a checkout: python -m benchmarks --help"
+
+
+def _groups(groups: Sequence[Group] | None) -> Sequence[Group]:
+    """``groups``, or this module's ``GROUPS`` (read at call time: tests replace it)."""
+    return GROUPS if groups is None else groups
+
+
+def groups_help(groups: Sequence[Group] | None = None) -> str:
     """The groups, one a line: the epilog of ``--help`` here and in ``offloadd bench``."""
-    width = max(len(g.name) for g in GROUPS)
-    lines = [f"  {g.name.ljust(width)}  {g.about}" for g in GROUPS]
+    groups = _groups(groups)
+    width = max(len(g.name) for g in groups)
+    lines = [f"  {g.name.ljust(width)}  {g.about}" for g in groups]
     return "groups (for --only):\n" + "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(groups: Sequence[Group] | None, prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m offloadd.bench",
-        description="offloadd benchmarks: ratios against baselines measured side by side.",
-        epilog=groups_help(),
+        prog=prog,
+        description=description,
+        epilog=groups_help(groups),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     size = parser.add_mutually_exclusive_group()
@@ -284,13 +256,20 @@ def _parser() -> argparse.ArgumentParser:
         "group that fails, or runs nothing without saying why, makes the exit status 1",
     )
     parser.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
+
+    def only(word: str) -> str:
+        problem = name_problem(word, groups)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return word
+
     parser.add_argument(
         "--only",
-        type=_only,
+        type=only,
         nargs="+",
         metavar="NAME",
         default=[],
-        help="groups (" + ", ".join(g.name for g in GROUPS) + ") or result-name patterns",
+        help="groups (" + ", ".join(g.name for g in _groups(groups)) + ") or result-name patterns",
     )
     parser.add_argument(
         "--profile",
@@ -300,39 +279,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _selected(only: Sequence[str]) -> tuple[list[Group], list[str]]:
+def _selected(
+    only: Sequence[str], groups: Sequence[Group] | None = None
+) -> tuple[list[Group], list[str]]:
     """Groups to run and result-name patterns to keep (empty: all)."""
+    groups = _groups(groups)
     if not only:
-        return list(GROUPS), []
-    groups: list[Group] = []
+        return list(groups), []
+    chosen: list[Group] = []
     patterns: list[str] = []
     for word in only:
-        named = [g for g in GROUPS if g.name == word]
+        named = [g for g in groups if g.name == word]
         if named:
             patterns.extend(named[0].patterns)
         else:
             patterns.append(word)
-    for group in GROUPS:
+    for group in groups:
         if any(_overlaps(p, gp) for p in patterns for gp in group.patterns):
-            groups.append(group)
-    return groups, patterns
+            chosen.append(group)
+    return chosen, patterns
 
 
-def name_problem(word: str) -> str:
-    """Why ``--only word`` would select nothing, or ``""``."""
+def name_problem(word: str, groups: Sequence[Group] | None = None) -> str:
+    """Why ``--only word`` would select nothing among ``groups`` (default ``GROUPS``), or
+    ``""``."""
     if not word.strip():
         return f"expected a group or result name, got {word!r}"
-    if not _selected([word])[0]:
-        groups = ", ".join(g.name for g in GROUPS)
-        return f"no benchmark group or result matches {word!r} (groups: {groups})"
+    if not _selected([word], groups)[0]:
+        names = ", ".join(g.name for g in _groups(groups))
+        hint = f"; {ELSEWHERE}" if groups is None else ""
+        return f"no benchmark group or result matches {word!r} (groups: {names}){hint}"
     return ""
-
-
-def _only(word: str) -> str:
-    problem = name_problem(word)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return word
 
 
 def _overlaps(pattern: str, group_pattern: str) -> bool:
@@ -424,11 +401,18 @@ def _smoke_problem(results: Sequence[Result], skipped: Sequence[str], only: bool
     return ""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the selected benchmarks; print the table; write JSON. Returns an exit status."""
-    args = _parser().parse_args(argv)
-    groups, patterns = _selected(args.only)
-    if not groups:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    groups: Sequence[Group] | None = None,
+    prog: str = "python -m offloadd.bench",
+    description: str = "offloadd benchmarks: ratios against baselines measured side by side.",
+) -> int:
+    """Run the selected benchmarks of ``groups`` (default ``GROUPS``); print the table; write
+    JSON. Returns an exit status. ``python -m benchmarks`` runs its own groups through it."""
+    args = _parser(groups, prog, description).parse_args(argv)
+    chosen, patterns = _selected(args.only, groups)
+    if not chosen:
         print(f"no benchmark matches {args.only}", file=sys.stderr)
         return 2
     if args.profile:
@@ -441,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     started = time.perf_counter()
     try:
-        for group in groups:
+        for group in chosen:
             progress(f"{group.name}: start")
             skips = len(ctx.skipped)
             began = time.perf_counter()

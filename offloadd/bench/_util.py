@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
-import importlib
-import importlib.util
 import json
 import os
 import select
@@ -24,8 +22,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 from protocol.config import (
@@ -358,27 +354,6 @@ def one_group_config(
             is_parallelism_agnostic=True,
         ),
     )
-
-
-def checkout_modules(*names: str) -> list[ModuleType]:
-    """``tests.vllm.harness`` and then the test modules ``names``, imported from the checkout
-    this package runs from (the benchmarks that drive vLLM's own scheduler and workers);
-    ``ImportError`` saying why when this is an installed wheel or vLLM is missing (the
-    caller skips). Any other failure to import them is ``RuntimeError``: a checkout with
-    vLLM whose harness does not import is broken, and must not read as a skip."""
-    root = Path(__file__).resolve().parents[2]
-    checkout = root / "tests" / "vllm" / "harness.py"
-    if not checkout.is_file():
-        raise ImportError(f"no {checkout}")
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError("vLLM is not installed")
-    if str(root) not in sys.path:  # run from elsewhere (an editable install's console script)
-        sys.path.insert(0, str(root))
-    try:
-        # The harness first: importing it selects vLLM's CPU platform.
-        return [importlib.import_module(name) for name in ("tests.vllm.harness", *names)]
-    except ImportError as exc:
-        raise RuntimeError(f"{checkout.parent} does not import: {exc!r}") from exc
 
 
 def chain_keys(count: int, salt: bytes = b"", group: int = 0) -> list[bytes]:

@@ -1,13 +1,17 @@
-"""The built wheel: what lands in site-packages, and that ``offloadd bench`` runs from it.
+"""The built wheel: what lands in site-packages, that every module in it imports from it
+alone, and that ``offloadd bench`` runs from it.
 
 The wheel is built from a copy of the sources (so the checkout gets no build/ or egg-info),
 installed with ``pip install --target`` into a temporary directory, and run with only that
 directory on ``PYTHONPATH`` from a directory outside the checkout, so nothing can be
-imported from the checkout by accident.
+imported from the checkout by accident (the declared dependencies come from this
+interpreter's site-packages).
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +23,46 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The checkout's packages the wheel does not carry: nothing in it may need them.
+UNSHIPPED = ("tests", "benchmarks")
+# What an optional extra installs (vllm, mooncake, cuda12/13): a module of the plugin or of a
+# tier may not import where its extra is missing, and that is all it may miss.
+OPTIONAL = {"vllm", "mooncake", "cryptography", "cuda"}
+
+# Imports every module named in argv[2:], in this fresh interpreter, and prints a JSON report:
+# an import of tests or benchmarks fails as if they were absent (as on a node, even when this
+# interpreter could reach a checkout), and each module must come from argv[1].
+IMPORT_EVERY_MODULE = """
+import importlib, importlib.abc, json, sys, traceback
+
+target, names = sys.argv[1], sys.argv[2:]
+unshipped = {"tests", "benchmarks"}
+
+
+class Unshipped(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in unshipped:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the wheel)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Unshipped())
+report = {"imported": [], "missing": {}, "failed": {}, "elsewhere": {}}
+for name in names:
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        report["missing"][name] = [exc.name or "", traceback.format_exc()]
+        continue
+    except BaseException:
+        report["failed"][name] = traceback.format_exc()
+        continue
+    report["imported"].append(name)
+    where = getattr(module, "__file__", None) or ""
+    if not where.startswith(target):
+        report["elsewhere"][name] = where
+print(json.dumps(report))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +112,77 @@ def test_wheel_holds_only_offloadd_and_protocol(wheel_install: tuple[Path, Path]
         assert packages == {"offloadd", "protocol"}
     assert "offloadd/bench/__init__.py" in names
     assert "offloadd/bench/_servers.py" in names
+
+
+def _wheel_modules(wheel: Path) -> dict[str, str]:
+    """Every module in the wheel (dotted name -> its source), ``__main__`` modules aside:
+    importing one runs its command."""
+    modules = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if not name.endswith(".py") or name.endswith("/__main__.py"):
+                continue
+            dotted = name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            modules[dotted] = archive.read(name).decode()
+    return modules
+
+
+def test_no_module_in_the_wheel_names_the_tests_or_the_benchmarks(
+    wheel_install: tuple[Path, Path],
+) -> None:
+    """Statically: no import statement, no import call given a literal, no module-name
+    literal under ``tests`` or ``benchmarks``, in any module the wheel carries."""
+    wheel, _ = wheel_install
+    modules = _wheel_modules(wheel)
+    assert "offloadd.cli" in modules and "protocol.messages" in modules
+    offenders = []
+    for dotted, source in modules.items():
+        for node in ast.walk(ast.parse(source, dotted)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]  # import_module("tests.x"), a spec module path, ...
+            else:
+                continue
+            offenders += [
+                f"{dotted}:{node.lineno}: {name}"
+                for name in names
+                if name.split(".")[0] in UNSHIPPED and name.replace(".", "").isidentifier()
+            ]
+    assert offenders == []
+
+
+@pytest.mark.timeout(180)
+def test_every_module_in_the_wheel_imports_from_the_wheel_alone(
+    wheel_install: tuple[Path, Path], tmp_path: Path
+) -> None:
+    wheel, target = wheel_install
+    names = sorted(_wheel_modules(wheel))
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EVERY_MODULE, str(target), *names],
+        capture_output=True,
+        text=True,
+        env=_installed_env(target),
+        cwd=tmp_path,
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["failed"] == {}
+    assert report["elsewhere"] == {}
+    # Only a missing optional extra may keep a module from importing.
+    bad = {
+        name: trace
+        for name, (missing, trace) in report["missing"].items()
+        if missing.split(".")[0] not in OPTIONAL
+    }
+    assert bad == {}
+    assert set(report["imported"]) | set(report["missing"]) == set(names)
+    assert {"offloadd.cli", "offloadd.gpu_check", "offloadd.bench.vllm_manager"} <= set(
+        report["imported"]
+    )
 
 
 def test_bench_runs_from_the_installed_wheel(

@@ -8,8 +8,8 @@ process, so any exception fails the test.
 
 The flags are read from the argument parser itself, so a flag added later is swept too; if
 its empty or odd value is meant to be accepted, say so in DOCUMENTED_FLAGS. Nothing is ever
-started: the daemon, the event watcher, the demo, the status query and the benchmarks are
-replaced by recorders of what they would have been given.
+started: the daemon, the event watcher, the demo, the status query, the benchmarks and the
+GPU check are replaced by recorders of what they would have been given.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import pytest
 
 import offloadd.bench
 import offloadd.demo
+import offloadd.gpu_check
 import offloadd.server.process
 import offloadd.status
 from offloadd import cli
@@ -34,7 +35,10 @@ from offloadd.settings import ENV_PREFIX, Settings
 
 GARBAGE = "{garbage"
 # Where the generic garbage would be a fine value (a relative file name to write).
-GARBAGE_FOR = {("bench", "--json"): "/nonexistent-offloadd-dir/results.json"}
+GARBAGE_FOR = {
+    ("bench", "--json"): "/nonexistent-offloadd-dir/results.json",
+    ("check-gpu", "--json"): "/nonexistent-offloadd-dir/results.json",
+}
 # Arguments that make a command complete, swept flag aside (a later repeat of a flag wins).
 BASE_ARGS = {
     "check-config": ["--json"],
@@ -137,6 +141,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     monkeypatch.setattr(offloadd.demo, "main", named("demo"))
     monkeypatch.setattr(offloadd.status, "main", named("status"))
     monkeypatch.setattr(offloadd.bench, "main", named("bench"))
+    monkeypatch.setattr(offloadd.gpu_check, "main", named("check-gpu"))
     return record
 
 
@@ -163,7 +168,7 @@ def assert_refused(status: int, err: str, *names: str) -> None:
 
 def test_the_sweep_covers_every_command() -> None:
     commands = {command for command, _flag, _value in FLAG_CASES}
-    assert {"serve", "check-config", "status", "demo", "events", "bench"} <= commands
+    assert {"serve", "check-config", "status", "demo", "events", "bench", "check-gpu"} <= commands
     assert ("events", "--daemon") in set(_value_flags())  # sanity: later flags are read too
 
 
@@ -330,6 +335,30 @@ def test_bench_passes_smoke_and_refuses_it_with_quick(
     assert args == (["--smoke", "--only", "vllm"],)
     status, _out, err = run_cli(["bench", "--smoke", "--quick"], capsys)
     assert_refused(status, err, "--smoke", "--quick")
+
+
+def test_check_gpu_passes_its_options_with_sizes_in_bytes(
+    isolated: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _out, err = run_cli(["check-gpu"], capsys)
+    assert status == 0, err
+    assert recorder.last("check-gpu") == ((offloadd.gpu_check.Options(),), {})
+    results = str(isolated / "gpu.json")
+    argv = ["check-gpu", "--total", "1GiB", "--page", "18KiB", "--pad", "0", "--arena", "2GiB"]
+    argv += ["--latency-jobs", "0", "--contiguous", "--allow-degraded", "--json", results]
+    status, _out, err = run_cli(argv, capsys)
+    assert status == 0, err
+    (options,), _kwargs = recorder.last("check-gpu")
+    assert options == offloadd.gpu_check.Options(
+        total=1 << 30,
+        page=18 << 10,
+        pad=0,
+        arena=2 << 30,
+        latency_jobs=0,
+        contiguous=True,
+        allow_degraded=True,
+        json=results,
+    )
 
 
 def test_check_config_takes_serves_flags_and_names_them_as_sources(

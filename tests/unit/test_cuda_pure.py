@@ -1112,7 +1112,7 @@ def test_many_jobs_on_both_directions_and_devices(
 
 def run_script(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "offloadd.bench.gpu_check", *args],
+        [sys.executable, "-m", "offloadd", "check-gpu", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1123,7 +1123,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
 def test_gpu_check_shows_help() -> None:
     result = run_script("--help")
     assert result.returncode == 0, result.stderr
-    assert "gpu_check" in result.stdout and "--total" in result.stdout
+    assert "offloadd check-gpu" in result.stdout and "--total" in result.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["README.md", "pyproject.toml", "Makefile", "docs", "protocol", "offloadd", "tests",
-           "systemd", "scripts"]  # fmt: skip
+           "benchmarks", "systemd", "scripts"]  # fmt: skip
 # Places outside the repository that earlier text pointed to.
 OUTSIDE = ("../shared", "DESIGN.md", "reference/vllm.md", "reference/transport.md", "/work/")
 

@@ -2,7 +2,7 @@
 set: the cache keeps admitting. Both engines are vLLM's real scheduler and worker connectors
 (the harness), the daemon is a real one; every request's hits are loaded and every loaded page
 is checked. The total hit rate is compared with an exact shared LRU of the same capacity
-(``offloadd.bench.shared_cache.shared_lru_hits``, which the bench row of the same name
+(``benchmarks.shared_cache.shared_lru_hits``, which the bench row of the same name
 runs too, on the same workload) over the same requests, and the refused keys with the keys
 offered.
 """
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
-from offloadd.bench.shared_cache import (
+from benchmarks.shared_cache import (
     ARENA_CHUNKS,
     BLOCK,
     CHUNK_BYTES,

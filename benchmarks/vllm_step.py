@@ -2,16 +2,16 @@
 
 ``vllm_step_<N>``: rounds of N requests (two 16-token chunks each) prefill together, so
 their N stores reach the rank in one step, through vLLM 0.33's ``Scheduler`` and worker
-``OffloadingConnector`` (the test harness in ``tests/vllm/harness.py``: run from a checkout).
+``OffloadingConnector`` (the test harness in ``tests/vllm/harness.py``).
 Measured per rank, same run, offloadd (a daemon subprocess) beside the native in-process
 spec (``tests/vllm/simple_spec.py``: torch copies in the rank, what vLLM's CPU spec does
 without a GPU, as its worker cannot run on a CPU host), both over the same KV memory:
 memfds (``KV_MEMORY``). Both engines are built first and stay alive, and their rounds take
 turns (``_measure_together``), so a slow spell of the shared machine lands on both sides.
-The harness and the native spec are test code the wheel does not carry: they are found
-beside the package in a checkout (by module name, at run time) and the rows are skipped
-elsewhere. The built harnesses' heap is frozen for the collector as ``EngineCore`` freezes
-its own (see ``_startup_heap_frozen``).
+The harness and the native spec are test code the wheel does not carry, which is why this
+group lives in ``benchmarks`` (``python -m benchmarks --only vllm_step``, from a checkout);
+without vLLM its rows are skipped. The built harnesses' heap is frozen for the collector as
+``EngineCore`` freezes its own (see ``_startup_heap_frozen``).
 
 - value: worker ms per step (the time spent in the spec worker's ``submit_store``,
   ``submit_load``, ``get_finished`` and ``wait``, and offloadd's ``send_step``) in the step
@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from offloadd.bench._util import Context, Result, checkout_modules, median, percentile, ratio
+from benchmarks._harness import harness_modules
+from offloadd.bench._util import Context, Result, median, percentile, ratio
 from offloadd.bench.datapath import daemon
 
 BLOCK = 16
@@ -56,9 +57,9 @@ def run(ctx: Context) -> list[Result]:
     if not wanted:
         return []
     try:
-        harness, simple_spec = checkout_modules("tests.vllm.simple_spec")
+        harness, simple_spec = harness_modules("tests.vllm.simple_spec")
     except ImportError as exc:
-        ctx.skip("vllm_step", f"{exc}; run from a checkout with vLLM 0.33 installed")
+        ctx.skip("vllm_step", f"{exc}; install vLLM 0.33")
         return []
     # A run is as steady as its count of rounds: this machine's slow spells last about a
     # round (0.25 s at N=64, 1 s at N=256), one round's median step swinging 0.9-1.8 ms at
@@ -326,7 +327,7 @@ def _measure_together(
     """Both engines built and alive, their rounds taking turns (the first to go swaps each
     round): a slow spell of this shared machine lands on both sides, not on one."""
     with contextlib.ExitStack() as stack:
-        engines = []
+        engines: list[_Engine] = []
         for extra in extras:
             workdir = tempfile.TemporaryDirectory(prefix="offloadd-bench-vllm-")
             path = Path(stack.enter_context(workdir))

@@ -3,7 +3,7 @@
 ``shared_cache_hit_rate``: the chunk hit rate of a prefix-sharing workload (Zipf-popular
 documents of 4 chunks, each request one of them plus a chunk of its own, round robin over
 the two engines) through vLLM 0.33's real ``Scheduler`` and worker ``OffloadingConnector``
-(the test harness in ``tests/vllm/harness.py``: run from a checkout, as ``vllm_step``), both
+(the test harness in ``tests/vllm/harness.py``, as ``vllm_step``), both
 engines on one daemon subprocess. Baseline: an exact shared LRU of the arena's capacity over
 the same requests, computed in the same run (``shared_lru_hits``). Goal: within 10% of it.
 
@@ -28,7 +28,8 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from offloadd.bench._util import Context, Result, checkout_modules, ratio
+from benchmarks._harness import harness_modules
+from offloadd.bench._util import Context, Result, ratio
 
 __all__ = [
     "ARENA_CHUNKS",
@@ -97,9 +98,9 @@ def run(ctx: Context) -> list[Result]:
     if not any(ctx.wanted(name) for name in names):
         return []
     try:
-        (harness,) = checkout_modules()
+        (harness,) = harness_modules()
     except ImportError as exc:
-        ctx.skip("shared_cache", f"{exc}; run from a checkout with vLLM installed")
+        ctx.skip("shared_cache", f"{exc}; install vLLM 0.33")
         return []
     from offloadd.bench.datapath import daemon
     from offloadd.client import OffloadClient

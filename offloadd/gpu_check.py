@@ -1,7 +1,10 @@
-"""gpu_check: the CUDA path end to end on a GPU host, checked byte for byte, with a baseline.
+"""check-gpu: the CUDA path end to end on a GPU host, checked byte for byte, with a baseline.
 
-    python -m offloadd.bench.gpu_check [--total 4GiB] [--layers 32] [--page 64KiB]
-                                       [--pad 4KiB] [--arena 72GiB] [--json FILE]
+    offloadd check-gpu [--total 4GiB] [--layers 32] [--page 64KiB] [--pad 4KiB]
+                       [--arena 72GiB] [--json FILE]
+
+(``python -m offloadd check-gpu`` where the console script is not installed; the flags are
+``offloadd.cli``'s, which hands ``main`` an ``Options``.)
 
 What it does (within about a minute on an H200 at the defaults; the budget is 5 minutes):
 1. Measures the baseline in this process: ``torch`` ``copy_`` of ``--total`` bytes between
@@ -37,7 +40,6 @@ without CUDA.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -48,6 +50,8 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from offloadd.bench._util import chain_keys, one_group_config
@@ -58,58 +62,26 @@ PAD_MARKER = 0xA5
 WARMUP_CHUNKS = 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpu_check",
-        description=(
-            "offloadd's CUDA path end to end: a real daemon, two rank processes on one GPU "
-            "registering CUDA KV tensors over IPC, stores and loads verified byte for byte, "
-            "GB/s next to a torch copy_ baseline measured in the same run, job latency."
-        ),
-    )
-    parser.add_argument(
-        "--total", default="4GiB", help="bytes stored (and loaded), both ranks (default 4GiB)"
-    )
-    parser.add_argument("--layers", type=int, default=32, help="KV layers per rank (default 32)")
-    parser.add_argument(
-        "--page",
-        default="64KiB",
-        help="bytes moved per block per layer (default 64KiB; odd "
-        "sizes such as 18KiB, 40KiB, 61KiB work)",
-    )
-    parser.add_argument(
-        "--pad", default="4KiB", help="padding after each block's page, never copied (4KiB)"
-    )
-    parser.add_argument(
-        "--arena",
-        default="",
-        help="arena size (default: --total plus slack); above 64GiB "
-        "the arena is pinned in several pieces (needs that much /dev/shm and RAM)",
-    )
-    parser.add_argument(
-        "--blocks-per-chunk", type=int, default=16, help="GPU blocks per cached chunk (16)"
-    )
-    parser.add_argument(
-        "--chunks-per-job", type=int, default=4, help="chunks per store/load request (4)"
-    )
-    parser.add_argument(
-        "--latency-jobs", type=int, default=200, help="single-chunk jobs timed one by one (200)"
-    )
-    parser.add_argument(
-        "--contiguous", action="store_true", help="consecutive block ids (default: shuffled)"
-    )
-    parser.add_argument(
-        "--allow-degraded",
-        action="store_true",
-        help="report, but do not fail, when copies are not batched or the arena not pinned",
-    )
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds for everything")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    return parser
+@dataclass(frozen=True)
+class Options:
+    """What ``offloadd check-gpu`` was asked (its flags, sizes in bytes; see its ``--help``)."""
+
+    total: int = 4 << 30  # bytes stored (and loaded), both ranks
+    layers: int = 32  # KV layers per rank
+    page: int = 64 << 10  # bytes moved per block per layer
+    pad: int = 4 << 10  # padding after each block's page, never copied
+    arena: int = 0  # arena size; 0: --total plus slack
+    blocks_per_chunk: int = 16  # GPU blocks per cached chunk
+    chunks_per_job: int = 4  # chunks per store/load request
+    latency_jobs: int = 200  # single-chunk jobs timed one by one
+    contiguous: bool = False  # consecutive block ids (default: shuffled)
+    allow_degraded: bool = False  # report, but do not fail, a degraded copy path
+    timeout: float = 240.0  # seconds for everything
+    json: str | None = None  # where to write the results as JSON
 
 
 def _log(message: str) -> None:
-    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[check-gpu {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -410,7 +382,7 @@ class _Rank:
 # --- main ------------------------------------------------------------------------------------
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for index, row in enumerate(rows):
@@ -425,17 +397,16 @@ def _table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from offloadd.settings import format_size, parse_size
+def main(args: Options) -> int:
+    """Run the check (the module docstring); the exit status."""
+    from offloadd.settings import format_size
 
-    total = parse_size(args.total)
-    page, pad = parse_size(args.page), parse_size(args.pad)
+    total, page, pad = args.total, args.page, args.pad
     import torch
 
     if not torch.cuda.is_available():
         print(
-            "gpu_check: CUDA is not available here (torch sees no GPU); nothing to check",
+            "check-gpu: CUDA is not available here (torch sees no GPU); nothing to check",
             file=sys.stderr,
         )
         return 2
@@ -453,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"baseline copy_: store {base['store']:.1f} GB/s, load {base['load']:.1f} GB/s")
     shard = args.blocks_per_chunk * block_bytes
     extra = (WARMUP_CHUNKS + args.latency_jobs) * shard * RANKS
-    capacity = max(parse_size(args.arena) if args.arena else 0, total + total // 8 + extra)
+    capacity = max(args.arena, total + total // 8 + extra)
     capacity += 64 << 20
     daemon = DaemonThread(capacity)
     _log(f"starting the daemon (arena {format_size(capacity)})")
@@ -509,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if errors or len(results) != RANKS:
         for error in errors:
             print(error, file=sys.stderr)
-        print("gpu_check: FAILED (see above)", file=sys.stderr)
+        print("check-gpu: FAILED (see above)", file=sys.stderr)
         return 1
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
@@ -544,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{rate / base[phase]:.2f}",
             )
         )
-    latency_rows = [("latency", "jobs", "p50 ms", "p99 ms", "p50 not-DMA ms", "p99 not-DMA ms")]
+    latency_rows: list[tuple[str, ...]] = [
+        ("latency", "jobs", "p50 ms", "p99 ms", "p50 not-DMA ms", "p99 not-DMA ms")
+    ]
     for phase in ("store", "load"):
         per_rank = [r[f"latency_{phase}"] for r in results.values() if f"latency_{phase}" in r]
         if not per_rank:
@@ -576,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             handle.write("\n")
     load_waits = results[0]["load_wait_event"]
     print(
-        f"gpu_check: {RANKS} ranks x {args.layers} layers, {format_size(page)} pages + "
+        f"check-gpu: {RANKS} ranks x {args.layers} layers, {format_size(page)} pages + "
         f"{format_size(pad)} padding, {'contiguous' if args.contiguous else 'shuffled'} "
         f"blocks, arena {format_size(capacity)}, {daemon.engine_name}; stores wait on the "
         f"ranks' IPC event, loads {'too' if load_waits else 'after a synchronize (no '}"
@@ -600,7 +573,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copy path DEGRADED: {', '.join(degraded)}")
         failed = failed or not args.allow_degraded
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

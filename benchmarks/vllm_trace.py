@@ -5,8 +5,8 @@ vLLM's own CPU spec on the same requests, in the same run.
 daemon; native: two engines with half the memory each): the trace's first requests (2,000;
 quick 500; smoke 100), 4 arriving per step, steps back to back (no pause for the cache to
 drain), the geometry of ``tests/vllm/test_trace_soak.py`` (16-token blocks, one block per
-4 KiB chunk, 2,048 GPU blocks, 32 MiB of offload). From a checkout (``tests/vllm/trace.py``
-and its harness), as ``vllm_step``.
+4 KiB chunk, 2,048 GPU blocks, 32 MiB of offload), through ``tests/vllm/trace.py`` and its
+harness, as ``vllm_step``.
 
 - value: the total hit (prompt tokens not computed) over an exact LRU of the same capacity
   (``tests.vllm.trace.lru_hit``); baseline: the same for vLLM's CPU spec. Goal: >= 0.97.
@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offloadd.bench._util import Context, Result, checkout_modules, median, percentile, ratio
+from benchmarks._harness import harness_modules
+from offloadd.bench._util import Context, Result, median, percentile, ratio
+from protocol.messages import DaemonStats
 
 CAPACITY = 32 << 20
 REQUESTS = 2000
@@ -40,9 +42,9 @@ def run(ctx: Context) -> list[Result]:
     if not wanted and not cpu_wanted:
         return []
     try:
-        _harness, trace = checkout_modules("tests.vllm.trace")
+        _harness, trace = harness_modules("tests.vllm.trace")
     except ImportError as exc:
-        ctx.skip("vllm_trace", f"{exc}; run from a checkout with vLLM installed")
+        ctx.skip("vllm_trace", f"{exc}; install vLLM 0.33")
         return []
     from offloadd.bench.datapath import daemon
     from offloadd.client import OffloadClient
@@ -90,7 +92,7 @@ def _name(count: int) -> str:
     return "vllm_trace_1" if count == 1 else f"vllm_trace_dp{count}"
 
 
-def _chunks_moved(before: Any, after: Any, chunk_bytes: int) -> int:
+def _chunks_moved(before: DaemonStats, after: DaemonStats, chunk_bytes: int) -> int:
     moved = (after.bytes_stored - before.bytes_stored) + (after.bytes_loaded - before.bytes_loaded)
     return moved // chunk_bytes
 
