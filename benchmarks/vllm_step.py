@@ -24,6 +24,10 @@ without vLLM its rows are skipped. The built harnesses' heap is frozen for the c
   ``get_finished``) and load latency (the same for the loads of N later requests sharing
   those prompts, after a GPU prefix-cache reset: what a request's first token waits for)
   median in ms for both, and the ranges over rounds.
+- ``vllm_step_<N>_store_latency`` and ``vllm_step_<N>_steps``: continuous traffic as an
+  engine meets it (each round's loads are added as soon as its stores are submitted, steps
+  back to back, nothing waits for the daemon to commit): the store latency median, and the
+  engine steps to finish every measured round, against native.
 """
 
 from __future__ import annotations
@@ -112,7 +116,41 @@ def run(ctx: Context) -> list[Result]:
                     },
                 )
             )
+            results += _continuous_rows(n, ours, native)
     return results
+
+
+def _continuous_rows(
+    n: int, ours: dict[str, list[float]], native: dict[str, list[float]]
+) -> list[Result]:
+    """What an engine meets, steps back to back: the store latency (the job scheduled to
+    its report by the rank) and the engine steps to finish every round, against native."""
+    store, native_store = median(ours["latency_ms"]), median(native["latency_ms"])
+    steps, native_steps = sum(ours["round_steps"]), sum(native["round_steps"])
+    return [
+        Result(
+            f"vllm_step_{n}_store_latency",
+            store,
+            "ms",
+            native_store,
+            ratio(store, native_store),
+            {
+                "p99_ms": percentile(ours["latency_ms"], 99),
+                "native_p99_ms": percentile(native["latency_ms"], 99),
+                "steps": median(ours["latency_steps"]),
+                "native_steps": median(native["latency_steps"]),
+                "goal": "ratio <= 2",
+            },
+        ),
+        Result(
+            f"vllm_step_{n}_steps",
+            steps,
+            "steps",
+            native_steps,
+            ratio(steps, native_steps),
+            {"rounds": len(ours["round_steps"]), "goal": "ratio <= 1.2"},
+        ),
+    ]
 
 
 def _offloadd_extra(endpoint: str) -> dict[str, Any]:
@@ -243,6 +281,7 @@ class _Engine:
             "schedule_ms": [],
             "schedule_messages": [0.0],
             "step_ms": [],
+            "round_steps": [],
         }
         self.probe = _Probe(harness)
         self.in_schedule = _count_in_schedule(harness.offloading_manager)
@@ -285,11 +324,12 @@ class _Engine:
         for prompt in prompts:
             h.add_request(prompt, max_tokens=6)
         worker_ms: list[float] = []
-        mirrored = _mirrored(h)
+        steps = 0
         while h.has_work():
             probe.seconds, probe.stores, sent = 0.0, 0, probe.sent
             started = time.perf_counter()
             h.step()
+            steps += 1
             out["step_ms"].append((time.perf_counter() - started) * 1e3)
             messages = probe.sent - sent
             if index:
@@ -300,13 +340,17 @@ class _Engine:
                     out["store_step_messages"].append(messages)
         if index and worker_ms:
             out["worker_ms"].append(max(worker_ms))
-        _settle(h, mirrored + 2 * n)
-        # The loads: N requests sharing the prompts' two chunks, their GPU copies gone.
+        # The loads, at once (no wait for the daemon to commit: an engine steps on, and a
+        # key still committing answers HIT_PENDING): N requests sharing the prompts' two
+        # chunks, their GPU copies gone.
         h.reset_prefix_cache(zero_kv=False)
         for i, prompt in enumerate(prompts):
             h.add_request(prompt[: 2 * BLOCK] + _prompt(1_000_000 + index * n + i)[:5], 2)
         while h.has_work():
             h.step()
+            steps += 1
+        if index:
+            out["round_steps"].append(steps)
 
     def results(self) -> dict[str, list[float]]:
         out, probe = self.out, self.probe
@@ -374,21 +418,6 @@ def _latencies(
     return [(done[0] - at[0]) * 1e3 for at, done in pairs], [
         float(done[1] - at[1]) for at, done in pairs
     ]
-
-
-def _mirrored(h: Any) -> int:
-    """Keys offloadd's mirror shows (the native spec has none: its stores show at once)."""
-    mirror = getattr(h.offloading_manager, "_mirror", None)
-    return len(mirror.keys) if mirror is not None else 0
-
-
-def _settle(h: Any, chunks: int, seconds: float = 30.0) -> None:
-    """Until offloadd's mirror shows ``chunks`` keys, or ``seconds`` passed."""
-    if getattr(h.offloading_manager, "_mirror", None) is None:
-        return
-    deadline = time.monotonic() + seconds
-    while _mirrored(h) < chunks and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def _prompt(seed: int) -> list[int]:
