@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from offloadd import cli
+from offloadd.transfer import engine
 from offloadd.transfer.engine import CpuCopyEngine
 from offloadd.transfer.types import Direction, Triple
 
@@ -75,6 +76,7 @@ def main() -> int:
     parser.add_argument("--copies", choices=("gated", "wedged"), required=True)
     parser.add_argument("--gate")
     args, rest = parser.parse_known_args()
+    engine.INLINE_LOAD_BYTES = -1  # held copies: no load is copied at once, past the hold
     if args.copies == "gated":
         if args.gate is None:
             parser.error("--copies gated needs --gate PATH")
