@@ -1,4 +1,4 @@
-.PHONY: demo test serve mutate dist
+.PHONY: demo test serve mutate dist perf
 
 # Set-up happens inside each target (scripts/bootstrap.sh), so both work on a fresh machine.
 demo:
@@ -32,3 +32,12 @@ mutate:
 	.venv/bin/python -c 'import mutmut' 2>/dev/null || .venv/bin/pip install --quiet 'mutmut==3.8.*'
 	OFFLOADD_MUTATE=1 .venv/bin/mutmut run $(MUTANTS)
 	.venv/bin/mutmut results
+
+# docs/performance.md's table of the last run, from one quick run of both benchmarks (about
+# 12 minutes here); the JSON it renders stays in docs/bench/ (a test holds the table to it).
+perf:
+	scripts/bootstrap.sh
+	.venv/bin/offloadd bench --quick --json docs/bench/offloadd-bench.json
+	.venv/bin/python -m benchmarks --quick --json docs/bench/benchmarks.json
+	.venv/bin/python -m offloadd.bench.report docs/bench/offloadd-bench.json \
+		docs/bench/benchmarks.json --into docs/performance.md
