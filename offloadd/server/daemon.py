@@ -310,7 +310,9 @@ class Daemon:
             copy_engine=settings.server.copy_engine,
         )
         table = handlers(sessions, requests, jobs, schedulers, stats)
-        dispatch = Dispatcher(table, self._control, session_of=sessions.get)
+        dispatch = Dispatcher(
+            table, self._control, session_of=sessions.get, bounds=self.limits.message_problem
+        )
         return _Parts(
             announce, commit, jobs, sessions, requests, schedulers, tiers, stats, dispatch
         )

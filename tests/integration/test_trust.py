@@ -1585,3 +1585,86 @@ def test_the_bytes_one_users_sessions_map_are_bounded(
     # Sessions that ended map nothing any more.
     again = run_as(b, endpoint, "--engine", "map-3", "--store", "again")
     assert again.get("connected") and again["stored"] == 4, again
+
+
+# ---------------------------------------------------------------- issue 46: bounded work
+
+_OVERSIZED_STEPS = """
+import fcntl, json, os, sys, uuid
+import msgspec
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.handles import CanonicalPage, KVRegion, ShmHandle
+from protocol.messages import Hello, Lookup, Ping, Reserve, StepJobs, Store, decode_reply, encode
+from tests.integration.harness import LAYERS, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+identity = uuid.uuid4().bytes
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, identity)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+
+def replies_until_ping(request, ping_id):
+    # Every reply the request caused, counted up to the Ping sent after it.
+    sock.send(encode(request))
+    sock.send(encode(Ping(ping_id)))
+    got = []
+    while True:
+        assert sock.poll(60_000), "no answer"
+        reply = decode_reply(sock.recv())
+        rid = getattr(reply, "request_id", None)
+        if rid == ping_id:
+            return got
+        got.append((rid, getattr(reply, "code", None), getattr(reply, "message", "")))
+
+out = {}
+# No session: a step message of 5,000 nested lookups, then a StepJobs of 5,000 jobs.
+lookups = [Lookup(100 + i, []) for i in range(5000)]
+out["lookups"] = replies_until_ping(Reserve(5, [], lookups=lookups), 6)
+jobs = [Store(0, i, [], []) for i in range(5000)]
+out["jobs"] = replies_until_ping(StepJobs(7, jobs), 8)
+# A canonical Hello whose page of 1 MiB is copied in 1-byte fragments.
+page = 1 << 20
+fd = os.memfd_create("od-fragments", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, page)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+token = register(endpoint, identity, [fd]).token
+canonical = CanonicalPage(page, ((0, 0, 1, page, 1, 1),))
+region = KVRegion(ShmHandle("frag", 0, page, fd=0), 1, page, page, LAYERS, canonical)
+config = msgspec.structs.replace(
+    make_config(engine_id="fragments", tp=1, bytes_per_block=page), canonical_layout=True
+)
+out["hello"] = replies_until_ping(
+    Hello(9, PROTOCOL_VERSION, "worker", config, (region,), token=token), 10
+)
+print(json.dumps(out))
+"""
+
+
+def test_oversized_step_messages_and_canonical_pages_are_refused_before_their_work(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    limits = LimitsSettings()
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        report = _attack(_OVERSIZED_STEPS, daemon, b, shared)
+        # One answer each, TOO_LARGE, naming the bound; none of the 5,000 lookups or jobs was
+        # handled (each would have been answered NOT_REGISTERED, one by one).
+        [(rid, code, message)] = report["lookups"]
+        assert (rid, code) == (5, ErrorCode.TOO_LARGE), report["lookups"]
+        assert f"limits.lookups_per_message = {limits.lookups_per_message}" in message
+        [(rid, code, message)] = report["jobs"]
+        assert (rid, code) == (7, ErrorCode.TOO_LARGE), report["jobs"]
+        assert f"limits.jobs_per_message = {limits.jobs_per_message}" in message
+        [(rid, code, message)] = report["hello"]
+        assert (rid, code) == (9, ErrorCode.TOO_LARGE), report["hello"]
+        assert "limits.fragments_per_page" in message
+        # The victim is served: what A stored is found by another engine of A.
+        seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
+        assert seen["hits"] == 4, seen
+    assert "fragments" not in _admin_stats(daemon.endpoint)
