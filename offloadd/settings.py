@@ -224,6 +224,10 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     jobs together; ``fragments_per_page``: copy fragments (the runs' ``num_fragments``,
     summed) in one region's canonical page, and ``fragments_per_hello`` in all the regions of
     one Hello. Each is refused (``TOO_LARGE``) before any of its work is done.
+    ``socket_connections``: connections each ZeroMQ socket (control, events, replay) keeps
+    open, and ``socket_connections_per_uid`` of one uid (all tcp peers count as one); a
+    newcomer beyond is closed as soon as it is accepted. ``metrics_connections``: metrics
+    connections served at once. Together they stay below the descriptor limit.
     """
 
     regions_per_session: int = 1024
@@ -248,6 +252,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     keys_per_message: int = 1 << 20
     fragments_per_page: int = 1 << 16
     fragments_per_hello: int = 1 << 18
+    socket_connections: int = 4096
+    socket_connections_per_uid: int = 1024
+    metrics_connections: int = 64
 
 
 class DiskSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -932,6 +939,9 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "keys_per_message"): _at_least(1),
     ("limits", "fragments_per_page"): _at_least(1),
     ("limits", "fragments_per_hello"): _at_least(1),
+    ("limits", "socket_connections"): _at_least(1),
+    ("limits", "socket_connections_per_uid"): _at_least(1),
+    ("limits", "metrics_connections"): _at_least(1),
     ("disk", "path"): _disk_path_problem,
     ("mooncake", "master"): _master_problem,
     ("mooncake", "metadata"): _metadata_problem,

@@ -1668,3 +1668,80 @@ def test_oversized_step_messages_and_canonical_pages_are_refused_before_their_wo
         seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
         assert seen["hits"] == 4, seen
     assert "fragments" not in _admin_stats(daemon.endpoint)
+
+
+_IDLE_CONNECTIONS = """
+import encodings.idna, json, os, select, socket, sys, time
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+metrics, expected = sys.argv[5], json.loads(sys.argv[6])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+path = endpoint[len("ipc://"):]
+opened = {}
+for name, target in (("control", path), ("events", path + ".events")):
+    opened[name] = []
+    for _ in range(20):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(target)
+        opened[name].append(sock)
+host, port = metrics.rsplit(":", 1)
+opened["metrics"] = [socket.create_connection((host, int(port))) for _ in range(12)]
+closed = {name: 0 for name in opened}
+alive = {sock: name for name, socks in opened.items() for sock in socks}
+deadline = time.monotonic() + 8
+while closed != expected and time.monotonic() < deadline:
+    ready, _, _ = select.select(list(alive), [], [], 0.1)
+    for sock in ready:
+        try:
+            data = sock.recv(4096)  # libzmq's greeting, then the end of a refused one
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            closed[alive.pop(sock)] += 1
+print(json.dumps(closed), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_beyond_the_bounds_are_closed_and_the_victim_is_served(
+    users: dict[str, User], shared_dir: str
+) -> None:
+    limits = LimitsSettings(
+        socket_connections=16, socket_connections_per_uid=6, metrics_connections=4
+    )
+    daemon = DaemonThread(
+        endpoint=f"ipc://{shared_dir}/d.sock", socket_group=SHARED_GROUP, limits=limits
+    )
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        events=msgspec.structs.replace(EventSettings(), pod="test-pod"),
+        metrics=MetricsSettings(address="127.0.0.1:0"),
+    )
+    daemon.start()
+    try:
+        assert daemon.daemon is not None
+        metrics = daemon.daemon.metrics.address
+        a, b = users["odtrust-a"], users["odtrust-b"]
+        shared = grp.getgrnam(SHARED_GROUP).gr_gid
+        # Of B's 20 idle connections to each ZeroMQ socket, 6 are kept (its uid's bound);
+        # of its 12 to the metrics, 4 (served at once, all peers together).
+        expected = {"control": 14, "events": 14, "metrics": 8}
+        command = _attack_command(_IDLE_CONNECTIONS, daemon, b, shared)
+        attacker = subprocess.Popen(
+            [*command, metrics, json.dumps(expected)],
+            env=_ATTACK_ENV, cwd="/tmp", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert attacker.stdout is not None and attacker.stderr is not None
+            line = attacker.stdout.readline()
+            assert line, attacker.stderr.read()
+            assert json.loads(line) == expected
+            # While B holds its connections, A connects, stores and finds what it stored.
+            victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
+            assert victim.get("connected") and victim["stored"] == 4, victim
+            seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
+            assert seen["hits"] == 4, seen
+        finally:
+            attacker.communicate(timeout=60)
+    finally:
+        daemon.stop()

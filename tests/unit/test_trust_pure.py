@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from offloadd.cache.index import ChunkCache
+from offloadd.server.connections import Tally, nofile_problem
 from offloadd.server.limits import Limits, cache_bounds
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import RegistrationError, Registry
@@ -202,6 +203,21 @@ def test_canonical_fragments_are_counted_before_they_are_walked() -> None:
     assert "fragments_per_page" in Limits(LimitsSettings()).fragments_problem(
         [_canonical_region(1 << 40)]
     )
+
+
+def test_connections_are_bounded_per_uid_and_per_socket() -> None:
+    tally = Tally(per_socket=3, per_uid=2)
+    assert tally.accepted(10, 1001) and tally.accepted(11, 1001)
+    assert not tally.accepted(12, 1001) and "socket_connections_per_uid" in tally.problem(1001)
+    assert tally.accepted(13, 1002)
+    assert not tally.accepted(14, 1003) and "limits.socket_connections" in tally.problem(1003)
+    tally.closed(12)  # the refused one, closed by libzmq: nothing counted
+    tally.closed(10)
+    assert tally.accepted(15, 1003)
+    assert tally.accepted(11, 1003)  # fd 11 reused before its close was seen: B's is gone
+    assert tally.counts == {1002: 1, 1003: 2}
+    assert nofile_problem(3, 4096, 64, 65536) == ""
+    assert "LimitNOFILE" in nofile_problem(3, 4096, 64, 16384)
 
 
 def test_mapped_bytes_per_user() -> None:
