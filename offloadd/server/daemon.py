@@ -40,6 +40,7 @@ from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security
 from offloadd.server.announce import Announcer
 from offloadd.server.commit import Committer
+from offloadd.server.connections import ConnectionGate, nofile_problem, raise_nofile
 from offloadd.server.control import ControlSocket
 from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
@@ -124,6 +125,7 @@ class Daemon:
         self._events: PublisherSet | None = None
         self._parts: _Parts | None = None
         self._peers: PeerListener | None = None  # the registration socket (ipc:// only)
+        self._connections: ConnectionGate | None = None  # bounds the ZeroMQ sockets' peers
         self.tenancy = Tenancy(settings.tenancy)
         self.limits = Limits(settings.limits)
         self.registry = Registry(cluster_tenants=settings.mooncake.cluster_tenants())
@@ -189,7 +191,22 @@ class Daemon:
             )
             self._copy = self._copy or open_copy_engine(self._arena, cuda=cuda)
             self._ctx = zmq.asyncio.Context()
-            self._control.bind(self._ctx)
+            # libzmq aborts on a descriptor it cannot get: the soft limit up to the hard one,
+            # and each socket's connections bounded well below it.
+            nofile = raise_nofile()
+            limits = settings.limits
+            self._connections = ConnectionGate(
+                self._ctx, limits.socket_connections, limits.socket_connections_per_uid
+            )
+            self._control.bind(self._ctx, self._connections.watch)
+            problem = nofile_problem(
+                3 if settings.events.enabled else 1,
+                limits.socket_connections,
+                limits.metrics_connections if settings.metrics.address else 0,
+                nofile,
+            )
+            if problem:
+                logger.warning("connections may exhaust the descriptors: %s", problem)
             self._peers = listen_beside(self.endpoint, settings, asyncio.get_running_loop())
             if settings.events.enabled:
                 self._events = PublisherSet(
@@ -198,6 +215,7 @@ class Daemon:
                     socket_mode=settings.events.socket_mode,
                     socket_group=settings.events.socket_group,
                     buffer_bytes=settings.limits.event_buffer_bytes,
+                    watch=self._connections.watch,
                 )
                 self._events.start()
             self._parts = self._wire()
@@ -206,6 +224,7 @@ class Daemon:
                     settings.metrics.address,
                     socket_mode=settings.metrics.socket_mode,
                     socket_group=settings.metrics.socket_group,
+                    connections=settings.limits.metrics_connections,
                 )
         except BaseException:
             await self._drain_tiers()
@@ -310,7 +329,9 @@ class Daemon:
             copy_engine=settings.server.copy_engine,
         )
         table = handlers(sessions, requests, jobs, schedulers, stats)
-        dispatch = Dispatcher(table, self._control, session_of=sessions.get)
+        dispatch = Dispatcher(
+            table, self._control, session_of=sessions.get, bounds=self.limits.message_problem
+        )
         return _Parts(
             announce, commit, jobs, sessions, requests, schedulers, tiers, stats, dispatch
         )
@@ -380,6 +401,9 @@ class Daemon:
         if self._peers is not None:
             self._peers.close()
             self._peers = None
+        if self._connections is not None:
+            self._connections.close()  # its monitors before the context's term()
+            self._connections = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -21,6 +21,11 @@ Nested requests: a scheduler's step message (``Reserve``, ``UpdateHolds``) carri
 tier probes in ``lookups``; each is dispatched as if it arrived alone right after its carrier
 (its own rule, reply and errors), whether or not the carrier was refused.
 
+Size first: ``bounds(request)`` (``Limits.message_problem``) says why a request is too large
+for its size alone (lookups, jobs, keys); such a request is refused ``TOO_LARGE`` before its
+session is looked up, and none of its nested lookups or jobs is handled, so no message costs
+more work than the bounds allow, from a peer with a session or without.
+
 A handler's ``Refused`` is answered with an ``Error`` carrying its code, whatever the mode.
 Session rules: ``REQUIRED`` handlers get ``(state, request)`` and the session's last_seen is
 refreshed; ``OPTIONAL`` ones (GetStats, Ping) get ``(identity, state or None, request)``;
@@ -177,6 +182,7 @@ class Dispatcher:
         replies: Replies,
         *,
         session_of: Callable[[str], SessionState | None],
+        bounds: Callable[[Request], str] = lambda _request: "",
     ) -> None:
         differ = set(handlers) ^ set(TABLE)
         if differ:
@@ -185,6 +191,7 @@ class Dispatcher:
         self._handlers = dict(handlers)
         self._replies = replies
         self._session_of = session_of
+        self._bounds = bounds
 
     def __call__(self, identity: bytes, request: Request) -> None:
         """Handle ``request`` from ``identity`` and answer it as ``TABLE`` says."""
@@ -192,6 +199,10 @@ class Dispatcher:
         rule = TABLE.get(kind)
         if rule is None:
             self._refuse(identity, request, Refused(ErrorCode.MALFORMED, f"unexpected {kind}"))
+            return
+        problem = self._bounds(request)
+        if problem:
+            self._refuse(identity, request, Refused(ErrorCode.TOO_LARGE, problem))
             return
         try:
             self._dispatch(identity, request, rule, self._handlers[kind])
