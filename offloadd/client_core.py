@@ -543,6 +543,7 @@ class CurveKeys:
 def configure_dealer(
     sock: zmq.Socket[bytes] | zmq.asyncio.Socket, identity: bytes, curve: CurveKeys | None
 ) -> None:
+    """Set up a client's DEALER (either client's, or a heartbeat's) before it connects."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, identity)
     if curve is not None:
