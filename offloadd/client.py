@@ -48,7 +48,9 @@ from protocol.handles import KVRegion
 from protocol.messages import (
     Ack,
     Bye,
+    CacheListing,
     Clear,
+    ClearCache,
     DaemonStats,
     EngineReady,
     EngineState,
@@ -61,6 +63,7 @@ from protocol.messages import (
     JobDone,
     JobsDone,
     KeysChanged,
+    ListCache,
     Load,
     Lookup,
     LookupResult,
@@ -816,6 +819,24 @@ class OffloadClient:
         request = GetStats(self._core.next_id(), token)
         return self._core.expect(self._request(request), StatsResult).stats
 
+    def list_cache(self) -> CacheListing:
+        """What the cache holds per namespace and engine (``offloadd cache ls``); root and
+        the daemon's user only (else ``NotPermitted``). Works without Hello, as ``stats``."""
+        request = ListCache(self._core.next_id(), self._admin_token())
+        return self._core.expect(self._request(request), CacheListing)
+
+    def clear_cache(self, *, all: bool = False, namespace: str = "", engine_id: str = "") -> int:
+        """Drop every chunk (``all``), a namespace's or an engine's (``protocol.messages.
+        ClearCache``); returns how many. Who may: as ``list_cache``."""
+        request = ClearCache(self._core.next_id(), self._admin_token(), all, namespace, engine_id)
+        return self._core.expect(self._request(request), Ok).count
+
+    def _admin_token(self) -> bytes:
+        """A registration token, when no session says who this client is."""
+        if self._core.welcome is not None:
+            return b""
+        return self._core.registered(self.endpoint, self.timeout)
+
     def close(self, *, goodbye: bool = True) -> None:
         """Say goodbye (best effort) and close the sockets. Idempotent."""
         if self._closed:
@@ -1191,6 +1212,24 @@ class AsyncOffloadClient:
             token = await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
         reply = await self._request(GetStats(self._core.next_id(), token))
         return self._core.expect(reply, StatsResult).stats
+
+    async def list_cache(self) -> CacheListing:
+        """See ``OffloadClient.list_cache``."""
+        request = ListCache(self._core.next_id(), await self._admin_token())
+        return self._core.expect(await self._request(request), CacheListing)
+
+    async def clear_cache(
+        self, *, all: bool = False, namespace: str = "", engine_id: str = ""
+    ) -> int:
+        """See ``OffloadClient.clear_cache``."""
+        token = await self._admin_token()
+        request = ClearCache(self._core.next_id(), token, all, namespace, engine_id)
+        return self._core.expect(await self._request(request), Ok).count
+
+    async def _admin_token(self) -> bytes:
+        if self._core.welcome is not None:
+            return b""
+        return await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
 
     async def close(self, *, goodbye: bool = True) -> None:
         """Say goodbye (best effort), stop the tasks, close the socket. Idempotent."""
