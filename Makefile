@@ -1,4 +1,4 @@
-.PHONY: demo test serve mutate dist
+.PHONY: demo test serve mutate dist settings-doc
 
 # Set-up happens inside each target (scripts/bootstrap.sh), so both work on a fresh machine.
 demo:
@@ -21,6 +21,10 @@ dist:
 	$(PYTHON) -m pip wheel --disable-pip-version-check --quiet --no-deps -w dist .
 	rm -rf build
 	@ls dist/*.whl
+
+# docs/settings.md from the settings schema (tests/unit/test_settings_doc.py fails until rerun).
+settings-doc:
+	$(PYTHON) -m offloadd.settings_doc
 
 # Mutation testing of the pure core (cache index, policies, allocator, registry, config) with
 # their unit tests; mutmut's settings are in setup.cfg. One module at a time keeps a run short:

@@ -398,7 +398,7 @@ SETTINGS_EPILOG = """\
 Settings without a flag ({count}) are set in the --config file or as OFFLOADD_<SECTION>__<KEY>
 environment variables, e.g. OFFLOADD_SERVER__COPY_ENGINE=cuda: {names}.
 Sizes take units: 8GiB (binary), 8GB (decimal: 8e9 bytes); a bare 8G is refused. "" means
-the setting's default or "off", as each says.
+the setting's default or "off", as each says: docs/settings.md gives every setting's meaning.
 """
 
 
