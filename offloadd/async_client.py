@@ -28,6 +28,7 @@ from offloadd.errors import DaemonUnavailable, OffloaddError
 from protocol.config import OffloadingConfig
 from protocol.handles import KVRegion
 from protocol.messages import (
+    CacheListing,
     DaemonStats,
     EngineState,
     Hello,
@@ -286,10 +287,24 @@ class AsyncOffloadClient(ClientBase):
 
     async def stats(self) -> DaemonStats:
         """The daemon's counters (see ``OffloadClient.stats``)."""
-        token = b""
-        if self._core.welcome is None:
-            token = await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
-        return await self._call(self._core.stats_call(token))
+        return await self._call(self._core.stats_call(await self._admin_token()))
+
+    async def list_cache(self) -> CacheListing:
+        """See ``OffloadClient.list_cache``."""
+        return await self._call(self._core.list_cache_call(await self._admin_token()))
+
+    async def clear_cache(
+        self, *, all: bool = False, namespace: str = "", engine_id: str = ""
+    ) -> int:
+        """See ``OffloadClient.clear_cache``."""
+        token = await self._admin_token()
+        call = self._core.clear_cache_call(token, all=all, namespace=namespace, engine_id=engine_id)
+        return await self._call(call)
+
+    async def _admin_token(self) -> bytes:
+        if self._core.welcome is not None:
+            return b""
+        return await asyncio.to_thread(self._core.registered, self.endpoint, self.timeout)
 
     async def close(self, *, goodbye: bool = True) -> None:
         """Say goodbye (best effort), stop the tasks, close the socket. Idempotent."""

@@ -50,6 +50,7 @@ from offloadd.errors import DaemonUnavailable, OffloaddError
 from protocol.config import OffloadingConfig
 from protocol.handles import KVRegion
 from protocol.messages import (
+    CacheListing,
     DaemonStats,
     EngineState,
     Hello,
@@ -357,12 +358,26 @@ class OffloadClient(ClientBase):
     def stats(self) -> DaemonStats:
         """The daemon's counters (works without Hello: then registers, so the engines listed
         are those this user may see)."""
-        token = (
-            b""
-            if self._core.welcome is not None
-            else self._core.registered(self.endpoint, self.timeout)
+        return self._call(self._core.stats_call(self._admin_token()))
+
+    def list_cache(self) -> CacheListing:
+        """What the cache holds per namespace and engine (``offloadd cache ls``); root and
+        the daemon's user only (else ``NotPermitted``). Works without Hello, as ``stats``."""
+        return self._call(self._core.list_cache_call(self._admin_token()))
+
+    def clear_cache(self, *, all: bool = False, namespace: str = "", engine_id: str = "") -> int:
+        """Drop every chunk (``all``), a namespace's or an engine's (``protocol.messages.
+        ClearCache``); returns how many. Who may: as ``list_cache``."""
+        call = self._core.clear_cache_call(
+            self._admin_token(), all=all, namespace=namespace, engine_id=engine_id
         )
-        return self._call(self._core.stats_call(token))
+        return self._call(call)
+
+    def _admin_token(self) -> bytes:
+        """A registration token, when no session says who this client is."""
+        if self._core.welcome is not None:
+            return b""
+        return self._core.registered(self.endpoint, self.timeout)
 
     def close(self, *, goodbye: bool = True) -> None:
         """Say goodbye (best effort) and close the sockets. Idempotent."""

@@ -38,7 +38,9 @@ from protocol.handles import KVRegion
 from protocol.messages import (
     Ack,
     Bye,
+    CacheListing,
     Clear,
+    ClearCache,
     DaemonStats,
     EngineReady,
     EngineState,
@@ -51,6 +53,7 @@ from protocol.messages import (
     JobDone,
     JobsDone,
     KeysChanged,
+    ListCache,
     Load,
     Lookup,
     LookupResult,
@@ -323,6 +326,16 @@ class _ClientCore:
     def stats_call(self, token: bytes) -> Call[DaemonStats]:
         """``token``: a registration's, when the client has no session (b"" otherwise)."""
         return Call(GetStats(self.next_id(), token), self._stats)
+
+    def list_cache_call(self, token: bytes) -> Call[CacheListing]:
+        """``offloadd cache ls``; ``token`` as in ``stats_call``."""
+        return Call(ListCache(self.next_id(), token), self._answer(CacheListing))
+
+    def clear_cache_call(
+        self, token: bytes, *, all: bool, namespace: str, engine_id: str
+    ) -> Call[int]:
+        """``offloadd cache clear``; ``token`` as in ``stats_call``."""
+        return Call(ClearCache(self.next_id(), token, all, namespace, engine_id), self._count)
 
     def _answer(self, kind: type[R]) -> Callable[[Reply], R]:
         return lambda reply: self.expect(reply, kind)

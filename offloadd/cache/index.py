@@ -1410,6 +1410,17 @@ class ChunkCache:
         table = self._tables.get(namespace, _NO_ROWS)
         return [key for key, row in table.items() if state[row] & _COMMITTED]
 
+    def namespace_sizes(self) -> dict[str, tuple[int, int]]:
+        """Committed chunks and their bytes (all shards) of each namespace holding any."""
+        nbytes = np.asarray(self._nbytes, dtype=np.int64)
+        sizes: dict[str, tuple[int, int]] = {}
+        for name, table in self._tables.items():
+            rows = np.fromiter(table.values(), np.int64, len(table))
+            rows = rows[(self._state.a[rows] & _COMMITTED) != 0]
+            if len(rows):
+                sizes[name] = (len(rows), int(nbytes[self._shape.a[rows]].sum()))
+        return sizes
+
     def get(self, namespace: str, key: bytes) -> Entry | None:
         """The live entry (committed or pending) for ``key``, if any."""
         row = self._tables.get(namespace, _NO_ROWS).get(key)

@@ -1,18 +1,16 @@
 """The daemon's composition root: it builds the resources in order, wires the parts over
 them, serves, and closes them in the reverse order.
 
-Everything runs on one asyncio loop (uvloop when available) except byte copies (the copy
-engine's threads) and a cuda daemon's CUDA IPC imports (an import thread). How each request
-is answered, and on which thread, is declared once, in ``offloadd.server.dispatch``. The
-parts, one module each, get what they use in their constructors and never reach for each
-other: ``sessions`` (Hello, liveness), ``requests`` (Lookup, Store, Load, Release, Clear),
-``jobs`` (copies in flight, Wait, the drain), ``schedulers`` (Reserve, UpdateHolds, Ack),
-``announce`` (journal, key mirrors, KV events), ``stats`` (GetStats, metrics), ``tiers``
-(below the arena, built by ``storage.tier_slots``; drained before the arena is unmapped),
-``commit`` (a chunk's commit: sealed, visible, journaled, announced; the one pipeline rank
-stores and promotions end in). ``Daemon`` owns the resources (endpoint claim, arena,
-journal, handle table, copy engine, sockets, event publishers, metrics) and their order of
-start and close.
+Everything runs on one asyncio loop (uvloop if there) except byte copies (the copy engine's
+threads) and a cuda daemon's CUDA IPC imports (a thread). How each request is answered, and on
+which thread, is declared once, in ``offloadd.server.dispatch``. The parts, one module each, get
+what they use in their constructors, never reaching for each other: ``sessions`` (Hello,
+liveness), ``requests`` (Lookup, Store, Load, Release, Clear), ``jobs`` (copies in flight, Wait,
+the drain), ``schedulers`` (Reserve, UpdateHolds, Ack), ``announce`` (journal, key mirrors, KV
+events), ``stats`` (GetStats, metrics), ``admin`` (ListCache, ClearCache), ``tiers`` (below the
+arena, drained before it is unmapped), ``commit`` (a chunk's commit, where rank stores and
+promotions end). ``Daemon`` owns the resources (endpoint claim, arena, journal, handle table,
+copy engine, sockets, publishers, metrics) and the order they start and close in.
 
 Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT stops new
 jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
@@ -38,6 +36,7 @@ from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security
+from offloadd.server.admin import CacheAdmin
 from offloadd.server.announce import Announcer
 from offloadd.server.commit import Committer
 from offloadd.server.connections import ConnectionGate, nofile_problem, raise_nofile
@@ -328,7 +327,8 @@ class Daemon:
             arena=arena.path,
             copy_engine=settings.server.copy_engine,
         )
-        table = handlers(sessions, requests, jobs, schedulers, stats)
+        admin = CacheAdmin(cache, registry, announce, self.tenancy, requests.usage, self._peers)
+        table = handlers(sessions, requests, jobs, schedulers, stats, admin)
         dispatch = Dispatcher(
             table, self._control, session_of=sessions.get, bounds=self.limits.message_problem
         )

@@ -28,9 +28,9 @@ more work than the bounds allow, from a peer with a session or without.
 
 A handler's ``Refused`` is answered with an ``Error`` carrying its code, whatever the mode.
 Session rules: ``REQUIRED`` handlers get ``(state, request)`` and the session's last_seen is
-refreshed; ``OPTIONAL`` ones (GetStats, Ping) get ``(identity, state or None, request)``;
-``NONE`` (Hello) gets ``(identity, request)``. A request whose session is required but
-missing is refused with ``NOT_REGISTERED``.
+refreshed; ``OPTIONAL`` ones (GetStats, Ping, ListCache, ClearCache) get
+``(identity, state or None, request)``; ``NONE`` (Hello) gets ``(identity, request)``. A
+request whose session is required but missing is refused with ``NOT_REGISTERED``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ from protocol.messages import (
     Ack,
     Bye,
     Clear,
+    ClearCache,
     GetStats,
     Hello,
+    ListCache,
     Load,
     Lookup,
     Ping,
@@ -66,6 +68,7 @@ from protocol.messages import (
 )
 
 if TYPE_CHECKING:
+    from offloadd.server.admin import CacheAdmin
     from offloadd.server.jobs import Jobs
     from offloadd.server.requests import CacheRequests
     from offloadd.server.schedulers import Schedulers
@@ -106,6 +109,9 @@ TABLE: dict[type[Any], Rule] = {
     Hello: Rule(Mode.OFF_LOOP, Session.NONE),
     GetStats: Rule(Mode.NOW, Session.OPTIONAL),
     Ping: Rule(Mode.NOW, Session.OPTIONAL),
+    # An operator's (offloadd cache): no session needed, the sender's user decides.
+    ListCache: Rule(Mode.NOW, Session.OPTIONAL),
+    ClearCache: Rule(Mode.NOW, Session.OPTIONAL),
     Lookup: Rule(Mode.DEFERRED),
     Store: Rule(Mode.NOTICE),
     Load: Rule(Mode.NOTICE),
@@ -130,6 +136,7 @@ def handlers(
     jobs: Jobs,
     schedulers: Schedulers,
     stats: Stats,
+    admin: CacheAdmin,
 ) -> dict[type[Any], Callable[..., object]]:
     """The handler of each request type in ``TABLE``, called as its rule says."""
     return {
@@ -147,6 +154,8 @@ def handlers(
         UpdateHolds: schedulers.update_holds,
         Ack: schedulers.ack,
         Bye: sessions.bye,
+        ListCache: admin.list_cache,
+        ClearCache: admin.clear_cache,
     }
 
 

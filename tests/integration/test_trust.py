@@ -1347,6 +1347,41 @@ def test_who_reads_the_events_the_metrics_and_the_stats(
         assert stat.S_IMODE(os.stat(control + ".metrics").st_mode) == 0o600
 
 
+_CACHE_CLI = """
+import os, sys
+import offloadd.client, offloadd.errors  # what the command imports when it runs
+from offloadd.cli import build_parser, main
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+build_parser().parse_args(["cache", *sys.argv[5:]])  # argparse's own lazy imports
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+sys.exit(main(["cache", *sys.argv[5:], "--endpoint", endpoint]))
+"""
+
+
+def test_a_group_member_may_not_list_or_clear_the_cache(
+    users: dict[str, User], exposed_daemon: DaemonThread
+) -> None:
+    daemon = exposed_daemon
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        for argv in (["ls"], ["clear", "--all"], ["clear", "--engine", "victim"]):
+            command = [*_attack_command(_CACHE_CLI, daemon, b, shared), *argv]
+            done = subprocess.run(
+                command, env=_ATTACK_ENV, cwd="/tmp", capture_output=True, text=True,
+                timeout=120, check=False,
+            )  # fmt: skip
+            assert done.returncode == 1, (argv, done.stdout, done.stderr)
+            assert "only root and the daemon's user (uid 0)" in done.stderr, done.stderr
+            assert f"you are uid {b.uid}" in done.stderr and "victim" not in done.stdout
+        # Nothing was dropped: root (an admin) still lists A's four chunks.
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            listing = admin.list_cache()
+        assert [n.chunks for n in listing.namespaces] == [4]
+        assert [(e.engine_id, e.connected) for e in listing.engines] == [("victim", True)]
+
+
 _TOPICS = """
 import json, os, sys
 from offloadd.client import OffloadClient

@@ -21,9 +21,11 @@ from protocol.errors import ErrorCode
 from protocol.messages import (
     Bye,
     Clear,
+    ClearCache,
     GetStats,
     Hello,
     HoldResult,
+    ListCache,
     Lookup,
     LookupResult,
     Ok,
@@ -88,6 +90,8 @@ def test_every_request_of_the_wire_has_exactly_one_entry_with_a_mode() -> None:
         Hello,
         GetStats,
         Ping,
+        ListCache,
+        ClearCache,
     }
 
 
