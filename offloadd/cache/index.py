@@ -538,7 +538,7 @@ class ChunkCache:
 
     def protected_bytes(self, owner: str) -> int:
         """Bytes ``owner``'s pins (possibly expired), holds and reservations keep."""
-        return self._guards.ledger.owned(owner)
+        return self._guards.owned(owner)
 
     def room(self, account: Hashable | None, tenant: Hashable | None = None) -> float:
         """Bytes ``account`` (within ``tenant``) may still protect (``math.inf`` with no

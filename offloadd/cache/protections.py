@@ -15,7 +15,8 @@ the ledger. Contract of ``Protections``:
   starts its lease; ``end_reservation`` as it commits or leaves; ``release_reservations``
   and ``lapsed`` end an owner's, or those whose lease ended.
 - ``room(account, tenant, now)``: what an engine within its tenant may still protect,
-  expired pins dropped first (they protect nothing).
+  expired pins dropped first (they protect nothing); ``tenant_binds`` says which bound that
+  was, ``owned(owner)`` what an owner protects.
 
 Nothing here takes a row out of the index or frees it: a call that may leave a dead row
 unused returns the rows, and the cache releases them (``offloadd.cache.placement``).
@@ -28,7 +29,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 
 from offloadd.cache import lifecycle
-from offloadd.cache.ledger import Ledger
+from offloadd.cache.ledger import TENANT, Ledger
 from offloadd.cache.lifecycle import COMMITTED, DEAD, Event
 from offloadd.cache.rows import NO_ROWS, Rows
 from offloadd.cache.watchers import Watchers
@@ -59,7 +60,7 @@ class Protections:
     ) -> None:
         self._rows = rows
         self._watchers = watchers
-        self.ledger = Ledger(budget, tenant_budget)
+        self._ledger = Ledger(budget, tenant_budget)
         self.pins: dict[int, dict[str, float]] = {}
         self.owners: dict[str, set[int]] = {}  # owner -> rows it pins (a session's end)
         self.row_holds: dict[int, int] = {}
@@ -80,7 +81,7 @@ class Protections:
     def room(self, account: Hashable | None, tenant: Hashable | None, now: float) -> float:
         """The bytes ``account`` within ``tenant`` may still protect (no bound without
         either); their expired pins are dropped first."""
-        ledger = self.ledger
+        ledger = self._ledger
         if ledger.room(account, tenant) == _INF:
             return _INF
         for member in ledger.members(account, tenant):
@@ -93,6 +94,14 @@ class Protections:
                     if not ledger.bounded(member):
                         break  # its last bytes went: forgotten, heap and all
         return ledger.room(account, tenant)
+
+    def owned(self, owner: str) -> int:
+        """Bytes ``owner``'s pins (possibly expired), holds and reservations keep."""
+        return self._ledger.owned(owner)
+
+    def tenant_binds(self, account: Hashable | None, tenant: Hashable | None) -> bool:
+        """Whether ``room`` comes from the tenant's bound rather than the engine's."""
+        return self._ledger.binding(account, tenant) == TENANT
 
     def _cost(self, row: int) -> int:
         rows = self._rows
@@ -144,7 +153,7 @@ class Protections:
         if old is not None and expiry <= old:
             return
         pins[owner] = expiry
-        ledger = self.ledger
+        ledger = self._ledger
         if old is None:
             ledger.charge(owner, self._cost(row), account, tenant)
             self.owners.setdefault(owner, set()).add(row)
@@ -173,7 +182,7 @@ class Protections:
             if not pins:
                 self._unpin(row)
             owned.discard(row)
-            self.ledger.refund(owner, self._cost(row))
+            self._ledger.refund(owner, self._cost(row))
             dropped += 1
         if not owned:
             del self.owners[owner]
@@ -184,7 +193,7 @@ class Protections:
         owned = self.owners.pop(owner, None)
         if owned is None:
             return 0
-        refund, nbytes, shape_of = self.ledger.refund, self._rows.nbytes, self._rows.shape.v
+        refund, nbytes, shape_of = self._ledger.refund, self._rows.nbytes, self._rows.shape.v
         for row in owned:
             pins = self.pins[row]
             del pins[owner]
@@ -203,7 +212,7 @@ class Protections:
         owned.discard(row)
         if not owned:
             del self.owners[owner]
-        self.ledger.refund(owner, self._cost(row))
+        self._ledger.refund(owner, self._cost(row))
 
     def _unpin(self, row: int) -> None:
         del self.pins[row]
@@ -225,7 +234,7 @@ class Protections:
             owned.discard(row)
             if not owned:
                 del self.owners[owner]
-            self.ledger.refund(owner, cost)
+            self._ledger.refund(owner, cost)
         self._unpin(row)
 
     # -- holds ------------------------------------------------------------------------------
@@ -283,9 +292,9 @@ class Protections:
                 row_holds[row] = row_holds.get(row, 0) + 1
                 state[row] = lifecycle.step(state[row], _HOLD)
         if charged:
-            self.ledger.charge(owner, charged, account, tenant)
+            self._ledger.charge(owner, charged, account, tenant)
         if refunded:
-            self.ledger.refund(owner, refunded)
+            self._ledger.refund(owner, refunded)
         dead = [row for row, count in replaced if self._unhold(row, count)]
         return (missing + over if over else missing), touched, dead
 
@@ -319,14 +328,14 @@ class Protections:
                 if not tokens:
                     del self._hold_tokens[owner]
         if refunded:  # before the rows are let go: what they free is counted as free
-            self.ledger.refund(owner, refunded)
+            self._ledger.refund(owner, refunded)
         return len(unheld), [row for row in unheld if self._unhold(row, 1)]
 
     def release_holds(self, owner: str) -> tuple[int, list[int]]:
         """Drop every hold of ``owner``; returns how many keys and the dead rows unheld."""
         dropped = 0
         dead: list[int] = []
-        refund, nbytes, shape_of = self.ledger.refund, self._rows.nbytes, self._rows.shape.v
+        refund, nbytes, shape_of = self._ledger.refund, self._rows.nbytes, self._rows.shape.v
         for token in self._hold_tokens.pop(owner, set()):
             for row, count in self.holds.pop((owner, token)).values():
                 refund(owner, nbytes[shape_of[row]])
@@ -375,7 +384,7 @@ class Protections:
         self.reserved_by[row] = owner
         state = self._rows.state.v
         state[row] = lifecycle.step(state[row], _RESERVE)
-        self.ledger.charge(owner, self._cost(row), account, tenant)
+        self._ledger.charge(owner, self._cost(row), account, tenant)
         self._reservations.setdefault(owner, set()).add(row)
 
     def lease(self, rows: list[int], now: float) -> None:
@@ -392,7 +401,7 @@ class Protections:
             self._reserved_until.pop(row, None)
             state = self._rows.state.v
             state[row] = lifecycle.step(state[row], _UNRESERVE)
-            self.ledger.refund(owner, self._cost(row))
+            self._ledger.refund(owner, self._cost(row))
             reserved = self._reservations[owner]
             reserved.discard(row)
             if not reserved:
@@ -406,7 +415,7 @@ class Protections:
             del self.reserved_by[row]
             until.pop(row, None)
             state[row] = lifecycle.step(state[row], _UNRESERVE)
-            self.ledger.refund(owner, self._cost(row))
+            self._ledger.refund(owner, self._cost(row))
         return list(rows)
 
     def lapsed(self, now: float) -> list[int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 from offloadd.cache import lifecycle
-from offloadd.cache.ledger import TENANT
 from offloadd.cache.lifecycle import COMMITTED, DEAD, Event
 from offloadd.cache.placement import Placement
 from offloadd.cache.protections import Protections
@@ -200,7 +199,7 @@ class Stores:
             if len(within) < len(keys):
                 known = rows.tables.get(namespace, NO_ROWS)
                 beyond = sum(key not in known for key in keys[len(within) :])
-                tenants = guards.ledger.binding(account, tenant) == TENANT
+                tenants = guards.tenant_binds(account, tenant)
                 place.refuse(REFUSED_TENANT if tenants else REFUSED_BUDGET, beyond)
                 keys = within
         table = rows.tables.get(namespace, NO_ROWS)
