@@ -66,28 +66,13 @@ class Entry:
     removed from the index.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_final",
-        "_guards",
-        "_row",
-        "_rows",
-        "key",
-        "namespace",
-        "sizes",
-    )
+    # One reference to what it reads (its Handles), not two: a million live handles.
+    __slots__ = ("__weakref__", "_final", "_of", "_row", "key", "namespace", "sizes")
 
     def __init__(
-        self,
-        rows: Rows,
-        guards: Protections,
-        row: int,
-        namespace: str,
-        key: bytes,
-        sizes: tuple[int, ...],
+        self, of: Handles, row: int, namespace: str, key: bytes, sizes: tuple[int, ...]
     ) -> None:
-        self._rows = rows
-        self._guards = guards
+        self._of = of
         self._row = row  # -1 once the row was released
         self._final = (False, 0)  # (committed, written) when released
         self.namespace = namespace
@@ -98,12 +83,12 @@ class Entry:
     def committed(self) -> bool:
         """Every shard was written (stays True after removal)."""
         row = self._row
-        return self._final[0] if row < 0 else bool(self._rows.state.v[row] & COMMITTED)
+        return self._final[0] if row < 0 else bool(self._of.rows.state.v[row] & COMMITTED)
 
     @property
     def dead(self) -> bool:
         """Removed from the index: never visible again."""
-        return self._row < 0 or bool(self._rows.state.v[self._row] & DEAD)
+        return self._row < 0 or bool(self._of.rows.state.v[self._row] & DEAD)
 
     @property
     def offsets(self) -> list[int]:
@@ -111,14 +96,14 @@ class Entry:
         row = self._row
         if row < 0:
             return []
-        return self._rows.offsets_of(row)
+        return self._of.rows.offsets_of(row)
 
     def offset(self, shard: int) -> int:
         """``offsets[shard]``, without building the list (a load's plan reads one per key)."""
         row = self._row
         if row < 0:
             raise IndexError(f"{self!r}: its extents are freed")
-        return self._rows.shard_offset(row, shard)
+        return self._of.rows.shard_offset(row, shard)
 
     @property
     def written(self) -> int:
@@ -126,27 +111,27 @@ class Entry:
         row = self._row
         if row < 0:
             return self._final[1]
-        return self._rows.written_mask(row)
+        return self._of.rows.written_mask(row)
 
     @property
     def writing(self) -> int:
         """Bitmask of the shards being written."""
-        return self._rows.writing.get(self._row, 0) if self._row >= 0 else 0
+        return self._of.rows.writing.get(self._row, 0) if self._row >= 0 else 0
 
     @property
     def readers(self) -> int:
         """Loads in flight."""
-        return self._rows.readers.get(self._row, 0) if self._row >= 0 else 0
+        return self._of.rows.readers.get(self._row, 0) if self._row >= 0 else 0
 
     @property
     def holds(self) -> int:
         """Scheduler holds on it."""
-        return self._guards.row_holds.get(self._row, 0) if self._row >= 0 else 0
+        return self._of.guards.row_holds.get(self._row, 0) if self._row >= 0 else 0
 
     @property
     def pins(self) -> dict[str, float] | None:
         """Owner -> lease expiry, or None."""
-        return self._guards.pins.get(self._row) if self._row >= 0 else None
+        return self._of.guards.pins.get(self._row) if self._row >= 0 else None
 
     @property
     def nbytes(self) -> int:
@@ -165,11 +150,11 @@ class Handles:
     """The ``Entry`` handles given out, one per row while it is alive (see the module
     docstring). References of handles that died are swept out now and then."""
 
-    __slots__ = ("_guards", "_refs", "_rows", "_sweep_at")
+    __slots__ = ("_refs", "_sweep_at", "guards", "rows")
 
     def __init__(self, rows: Rows, guards: Protections) -> None:
-        self._rows = rows
-        self._guards = guards
+        self.rows = rows
+        self.guards = guards
         self._refs: dict[int, weakref.ref[Entry]] = {}
         self._sweep_at = _SWEEP_MIN
 
@@ -183,13 +168,11 @@ class Handles:
             entry = ref()
             if entry is not None:
                 return entry
-        rows = self._rows
+        rows = self.rows
         key = rows.keys[row]
         assert key is not None
         shape = rows.shape.v[row]
-        entry = Entry(
-            rows, self._guards, row, rows.namespaces[rows.ns.v[row]], key, rows.shapes[shape]
-        )
+        entry = Entry(self, row, rows.namespaces[rows.ns.v[row]], key, rows.shapes[shape])
         refs = self._refs
         refs[row] = weakref.ref(entry)
         if len(refs) >= self._sweep_at:
@@ -203,7 +186,7 @@ class Handles:
         ref = self._refs.pop(row, None)
         entry = ref() if ref is not None else None
         if entry is not None:
-            rows = self._rows
+            rows = self.rows
             entry._final = (bool(rows.state.v[row] & COMMITTED), rows.written_mask(row))
             entry._row = -1
 
