@@ -84,6 +84,19 @@ MEANINGS: dict[str, str] = {
     "disk.path": 'The disk tier\'s directory; "": no disk tier.',
     "events.enabled": "Publish KV-cache events.",
     "mooncake.protocol": 'How the cluster tier moves bytes: "tcp", or "rdma" (with rdma_devices).',
+    "limits.lookups_per_message": "Lookups one scheduler step message (Reserve, UpdateHolds) "
+    "may carry; more: refused TOO_LARGE whole, before any work.",
+    "limits.jobs_per_message": "Jobs in one StepJobs; more: refused TOO_LARGE whole.",
+    "limits.keys_per_message": "Keys in one message, every list of it and of its nested "
+    "Lookups or jobs together.",
+    "limits.fragments_per_page": "Copy fragments in one region's canonical page (a Hello "
+    "over it is refused before its files are opened).",
+    "limits.fragments_per_hello": "Copy fragments in all the canonical pages of one Hello.",
+    "limits.socket_connections": "Connections each ZeroMQ socket (control, events, replay) "
+    "keeps open; a newcomer beyond is closed as soon as it is accepted.",
+    "limits.socket_connections_per_uid": "The same for one uid (all tcp peers count as one).",
+    "limits.metrics_connections": "Connections the metrics server serves at once; idle ones "
+    "are closed after 10 s.",
 }
 
 

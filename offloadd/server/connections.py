@@ -257,3 +257,17 @@ class ConnectionGate:
                         tally.problem(uid),
                     )
         return alive
+
+
+def open_connection_gate(
+    ctx: zmq.Context[Any], limits: Any, sockets: int, metrics: int
+) -> ConnectionGate:
+    """The gate of a daemon's ZeroMQ sockets (``sockets`` of them; ``metrics``: the metrics
+    server's bound, 0 without one), after raising the soft descriptor limit to the hard one:
+    libzmq aborts on a descriptor it cannot get. Warns where the bounds could exhaust it."""
+    nofile = raise_nofile()
+    gate = ConnectionGate(ctx, limits.socket_connections, limits.socket_connections_per_uid)
+    problem = nofile_problem(sockets, limits.socket_connections, metrics, nofile)
+    if problem:
+        logger.warning("connections may exhaust the descriptors: %s", problem)
+    return gate

@@ -39,7 +39,7 @@ from offloadd.endpoint import EndpointClaim, check_tcp_security
 from offloadd.server.admin import CacheAdmin
 from offloadd.server.announce import Announcer
 from offloadd.server.commit import Committer
-from offloadd.server.connections import ConnectionGate, nofile_problem, raise_nofile
+from offloadd.server.connections import ConnectionGate, open_connection_gate
 from offloadd.server.control import ControlSocket
 from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
@@ -190,22 +190,13 @@ class Daemon:
             )
             self._copy = self._copy or open_copy_engine(self._arena, cuda=cuda)
             self._ctx = zmq.asyncio.Context()
-            # libzmq aborts on a descriptor it cannot get: the soft limit up to the hard one,
-            # and each socket's connections bounded well below it.
-            nofile = raise_nofile()
-            limits = settings.limits
-            self._connections = ConnectionGate(
-                self._ctx, limits.socket_connections, limits.socket_connections_per_uid
+            self._connections = open_connection_gate(
+                self._ctx,
+                settings.limits,
+                3 if settings.events.enabled else 1,
+                settings.limits.metrics_connections if settings.metrics.address else 0,
             )
             self._control.bind(self._ctx, self._connections.watch)
-            problem = nofile_problem(
-                3 if settings.events.enabled else 1,
-                limits.socket_connections,
-                limits.metrics_connections if settings.metrics.address else 0,
-                nofile,
-            )
-            if problem:
-                logger.warning("connections may exhaust the descriptors: %s", problem)
             self._peers = listen_beside(self.endpoint, settings, asyncio.get_running_loop())
             if settings.events.enabled:
                 self._events = PublisherSet(
@@ -248,15 +239,11 @@ class Daemon:
         assert cache is not None and arena is not None and mirrors is not None
         assert handles is not None and copy is not None
         announce = Announcer(
-            settings.events,
-            registry,
-            cache,
-            mirrors,
-            journal=self._journal,
-            events=self._events,
+            settings.events, registry, cache, mirrors,
+            journal=self._journal, events=self._events,
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
-        )
+        )  # fmt: skip
         commit = Committer(cache, announce, journal=self._journal)
         slots = self._tier_slots
         if slots is None:  # none given (tests): those the settings turn on
@@ -298,35 +285,18 @@ class Daemon:
             tier_names=list(tiers.names) if tiers is not None else [],
         )
         requests = CacheRequests(
-            settings,
-            registry,
-            cache,
-            arena,
-            mirrors,
-            jobs,
-            announce,
-            metrics=self.metrics,
-            limits=self.limits,
-            tiers=tiers,
-        )
+            settings, registry, cache, arena, mirrors, jobs, announce,
+            metrics=self.metrics, limits=self.limits, tiers=tiers,
+        )  # fmt: skip
         schedulers = Schedulers(registry, cache, mirrors, announce, jobs, limits=self.limits)
         schedulers.on_reserve_read(requests.waiting.wake)
         stats = Stats(
-            cache,
-            registry,
-            self.counters,
-            self.tenancy,
-            sessions=sessions,
-            jobs=jobs,
-            handles=handles,
-            events=self._events,
-            peers=self._peers,
-            tiers=tiers,
-            copy_path=copy_path(copy, arena),
-            started=self._started,
-            arena=arena.path,
+            cache, registry, self.counters, self.tenancy,
+            sessions=sessions, jobs=jobs, handles=handles, events=self._events,
+            peers=self._peers, tiers=tiers, copy_path=copy_path(copy, arena),
+            started=self._started, arena=arena.path,
             copy_engine=settings.server.copy_engine,
-        )
+        )  # fmt: skip
         admin = CacheAdmin(cache, registry, announce, self.tenancy, requests.usage, self._peers)
         table = handlers(sessions, requests, jobs, schedulers, stats, admin)
         dispatch = Dispatcher(
