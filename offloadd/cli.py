@@ -1,5 +1,5 @@
-"""The ``offloadd`` command line: ``serve``, ``status``, ``check-config``, ``demo``, ``events``,
-``bench``, ``check-gpu``.
+"""The ``offloadd`` command line: ``serve``, ``status``, ``cache``, ``check-config``, ``demo``,
+``events``, ``bench``, ``check-gpu`` (``cache``'s own module: ``offloadd.cache_admin``).
 
 A value a command cannot use is a usage error, reported before anything starts: one line on
 stderr that names the flag (or the setting and where its value came from) and exit status 2.
@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import difflib
 import logging
-import math
 import os
 import select
 import signal
@@ -24,18 +23,15 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from offloadd import __version__
+from offloadd import __version__, cache_admin
+from offloadd import cli_values as values
 from offloadd.settings import (
-    ENDPOINT_EXAMPLES,
     ENV_PREFIX,
     SETTINGS_SECTIONS,
     Settings,
     SettingsError,
     configure_logging,
-    endpoint_problem,
     load_settings,
-    log_level_problem,
-    parse_size,
     settings_toml,
 )
 
@@ -105,114 +101,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(BAD_SETTINGS, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-# --------------------------------------------------------------------------- value types
-# Each raises ArgumentTypeError, which argparse reports as "argument --flag: <message>".
-
-
-def _endpoint(text: str) -> str:
-    problem = endpoint_problem(text)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return text
-
-
-def _endpoint_or_none(text: str) -> str:
-    if text == "none":
-        return text
-    if endpoint_problem(text):
-        raise argparse.ArgumentTypeError(
-            f"expected an endpoint such as {ENDPOINT_EXAMPLES}, or 'none', got {text!r}"
-        )
-    return text
-
-
-def _endpoint_or_empty(text: str) -> str:
-    if text and endpoint_problem(text):
-        raise argparse.ArgumentTypeError(
-            f"expected an endpoint such as {ENDPOINT_EXAMPLES}, or '' for none, got {text!r}"
-        )
-    return text
-
-
-def _settings_file(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("expected a settings file, got ''")
-    try:
-        with open(text, "rb"):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror}") from None
-    return text
-
-
-def _output_file(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("expected a file to write, got ''")
-    directory = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(directory):
-        raise argparse.ArgumentTypeError(f"directory {directory!r} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write in {directory!r}")
-    return text
-
-
-def _integer(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _size(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = parse_size(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected at least {low} bytes, got {text!r}")
-        return value
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
-    return value
-
-
-def _log_level(text: str) -> str:
-    problem = log_level_problem(text)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return text.upper()
-
-
-def _bench_name(text: str) -> str:
-    from offloadd.bench import name_problem
-
-    problem = name_problem(text)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return text
-
-
 # --------------------------------------------------------------------------- settings
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=_settings_file, help="TOML settings file")
+    parser.add_argument("--config", type=values.settings_file, help="TOML settings file")
     for flag, (_section, _key, text) in SETTINGS_FLAGS.items():
         parser.add_argument(flag, help=text)
     parser.add_argument(
@@ -491,6 +384,7 @@ Run one daemon per GPU node; engines connect to its socket through the plugin.
   offloadd serve                      run the daemon (works with no settings file)
   offloadd check-config --preflight   check the settings and this machine before serving
   offloadd status                     what the running daemon holds, serves and refuses
+  offloadd cache ls | clear           what it caches per namespace and engine; drop it
   offloadd demo                       a daemon and simulated engines moving real bytes
   offloadd events                     follow the KV-cache events routers receive
   offloadd bench                      measure it against same-run baselines
@@ -504,7 +398,7 @@ SETTINGS_EPILOG = """\
 Settings without a flag ({count}) are set in the --config file or as OFFLOADD_<SECTION>__<KEY>
 environment variables, e.g. OFFLOADD_SERVER__COPY_ENGINE=cuda: {names}.
 Sizes take units: 8GiB (binary), 8GB (decimal: 8e9 bytes); a bare 8G is refused. "" means
-the setting's default or "off", as each says.
+the setting's default or "off", as each says: docs/settings.md gives every setting's meaning.
 """
 
 
@@ -555,16 +449,22 @@ def build_parser() -> _Parser:
         description="Ask a running daemon for its counters. Exits 1 when no daemon answers.",
     )
     status.add_argument(
-        "--endpoint", type=_endpoint, help="control endpoint (default: the one the settings give)"
+        "--endpoint",
+        type=values.endpoint,
+        help="control endpoint (default: the one the settings give)",
     )
     status.add_argument(
-        "--config", type=_settings_file, help="settings file to take the endpoint from"
+        "--config", type=values.settings_file, help="settings file to take the endpoint from"
     )
     status.add_argument("--json", action="store_true", help="print the stats as JSON")
     status.add_argument(
-        "--timeout", type=_seconds, default=3.0, help="seconds to wait for an answer (default 3)"
+        "--timeout",
+        type=values.seconds,
+        default=3.0,
+        help="seconds to wait for an answer (default 3)",
     )
     status.set_defaults(handler=_status)
+    cache_admin.add_command(commands.add_parser)
 
     check = commands.add_parser(
         "check-config",
@@ -587,17 +487,19 @@ def build_parser() -> _Parser:
 
     demo = commands.add_parser("demo", help="simulate engines against a daemon, verify bytes")
     demo.add_argument(
-        "--endpoint", type=_endpoint, help="use this running daemon instead of starting one"
+        "--endpoint", type=values.endpoint, help="use this running daemon instead of starting one"
     )
-    demo.add_argument("--engines", type=_integer(1), default=2, help="engines (default 2)")
-    demo.add_argument("--tp", type=_integer(1), default=2, help="ranks per engine (default 2)")
-    demo.add_argument("--chunks", type=_integer(1), default=64, help="chunks (default 64)")
-    demo.add_argument("--seed", type=_integer(0), default=0, help="seed of keys and bytes")
+    demo.add_argument("--engines", type=values.integer(1), default=2, help="engines (default 2)")
+    demo.add_argument(
+        "--tp", type=values.integer(1), default=2, help="ranks per engine (default 2)"
+    )
+    demo.add_argument("--chunks", type=values.integer(1), default=64, help="chunks (default 64)")
+    demo.add_argument("--seed", type=values.integer(0), default=0, help="seed of keys and bytes")
     demo.add_argument("--phase", choices=["store", "load", "both"], default="both")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.add_argument(
         "--events",
-        type=_endpoint_or_none,
+        type=values.endpoint_or_none,
         help="KV events endpoint to watch (default: where the daemon says it publishes; "
         "a tcp:// endpoint given here is replayed from port + 1); 'none' to skip",
     )
@@ -613,27 +515,31 @@ def build_parser() -> _Parser:
     )
     events.add_argument(
         "--endpoint",
-        type=_endpoint,
+        type=values.endpoint,
         help="PUB endpoint to subscribe to (default: the daemon's)",
     )
     events.add_argument(
         "--replay",
-        type=_endpoint_or_empty,
+        type=values.endpoint_or_empty,
         help="replay endpoint (default: the daemon's; with a tcp:// --endpoint, its port + 1; "
         "'' for none)",
     )
     events.add_argument(
         "--daemon",
-        type=_endpoint,
+        type=values.endpoint,
         metavar="ENDPOINT",
         help="control endpoint of the daemon to ask (default: the one the settings give)",
     )
     events.add_argument(
-        "--config", type=_settings_file, help="settings file to take the daemon's endpoint from"
+        "--config",
+        type=values.settings_file,
+        help="settings file to take the daemon's endpoint from",
     )
     events.add_argument("--topic", default="", help="topic prefix (default '': every topic)")
     events.add_argument("--json", action="store_true", help="one JSON object per event")
-    events.add_argument("--log-level", type=_log_level, help="DEBUG, INFO, WARNING (default), ...")
+    events.add_argument(
+        "--log-level", type=values.log_level, help="DEBUG, INFO, WARNING (default), ..."
+    )
     events.set_defaults(handler=_events)
 
     bench = commands.add_parser(
@@ -653,11 +559,11 @@ def build_parser() -> _Parser:
         "status 1 names the groups that failed",
     )
     bench.add_argument(
-        "--json", type=_output_file, metavar="FILE", help="also write the results as JSON"
+        "--json", type=values.output_file, metavar="FILE", help="also write the results as JSON"
     )
     bench.add_argument(
         "--only",
-        type=_bench_name,
+        type=values.bench_name,
         action="append",
         metavar="NAME",
         help="run only this group (listed below) or these results (a name pattern such as "
@@ -677,17 +583,17 @@ def build_parser() -> _Parser:
     )
     gpu.add_argument(
         "--total",
-        type=_size(1),
+        type=values.size(1),
         metavar="SIZE",
         default="4GiB",
         help="bytes stored (and loaded), both ranks (default 4GiB)",
     )
     gpu.add_argument(
-        "--layers", type=_integer(1), metavar="N", default=32, help="KV layers per rank (32)"
+        "--layers", type=values.integer(1), metavar="N", default=32, help="KV layers per rank (32)"
     )
     gpu.add_argument(
         "--page",
-        type=_size(1),
+        type=values.size(1),
         metavar="SIZE",
         default="64KiB",
         help="bytes moved per block per layer (default 64KiB; odd sizes such as 18KiB, 40KiB, "
@@ -695,14 +601,14 @@ def build_parser() -> _Parser:
     )
     gpu.add_argument(
         "--pad",
-        type=_size(0),
+        type=values.size(0),
         metavar="SIZE",
         default="4KiB",
         help="padding after each block's page, never copied (default 4KiB)",
     )
     gpu.add_argument(
         "--arena",
-        type=_size(1),
+        type=values.size(1),
         metavar="SIZE",
         default=0,
         help="arena size (default: --total plus slack); above 64GiB the arena is pinned in "
@@ -710,21 +616,21 @@ def build_parser() -> _Parser:
     )
     gpu.add_argument(
         "--blocks-per-chunk",
-        type=_integer(1),
+        type=values.integer(1),
         metavar="N",
         default=16,
         help="GPU blocks per cached chunk (16)",
     )
     gpu.add_argument(
         "--chunks-per-job",
-        type=_integer(1),
+        type=values.integer(1),
         metavar="N",
         default=4,
         help="chunks per store/load request (4)",
     )
     gpu.add_argument(
         "--latency-jobs",
-        type=_integer(0),
+        type=values.integer(0),
         metavar="N",
         default=200,
         help="single-chunk jobs timed one by one (200; 0 for none)",
@@ -739,12 +645,14 @@ def build_parser() -> _Parser:
     )
     gpu.add_argument(
         "--timeout",
-        type=_seconds,
+        type=values.seconds,
         metavar="SECONDS",
         default=240.0,
         help="seconds for everything (default 240)",
     )
-    gpu.add_argument("--json", type=_output_file, metavar="FILE", help="write the results as JSON")
+    gpu.add_argument(
+        "--json", type=values.output_file, metavar="FILE", help="write the results as JSON"
+    )
     gpu.set_defaults(handler=_check_gpu)
     return parser
 

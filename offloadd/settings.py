@@ -218,7 +218,16 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     connections a uid may hold open at once. ``descriptors_per_uid``: descriptors a uid's
     registrations (waiting or arriving) and live sessions may make the daemon hold, well
     below the unit's ``LimitNOFILE``. ``hello_bytes``: the largest encoded Hello, checked on
-    the raw frame before it is decoded.
+    the raw frame before it is decoded. ``lookups_per_message``: Lookups one scheduler step
+    message (Reserve, UpdateHolds) may carry; ``jobs_per_message``: jobs in one StepJobs;
+    ``keys_per_message``: keys in one message, every list of it and of its nested Lookups or
+    jobs together; ``fragments_per_page``: copy fragments (the runs' ``num_fragments``,
+    summed) in one region's canonical page, and ``fragments_per_hello`` in all the regions of
+    one Hello. Each is refused (``TOO_LARGE``) before any of its work is done.
+    ``socket_connections``: connections each ZeroMQ socket (control, events, replay) keeps
+    open, and ``socket_connections_per_uid`` of one uid (all tcp peers count as one); a
+    newcomer beyond is closed as soon as it is accepted. ``metrics_connections``: metrics
+    connections served at once. Together they stay below the descriptor limit.
     """
 
     regions_per_session: int = 1024
@@ -238,6 +247,14 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     connections_per_uid: int = 8
     descriptors_per_uid: int = 8192
     hello_bytes: int = 1 << 20
+    lookups_per_message: int = 4096
+    jobs_per_message: int = 4096
+    keys_per_message: int = 1 << 20
+    fragments_per_page: int = 1 << 16
+    fragments_per_hello: int = 1 << 18
+    socket_connections: int = 4096
+    socket_connections_per_uid: int = 1024
+    metrics_connections: int = 64
 
 
 class DiskSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -917,6 +934,14 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "connections_per_uid"): _at_least(1),
     ("limits", "descriptors_per_uid"): _at_least(1),
     ("limits", "hello_bytes"): _at_least(1024),
+    ("limits", "lookups_per_message"): _at_least(1),
+    ("limits", "jobs_per_message"): _at_least(1),
+    ("limits", "keys_per_message"): _at_least(1),
+    ("limits", "fragments_per_page"): _at_least(1),
+    ("limits", "fragments_per_hello"): _at_least(1),
+    ("limits", "socket_connections"): _at_least(1),
+    ("limits", "socket_connections_per_uid"): _at_least(1),
+    ("limits", "metrics_connections"): _at_least(1),
     ("disk", "path"): _disk_path_problem,
     ("mooncake", "master"): _master_problem,
     ("mooncake", "metadata"): _metadata_problem,

@@ -17,6 +17,8 @@ Conversation of one rank:
     Wait -> WaitResult (when the jobs are done or the timeout passes)
     Release / Clear / Ping / Bye -> Ok
     GetStats -> StatsResult
+An operator's tool (no session needed, root and the daemon's user only):
+    ListCache -> CacheListing; ClearCache -> Ok(chunks dropped)
 Any request may instead be answered by Error(code, message, request_id).
 """
 
@@ -262,6 +264,33 @@ class StepJobs(msgspec.Struct, frozen=True, tag="step_jobs"):
     jobs: list[Store | Load] = msgspec.field(default_factory=list)
 
 
+class ListCache(msgspec.Struct, frozen=True, tag="cache_ls"):
+    """Ask what the cache holds per namespace and per engine (``offloadd cache ls``).
+
+    Root and the daemon's user only (others: ``NOT_PERMITTED``): it names every tenant's
+    engines. A sender without a session passes a registration ``token``, as for GetStats.
+    """
+
+    request_id: int
+    token: bytes = b""
+
+
+class ClearCache(msgspec.Struct, frozen=True, tag="cache_clear"):
+    """Drop cached chunks (``offloadd cache clear``): every chunk (``all``), those of
+    ``namespace``, or those of the namespace engine ``engine_id`` uses (any dp index; engines
+    of the same model and tenant share it, so they lose those chunks too). Exactly one of the
+    three. Who may: as ``ListCache``. Engines then miss those keys; each engine of a cleared
+    namespace that wants KV events hears the removals (``BlockRemoved``: its GPU cache is
+    untouched, so not ``AllBlocksCleared``).
+    """
+
+    request_id: int
+    token: bytes = b""
+    all: bool = False
+    namespace: str = ""
+    engine_id: str = ""
+
+
 Request = (
     Hello
     | Lookup
@@ -277,6 +306,8 @@ Request = (
     | UpdateHolds
     | Ack
     | StepJobs
+    | ListCache
+    | ClearCache
 )
 
 
@@ -486,6 +517,41 @@ class StatsResult(msgspec.Struct, frozen=True, tag="stats_r"):
     stats: DaemonStats
 
 
+class NamespaceUsage(msgspec.Struct, frozen=True):
+    """One namespace in ``CacheListing``: committed chunks and their bytes now; hits, misses
+    (keys its engines' lookups found or not) and ``last_use`` (Unix time of its engines'
+    latest lookup, store or load; 0: none) since the daemon started."""
+
+    name: str
+    tenant: str  # whose engines made it ("u<uid>", "g<gid>", ...; "" when not known)
+    chunks: int
+    nbytes: int
+    hits: int = 0
+    misses: int = 0
+    last_use: float = 0.0
+    engines: list[str] = []  # "engine_id/dp" of the engines that used it, connected or not
+
+
+class EngineUsage(msgspec.Struct, frozen=True):
+    """One engine in ``CacheListing``: its namespace, its own hits, misses and last use."""
+
+    engine_id: str
+    data_parallel_index: int
+    namespace: str
+    connected: bool
+    hits: int = 0
+    misses: int = 0
+    last_use: float = 0.0
+
+
+class CacheListing(msgspec.Struct, frozen=True, tag="cache_ls_r"):
+    """Reply to ListCache: namespaces by name, engines by id and dp index."""
+
+    request_id: int
+    namespaces: list[NamespaceUsage]
+    engines: list[EngineUsage]
+
+
 class Ok(msgspec.Struct, frozen=True, tag="ok"):
     """Plain acknowledgement (Release: ``count`` pins dropped; Bye)."""
 
@@ -518,6 +584,7 @@ Reply = (
     | Reserved
     | HoldResult
     | KeysChanged
+    | CacheListing
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -14,7 +14,8 @@ visible and journals their commits):
   committed were never announced, so their removal is not either).
 - ``cleared(engine, namespace, removed)``: a Clear: ``AllBlocksCleared`` to the clearing
   engine, ``BlockRemoved`` to the others, the tiers drop the namespace too; returns the
-  committed keys dropped.
+  committed keys dropped. ``dropped(name, removed)``: an operator's clear (``ClearCache``):
+  ``BlockRemoved`` to every engine of the namespace (their GPU caches are untouched).
 - ``tier_stored(namespace, keys, medium)`` / ``tier_removed(...)``: chunks a tier below the
   arena now holds or dropped, as events with that tier's medium (``"DISK"``) to the engines
   of the namespace that want events.
@@ -177,16 +178,32 @@ class Announcer:
 
     def cleared(self, engine: Engine, namespace: Namespace, removed: list[Entry]) -> list[bytes]:
         """``engine`` cleared ``namespace``, dropping ``removed``; returns the committed keys."""
-        if self._journal is not None:
-            self._journal.removed(removed)
-        keys = [entry.key for entry in removed if entry.committed]
-        self._mirrors.changed(namespace.name, [], keys)
-        if self._tiers is not None:
-            self._tiers.cleared(namespace.name)
+        keys = self._dropped(namespace.name, removed)
         self.publish_to(engine, [AllBlocksCleared()])
         for other in self._event_engines(namespace):
             if other is not engine:
                 self.publish_to(other, removed_events(keys, raw_hashes=self._raw_hashes(other)))
+        return keys
+
+    def dropped(self, name: str, removed: list[Entry]) -> list[bytes]:
+        """An operator cleared namespace ``name`` (``ClearCache``), dropping ``removed``: its
+        engines' GPU caches are untouched, so each hears the removals, never
+        ``AllBlocksCleared``; returns the committed keys."""
+        keys = self._dropped(name, removed)
+        namespace = self.registry.namespace(name)
+        if namespace is not None and keys:
+            for engine in self._event_engines(namespace):
+                self.publish_to(engine, removed_events(keys, raw_hashes=self._raw_hashes(engine)))
+        return keys
+
+    def _dropped(self, name: str, removed: list[Entry]) -> list[bytes]:
+        """Journal, mirrors and tiers forget a cleared namespace's ``removed`` entries."""
+        if self._journal is not None:
+            self._journal.removed(removed)
+        keys = [entry.key for entry in removed if entry.committed]
+        self._mirrors.changed(name, [], keys)
+        if self._tiers is not None:
+            self._tiers.cleared(name)
         return keys
 
     def engine_ready(self, engine: Engine) -> None:

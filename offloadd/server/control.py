@@ -103,8 +103,13 @@ class ControlSocket:
         self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
         self._lanes = Lanes(_BATCH)
 
-    def bind(self, ctx: zmq.asyncio.Context) -> None:
-        """Create and bind the ROUTER (and start CURVE when configured); closed on failure."""
+    def bind(
+        self,
+        ctx: zmq.asyncio.Context,
+        watch: Callable[[zmq.Socket[bytes], str], None] | None = None,
+    ) -> None:
+        """Create and bind the ROUTER (and start CURVE when configured); closed on failure.
+        ``watch`` bounds its connections from before it binds (``server.connections``)."""
         server = self.settings.server
         # A plain socket on the shared context: the loop reads it in batches (receive_loop)
         # and sends with DONTWAIT, with no asyncio future per message.
@@ -117,6 +122,8 @@ class ControlSocket:
             sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes * 4)
             if server.curve_secret_key_file:
                 self._start_curve(ctx, sock)
+            if watch is not None:
+                watch(sock, "control")
             path = ipc_path(self.endpoint)
             # Created with no access for others from the first instant, then set as configured.
             previous = os.umask(0o177) if path else None

@@ -1,18 +1,16 @@
 """The daemon's composition root: it builds the resources in order, wires the parts over
 them, serves, and closes them in the reverse order.
 
-Everything runs on one asyncio loop (uvloop when available) except byte copies (the copy
-engine's threads) and a cuda daemon's CUDA IPC imports (an import thread). How each request
-is answered, and on which thread, is declared once, in ``offloadd.server.dispatch``. The
-parts, one module each, get what they use in their constructors and never reach for each
-other: ``sessions`` (Hello, liveness), ``requests`` (Lookup, Store, Load, Release, Clear),
-``jobs`` (copies in flight, Wait, the drain), ``schedulers`` (Reserve, UpdateHolds, Ack),
-``announce`` (journal, key mirrors, KV events), ``stats`` (GetStats, metrics), ``tiers``
-(below the arena, built by ``storage.tier_slots``; drained before the arena is unmapped),
-``commit`` (a chunk's commit: sealed, visible, journaled, announced; the one pipeline rank
-stores and promotions end in). ``Daemon`` owns the resources (endpoint claim, arena,
-journal, handle table, copy engine, sockets, event publishers, metrics) and their order of
-start and close.
+Everything runs on one asyncio loop (uvloop if there) except byte copies (the copy engine's
+threads) and a cuda daemon's CUDA IPC imports (a thread). How each request is answered, and on
+which thread, is declared once, in ``offloadd.server.dispatch``. The parts, one module each, get
+what they use in their constructors, never reaching for each other: ``sessions`` (Hello,
+liveness), ``requests`` (Lookup, Store, Load, Release, Clear), ``jobs`` (copies in flight, Wait,
+the drain), ``schedulers`` (Reserve, UpdateHolds, Ack), ``announce`` (journal, key mirrors, KV
+events), ``stats`` (GetStats, metrics), ``admin`` (ListCache, ClearCache), ``tiers`` (below the
+arena, drained before it is unmapped), ``commit`` (a chunk's commit, where rank stores and
+promotions end). ``Daemon`` owns the resources (endpoint claim, arena, journal, handle table,
+copy engine, sockets, publishers, metrics) and the order they start and close in.
 
 Shutdown (``serve``, ``offloadd.server.shutdown``): the first SIGTERM or SIGINT stops new
 jobs and drains the copies in flight for up to ``server.drain_seconds``; a second one during
@@ -38,8 +36,10 @@ from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache
 from offloadd.cache.journal import Journal
 from offloadd.endpoint import EndpointClaim, check_tcp_security
+from offloadd.server.admin import CacheAdmin
 from offloadd.server.announce import Announcer
 from offloadd.server.commit import Committer
+from offloadd.server.connections import ConnectionGate, open_connection_gate
 from offloadd.server.control import ControlSocket
 from offloadd.server.dispatch import Dispatcher, handlers
 from offloadd.server.gate import RequestGate
@@ -124,6 +124,7 @@ class Daemon:
         self._events: PublisherSet | None = None
         self._parts: _Parts | None = None
         self._peers: PeerListener | None = None  # the registration socket (ipc:// only)
+        self._connections: ConnectionGate | None = None  # bounds the ZeroMQ sockets' peers
         self.tenancy = Tenancy(settings.tenancy)
         self.limits = Limits(settings.limits)
         self.registry = Registry(cluster_tenants=settings.mooncake.cluster_tenants())
@@ -189,7 +190,13 @@ class Daemon:
             )
             self._copy = self._copy or open_copy_engine(self._arena, cuda=cuda)
             self._ctx = zmq.asyncio.Context()
-            self._control.bind(self._ctx)
+            self._connections = open_connection_gate(
+                self._ctx,
+                settings.limits,
+                3 if settings.events.enabled else 1,
+                settings.limits.metrics_connections if settings.metrics.address else 0,
+            )
+            self._control.bind(self._ctx, self._connections.watch)
             self._peers = listen_beside(self.endpoint, settings, asyncio.get_running_loop())
             if settings.events.enabled:
                 self._events = PublisherSet(
@@ -198,6 +205,7 @@ class Daemon:
                     socket_mode=settings.events.socket_mode,
                     socket_group=settings.events.socket_group,
                     buffer_bytes=settings.limits.event_buffer_bytes,
+                    watch=self._connections.watch,
                 )
                 self._events.start()
             self._parts = self._wire()
@@ -206,6 +214,7 @@ class Daemon:
                     settings.metrics.address,
                     socket_mode=settings.metrics.socket_mode,
                     socket_group=settings.metrics.socket_group,
+                    connections=settings.limits.metrics_connections,
                 )
         except BaseException:
             await self._drain_tiers()
@@ -230,15 +239,11 @@ class Daemon:
         assert cache is not None and arena is not None and mirrors is not None
         assert handles is not None and copy is not None
         announce = Announcer(
-            settings.events,
-            registry,
-            cache,
-            mirrors,
-            journal=self._journal,
-            events=self._events,
+            settings.events, registry, cache, mirrors,
+            journal=self._journal, events=self._events,
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
-        )
+        )  # fmt: skip
         commit = Committer(cache, announce, journal=self._journal)
         slots = self._tier_slots
         if slots is None:  # none given (tests): those the settings turn on
@@ -280,37 +285,23 @@ class Daemon:
             tier_names=list(tiers.names) if tiers is not None else [],
         )
         requests = CacheRequests(
-            settings,
-            registry,
-            cache,
-            arena,
-            mirrors,
-            jobs,
-            announce,
-            metrics=self.metrics,
-            limits=self.limits,
-            tiers=tiers,
-        )
+            settings, registry, cache, arena, mirrors, jobs, announce,
+            metrics=self.metrics, limits=self.limits, tiers=tiers,
+        )  # fmt: skip
         schedulers = Schedulers(registry, cache, mirrors, announce, jobs, limits=self.limits)
         schedulers.on_reserve_read(requests.waiting.wake)
         stats = Stats(
-            cache,
-            registry,
-            self.counters,
-            self.tenancy,
-            sessions=sessions,
-            jobs=jobs,
-            handles=handles,
-            events=self._events,
-            peers=self._peers,
-            tiers=tiers,
-            copy_path=copy_path(copy, arena),
-            started=self._started,
-            arena=arena.path,
+            cache, registry, self.counters, self.tenancy,
+            sessions=sessions, jobs=jobs, handles=handles, events=self._events,
+            peers=self._peers, tiers=tiers, copy_path=copy_path(copy, arena),
+            started=self._started, arena=arena.path,
             copy_engine=settings.server.copy_engine,
+        )  # fmt: skip
+        admin = CacheAdmin(cache, registry, announce, self.tenancy, requests.usage, self._peers)
+        table = handlers(sessions, requests, jobs, schedulers, stats, admin)
+        dispatch = Dispatcher(
+            table, self._control, session_of=sessions.get, bounds=self.limits.message_problem
         )
-        table = handlers(sessions, requests, jobs, schedulers, stats)
-        dispatch = Dispatcher(table, self._control, session_of=sessions.get)
         return _Parts(
             announce, commit, jobs, sessions, requests, schedulers, tiers, stats, dispatch
         )
@@ -380,6 +371,9 @@ class Daemon:
         if self._peers is not None:
             self._peers.close()
             self._peers = None
+        if self._connections is not None:
+            self._connections.close()  # its monitors before the context's term()
+            self._connections = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -21,11 +21,16 @@ Nested requests: a scheduler's step message (``Reserve``, ``UpdateHolds``) carri
 tier probes in ``lookups``; each is dispatched as if it arrived alone right after its carrier
 (its own rule, reply and errors), whether or not the carrier was refused.
 
+Size first: ``bounds(request)`` (``Limits.message_problem``) says why a request is too large
+for its size alone (lookups, jobs, keys); such a request is refused ``TOO_LARGE`` before its
+session is looked up, and none of its nested lookups or jobs is handled, so no message costs
+more work than the bounds allow, from a peer with a session or without.
+
 A handler's ``Refused`` is answered with an ``Error`` carrying its code, whatever the mode.
 Session rules: ``REQUIRED`` handlers get ``(state, request)`` and the session's last_seen is
-refreshed; ``OPTIONAL`` ones (GetStats, Ping) get ``(identity, state or None, request)``;
-``NONE`` (Hello) gets ``(identity, request)``. A request whose session is required but
-missing is refused with ``NOT_REGISTERED``.
+refreshed; ``OPTIONAL`` ones (GetStats, Ping, ListCache, ClearCache) get
+``(identity, state or None, request)``; ``NONE`` (Hello) gets ``(identity, request)``. A
+request whose session is required but missing is refused with ``NOT_REGISTERED``.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ from protocol.messages import (
     Ack,
     Bye,
     Clear,
+    ClearCache,
     GetStats,
     Hello,
+    ListCache,
     Load,
     Lookup,
     Ping,
@@ -61,6 +68,7 @@ from protocol.messages import (
 )
 
 if TYPE_CHECKING:
+    from offloadd.server.admin import CacheAdmin
     from offloadd.server.jobs import Jobs
     from offloadd.server.requests import CacheRequests
     from offloadd.server.schedulers import Schedulers
@@ -101,6 +109,9 @@ TABLE: dict[type[Any], Rule] = {
     Hello: Rule(Mode.OFF_LOOP, Session.NONE),
     GetStats: Rule(Mode.NOW, Session.OPTIONAL),
     Ping: Rule(Mode.NOW, Session.OPTIONAL),
+    # An operator's (offloadd cache): no session needed, the sender's user decides.
+    ListCache: Rule(Mode.NOW, Session.OPTIONAL),
+    ClearCache: Rule(Mode.NOW, Session.OPTIONAL),
     Lookup: Rule(Mode.DEFERRED),
     Store: Rule(Mode.NOTICE),
     Load: Rule(Mode.NOTICE),
@@ -125,6 +136,7 @@ def handlers(
     jobs: Jobs,
     schedulers: Schedulers,
     stats: Stats,
+    admin: CacheAdmin,
 ) -> dict[type[Any], Callable[..., object]]:
     """The handler of each request type in ``TABLE``, called as its rule says."""
     return {
@@ -142,6 +154,8 @@ def handlers(
         UpdateHolds: schedulers.update_holds,
         Ack: schedulers.ack,
         Bye: sessions.bye,
+        ListCache: admin.list_cache,
+        ClearCache: admin.clear_cache,
     }
 
 
@@ -177,6 +191,7 @@ class Dispatcher:
         replies: Replies,
         *,
         session_of: Callable[[str], SessionState | None],
+        bounds: Callable[[Request], str] = lambda _request: "",
     ) -> None:
         differ = set(handlers) ^ set(TABLE)
         if differ:
@@ -185,6 +200,7 @@ class Dispatcher:
         self._handlers = dict(handlers)
         self._replies = replies
         self._session_of = session_of
+        self._bounds = bounds
 
     def __call__(self, identity: bytes, request: Request) -> None:
         """Handle ``request`` from ``identity`` and answer it as ``TABLE`` says."""
@@ -192,6 +208,10 @@ class Dispatcher:
         rule = TABLE.get(kind)
         if rule is None:
             self._refuse(identity, request, Refused(ErrorCode.MALFORMED, f"unexpected {kind}"))
+            return
+        problem = self._bounds(request)
+        if problem:
+            self._refuse(identity, request, Refused(ErrorCode.TOO_LARGE, problem))
             return
         try:
             self._dispatch(identity, request, rule, self._handlers[kind])

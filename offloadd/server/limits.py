@@ -10,6 +10,15 @@ Pure logic, no I/O. Contract:
 - ``file_problem(size, furthest)``: why a region file of ``size`` bytes whose regions in one
   Hello end at ``furthest`` at most is refused: it is larger than that end rounded up to a
   page (a sparse file of any size would reserve the daemon's address space at that size).
+- ``Limits.message_problem(request)``: why a request is refused for its size alone, before
+  any of its work (its nested Lookups or jobs included) is done: more Lookups than
+  ``lookups_per_message`` (Reserve, UpdateHolds), more jobs than ``jobs_per_message``
+  (StepJobs), more keys in all its lists together than ``keys_per_message``. Counting is
+  O(lists), never O(keys).
+- ``Limits.fragments_problem(regions)``: why a Hello's canonical pages cost too much to
+  check and plan: a region whose runs copy more than ``fragments_per_page`` fragments, or
+  regions that copy more than ``fragments_per_hello`` together (each fragment is a span
+  every store and load of the session plans). O(runs), checked before the runs are walked.
 - ``Limits.lease(asked, default)``: the pin lease a Lookup gets: ``asked`` (``0``: the
   default) cut to ``max_lease_seconds``; ``None`` for NaN or a negative lease.
 - ``Limits.mapped_problem(mapped)``: why a Hello is refused when its user's live sessions
@@ -29,6 +38,8 @@ from collections.abc import Sequence
 from typing import TypedDict
 
 from offloadd.settings import LimitsSettings, physical_memory
+from protocol.handles import KVRegion
+from protocol.messages import HoldKeys, Request, Reserve, StepJobs, UpdateHolds
 
 __all__ = ["CacheBounds", "Limits", "cache_bounds", "file_problem"]
 
@@ -93,6 +104,62 @@ class Limits:
             f"limits.mapped_bytes_per_uid ({self.mapped_bytes})"
         )
 
+    def message_problem(self, request: Request) -> str:
+        """Why ``request`` is refused for its size alone ("" when it is within bounds)."""
+        settings = self.settings
+        if isinstance(request, Reserve | UpdateHolds):
+            lookups = request.lookups
+            if len(lookups) > settings.lookups_per_message:
+                return (
+                    f"{len(lookups)} lookups in one message: more than "
+                    f"limits.lookups_per_message = {settings.lookups_per_message}"
+                )
+            keys = sum(len(lookup.keys) for lookup in lookups) + len(request.touch)
+            if isinstance(request, Reserve):
+                keys += len(request.keys) + _held(request.holds) + _held(request.release)
+            else:
+                keys += _held(request.hold) + _held(request.release)
+        elif isinstance(request, StepJobs):
+            jobs = request.jobs
+            if len(jobs) > settings.jobs_per_message:
+                return (
+                    f"{len(jobs)} jobs in one StepJobs: more than "
+                    f"limits.jobs_per_message = {settings.jobs_per_message}"
+                )
+            keys = sum(len(job.keys) for job in jobs)
+        else:
+            return ""
+        if keys > settings.keys_per_message:
+            return (
+                f"{keys} keys in one message: more than "
+                f"limits.keys_per_message = {settings.keys_per_message}"
+            )
+        return ""
+
+    def fragments_problem(self, regions: Sequence[KVRegion]) -> str:
+        """Why ``regions``' canonical pages copy too many fragments ("" when they do not)."""
+        per_page, per_hello = self.settings.fragments_per_page, self.settings.fragments_per_hello
+        total = 0
+        for index, region in enumerate(regions):
+            canonical = region.canonical
+            if canonical is None:
+                continue
+            # A run of no or negative fragments is refused later, by the geometry checks;
+            # each run counts at least one so their number is bounded too.
+            fragments = sum(max(run[3], 1) for run in canonical.runs)
+            if fragments > per_page:
+                return (
+                    f"region {index}: its canonical page is copied in {fragments} fragments, "
+                    f"more than limits.fragments_per_page = {per_page}"
+                )
+            total += fragments
+            if total > per_hello:
+                return (
+                    f"regions 0-{index}: their canonical pages are copied in {total} "
+                    f"fragments, more than limits.fragments_per_hello = {per_hello}"
+                )
+        return ""
+
     def lease(self, asked: float, default: float) -> float | None:
         """The lease a pin gets, or None for a lease that is no number of seconds."""
         if math.isnan(asked) or asked < 0:
@@ -110,3 +177,7 @@ def file_problem(size: int, furthest: int) -> str:
             f"at most its furthest region's end rounded up to a page ({bound})"
         )
     return ""
+
+
+def _held(items: Sequence[HoldKeys]) -> int:
+    return sum(len(item.keys) for item in items)

@@ -69,7 +69,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from prometheus_client import (
@@ -102,6 +102,7 @@ LOOKUP_SECONDS_BUCKETS = (
 
 
 HEALTH_SECONDS = 2.0  # /healthz: how long the event loop may take to run a callback
+IDLE_SECONDS = 10.0  # a metrics connection that sends nothing for this long is closed
 
 
 class MetricsError(Exception):
@@ -269,9 +270,14 @@ class Metrics:
         loop: asyncio.AbstractEventLoop | None = None,
         socket_mode: str = "0600",
         socket_group: str = "",
+        connections: int = 64,
     ) -> None:
         """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port, see ``address``), or
         on the unix socket ``unix:/PATH`` with ``socket_mode`` and ``socket_group``.
+
+        At most ``connections`` are served at once, each idle at most ``IDLE_SECONDS``; a
+        newcomer beyond them is closed at once, so idle connections never take the daemon's
+        descriptors (``limits.metrics_connections``).
 
         ``snapshot`` and ``pending_jobs`` will run on ``loop``, by default the loop running
         the caller (the daemon's, when the daemon calls this from its loop).
@@ -280,7 +286,7 @@ class Metrics:
             raise MetricsError("metrics endpoint already started")
         self._collector.loop = loop or _running_loop()
         if address.startswith(UNIX_PREFIX):
-            self._start_unix(address[len(UNIX_PREFIX) :], socket_mode, socket_group)
+            self._start_unix(address[len(UNIX_PREFIX) :], socket_mode, socket_group, connections)
             logger.info("metrics on %s (HTTP)", self.address)
             return
         try:
@@ -289,7 +295,11 @@ class Metrics:
             raise MetricsError(f"metrics address: {exc}") from None
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            server_class = type("_HTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+            server_class = type(
+                "_HTTPServer",
+                (_Bounded, ThreadingHTTPServer),
+                {"address_family": family, "connections": connections},
+            )
             server = server_class((host.strip("[]"), port), self._handler())
         except OSError as exc:
             raise MetricsError(
@@ -337,14 +347,15 @@ class Metrics:
         except Exception as exc:
             return f"readiness check failed: {exc!r}"
 
-    def _start_unix(self, path: str, mode: str, group: str) -> None:
+    def _start_unix(self, path: str, mode: str, group: str, connections: int) -> None:
         handler = self._handler()
+        server_class = type("_UnixServer", (_UnixHTTPServer,), {"connections": connections})
         if _live_socket(path):
             raise MetricsError(f"metrics socket {path} is in use by another process")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # stale: nobody answers on it
         try:
-            server = bind_ipc(lambda: _UnixHTTPServer(path, handler), path, mode, group)
+            server = bind_ipc(lambda: server_class(path, handler), path, mode, group)
         except (OSError, EndpointRefused) as exc:
             raise MetricsError(f"cannot serve metrics on unix:{path}: {exc}") from None
         self._server, self._unix_path = server, path
@@ -386,8 +397,46 @@ class Metrics:
         self.close()
 
 
-class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _Bounded(socketserver.ThreadingMixIn):
+    """At most ``connections`` served at once (a thread and a descriptor each); a newcomer
+    beyond them is closed at once (counted in ``refused``). Idle ones end after the handler's
+    ``timeout``."""
+
+    connections = 64
     daemon_threads = True
+    refused = 0
+    _active = 0
+    _lock = threading.Lock()  # shared by every server: each holds it for a count only
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = self._active >= self.connections
+            if full:
+                self.refused += 1
+            else:
+                self._active += 1
+        if full:
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+
+class _UnixHTTPServer(_Bounded, socketserver.UnixStreamServer):
+    pass
 
 
 def _handler_class(
@@ -396,6 +445,8 @@ def _handler_class(
     metrics = MetricsHandler.factory(registry)
 
     class Handler(metrics):  # type: ignore[misc, valid-type]
+        timeout = IDLE_SECONDS  # a connection that sends nothing for this long is closed
+
         def do_GET(self) -> None:
             path = urlsplit(self.path).path
             if path == "/metrics":

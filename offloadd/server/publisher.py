@@ -40,6 +40,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -61,6 +62,9 @@ from offloadd.settings import EventSettings
 from protocol.events import END_SEQ, KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
+
+# Bounds a socket's connections from before it binds (``offloadd.server.connections``).
+Watch = Callable[[zmq.Socket[Any], str], None]
 
 _YIELD_EVERY = 64  # batches sent (or replayed) between yields to the event loop
 
@@ -114,6 +118,7 @@ class EventPublisher:
         ctx: zmq.asyncio.Context,
         socket_mode: str = "0660",
         socket_group: str = "",
+        watch: Watch | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._buffer_bytes = buffer_bytes
@@ -142,6 +147,7 @@ class EventPublisher:
         self._warn_full = LogLimiter(logger)
         self._warn_send = LogLimiter(logger)
         self._warn_replay = LogLimiter(logger)
+        self._watch = watch
 
     def start(self) -> None:
         """Bind the PUB socket and, when a replay endpoint is set, the replay ROUTER."""
@@ -156,6 +162,8 @@ class EventPublisher:
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             # vLLM binds or connects the PUB socket depending on the endpoint's shape (it
             # may push to a remote proxy); the daemon owns its endpoints, so it always binds.
+            if self._watch is not None:
+                self._watch(pub, "events")
             self._bind(pub, self.endpoint, "events.endpoint")
             if self.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
@@ -164,6 +172,8 @@ class EventPublisher:
                 # and zmq only learns what the reader consumed every hwm/2 messages: leave
                 # room for one whole replay (buffer + end marker) per client, twice over.
                 replay.setsockopt(zmq.SNDHWM, max(self._hwm, 2 * (self._buffer_steps + 1)))
+                if self._watch is not None:
+                    self._watch(replay, "replay")
                 self._bind(replay, self.replay_endpoint, "events.replay_endpoint")
         except BaseException:
             pub.close(linger=0)
@@ -419,8 +429,10 @@ class PublisherSet:
         socket_mode: str = "0660",
         socket_group: str = "",
         buffer_bytes: int = 0,
+        watch: Watch | None = None,
     ) -> None:
         self.settings = settings
+        self._watch = watch
         self._buffer_bytes = buffer_bytes
         self._ctx = ctx
         self._socket_mode = socket_mode
@@ -482,6 +494,7 @@ class PublisherSet:
             ctx=self._ctx,
             socket_mode=self._socket_mode,
             socket_group=self._socket_group,
+            watch=self._watch,
         )
         publisher.start()
         self._publishers[key] = publisher

@@ -69,6 +69,7 @@ from offloadd.server.registry import (
 from offloadd.server.schedulers import acker
 from offloadd.server.state import Accepted, Job, SessionState
 from offloadd.server.tiers import Tiers
+from offloadd.server.usage import Usage
 from offloadd.server.waiting import WaitingStores, wait_bound
 from offloadd.settings import Settings
 from offloadd.transfer.copies import ChunkRuns
@@ -113,6 +114,7 @@ class CacheRequests:
         tiers: Tiers | None = None,
     ) -> None:
         self.settings = settings
+        self.usage = Usage()  # who used which namespace, when (offloadd cache ls)
         self._tiers = tiers
         self._limits = limits
         self.registry = registry
@@ -144,6 +146,9 @@ class CacheRequests:
             lease=lease if request.pin else 0.0,
             account=engine.key,  # pins within the engine's budget (limits.protected_fraction)
             tenant=engine.tenant,  # and its tenant's (limits.tenant_protected_fraction)
+        )
+        self.usage.looked_up(
+            engine.key, namespace.name, outcome.hits, len(request.keys) - outcome.hits
         )
         pinned = outcome.pinned
         pending = outcome.pending
@@ -193,7 +198,9 @@ class CacheRequests:
         """A worker rank of a ready engine: that engine and its namespace."""
         if state.session.role != "worker":
             raise Refused(ErrorCode.WRONG_ROLE, "only worker ranks store and load")
-        return ready_engine(self.registry, state.session)
+        engine, namespace = ready_engine(self.registry, state.session)
+        self.usage.used(engine.key, namespace.name)
+        return engine, namespace
 
     def _worker_job_checks(
         self,

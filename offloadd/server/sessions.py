@@ -247,7 +247,11 @@ class Sessions:
             raise Refused(ErrorCode.UNAUTHENTICATED, "the process that registered has exited")
         uid, own = registration.peer.uid, identity.hex()
         sessions = sum(1 for sid, st in self._states.items() if st.peer.uid == uid and sid != own)
-        problem = self._limits.session_problem(len(hello.regions), sessions)
+        # Both O(regions + runs): a canonical page's fragments are counted before they are
+        # walked (1-byte fragments once stalled the loop for 48 s).
+        problem = self._limits.session_problem(
+            len(hello.regions), sessions
+        ) or self._limits.fragments_problem(hello.regions)
         if problem:
             raise Refused(ErrorCode.TOO_LARGE, problem)
         config = hello.config

@@ -69,6 +69,11 @@ class Tenancy:
             return f"g{peer.gid}"
         return f"u{peer.uid}"
 
+    @property
+    def daemon_uid(self) -> int:
+        """The daemon's own user (effective uid)."""
+        return self._daemon_uid
+
     def is_admin(self, peer: Peer) -> bool:
         """Root or the daemon's user: may see every engine."""
         return not peer.remote and peer.uid in (0, self._daemon_uid)

@@ -1347,6 +1347,41 @@ def test_who_reads_the_events_the_metrics_and_the_stats(
         assert stat.S_IMODE(os.stat(control + ".metrics").st_mode) == 0o600
 
 
+_CACHE_CLI = """
+import os, sys
+import offloadd.client, offloadd.errors  # what the command imports when it runs
+from offloadd.cli import build_parser, main
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+build_parser().parse_args(["cache", *sys.argv[5:]])  # argparse's own lazy imports
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+sys.exit(main(["cache", *sys.argv[5:], "--endpoint", endpoint]))
+"""
+
+
+def test_a_group_member_may_not_list_or_clear_the_cache(
+    users: dict[str, User], exposed_daemon: DaemonThread
+) -> None:
+    daemon = exposed_daemon
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        for argv in (["ls"], ["clear", "--all"], ["clear", "--engine", "victim"]):
+            command = [*_attack_command(_CACHE_CLI, daemon, b, shared), *argv]
+            done = subprocess.run(
+                command, env=_ATTACK_ENV, cwd="/tmp", capture_output=True, text=True,
+                timeout=120, check=False,
+            )  # fmt: skip
+            assert done.returncode == 1, (argv, done.stdout, done.stderr)
+            assert "only root and the daemon's user (uid 0)" in done.stderr, done.stderr
+            assert f"you are uid {b.uid}" in done.stderr and "victim" not in done.stdout
+        # Nothing was dropped: root (an admin) still lists A's four chunks.
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            listing = admin.list_cache()
+        assert [n.chunks for n in listing.namespaces] == [4]
+        assert [(e.engine_id, e.connected) for e in listing.engines] == [("victim", True)]
+
+
 _TOPICS = """
 import json, os, sys
 from offloadd.client import OffloadClient
@@ -1585,3 +1620,163 @@ def test_the_bytes_one_users_sessions_map_are_bounded(
     # Sessions that ended map nothing any more.
     again = run_as(b, endpoint, "--engine", "map-3", "--store", "again")
     assert again.get("connected") and again["stored"] == 4, again
+
+
+# ---------------------------------------------------------------- issue 46: bounded work
+
+_OVERSIZED_STEPS = """
+import fcntl, json, os, sys, uuid
+import msgspec
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.handles import CanonicalPage, KVRegion, ShmHandle
+from protocol.messages import Hello, Lookup, Ping, Reserve, StepJobs, Store, decode_reply, encode
+from tests.integration.harness import LAYERS, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+identity = uuid.uuid4().bytes
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, identity)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+
+def replies_until_ping(request, ping_id):
+    # Every reply the request caused, counted up to the Ping sent after it.
+    sock.send(encode(request))
+    sock.send(encode(Ping(ping_id)))
+    got = []
+    while True:
+        assert sock.poll(60_000), "no answer"
+        reply = decode_reply(sock.recv())
+        rid = getattr(reply, "request_id", None)
+        if rid == ping_id:
+            return got
+        got.append((rid, getattr(reply, "code", None), getattr(reply, "message", "")))
+
+out = {}
+# No session: a step message of 5,000 nested lookups, then a StepJobs of 5,000 jobs.
+lookups = [Lookup(100 + i, []) for i in range(5000)]
+out["lookups"] = replies_until_ping(Reserve(5, [], lookups=lookups), 6)
+jobs = [Store(0, i, [], []) for i in range(5000)]
+out["jobs"] = replies_until_ping(StepJobs(7, jobs), 8)
+# A canonical Hello whose page of 1 MiB is copied in 1-byte fragments.
+page = 1 << 20
+fd = os.memfd_create("od-fragments", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, page)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+token = register(endpoint, identity, [fd]).token
+canonical = CanonicalPage(page, ((0, 0, 1, page, 1, 1),))
+region = KVRegion(ShmHandle("frag", 0, page, fd=0), 1, page, page, LAYERS, canonical)
+config = msgspec.structs.replace(
+    make_config(engine_id="fragments", tp=1, bytes_per_block=page), canonical_layout=True
+)
+out["hello"] = replies_until_ping(
+    Hello(9, PROTOCOL_VERSION, "worker", config, (region,), token=token), 10
+)
+print(json.dumps(out))
+"""
+
+
+def test_oversized_step_messages_and_canonical_pages_are_refused_before_their_work(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    limits = LimitsSettings()
+    with held_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine") as held:
+        assert held["stored"] == 4, held
+        report = _attack(_OVERSIZED_STEPS, daemon, b, shared)
+        # One answer each, TOO_LARGE, naming the bound; none of the 5,000 lookups or jobs was
+        # handled (each would have been answered NOT_REGISTERED, one by one).
+        [(rid, code, message)] = report["lookups"]
+        assert (rid, code) == (5, ErrorCode.TOO_LARGE), report["lookups"]
+        assert f"limits.lookups_per_message = {limits.lookups_per_message}" in message
+        [(rid, code, message)] = report["jobs"]
+        assert (rid, code) == (7, ErrorCode.TOO_LARGE), report["jobs"]
+        assert f"limits.jobs_per_message = {limits.jobs_per_message}" in message
+        [(rid, code, message)] = report["hello"]
+        assert (rid, code) == (9, ErrorCode.TOO_LARGE), report["hello"]
+        assert "limits.fragments_per_page" in message
+        # The victim is served: what A stored is found by another engine of A.
+        seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
+        assert seen["hits"] == 4, seen
+    assert "fragments" not in _admin_stats(daemon.endpoint)
+
+
+_IDLE_CONNECTIONS = """
+import encodings.idna, json, os, select, socket, sys, time
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+metrics, expected = sys.argv[5], json.loads(sys.argv[6])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+path = endpoint[len("ipc://"):]
+opened = {}
+for name, target in (("control", path), ("events", path + ".events")):
+    opened[name] = []
+    for _ in range(20):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(target)
+        opened[name].append(sock)
+host, port = metrics.rsplit(":", 1)
+opened["metrics"] = [socket.create_connection((host, int(port))) for _ in range(12)]
+closed = {name: 0 for name in opened}
+alive = {sock: name for name, socks in opened.items() for sock in socks}
+deadline = time.monotonic() + 8
+while closed != expected and time.monotonic() < deadline:
+    ready, _, _ = select.select(list(alive), [], [], 0.1)
+    for sock in ready:
+        try:
+            data = sock.recv(4096)  # libzmq's greeting, then the end of a refused one
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            closed[alive.pop(sock)] += 1
+print(json.dumps(closed), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_beyond_the_bounds_are_closed_and_the_victim_is_served(
+    users: dict[str, User], shared_dir: str
+) -> None:
+    limits = LimitsSettings(
+        socket_connections=16, socket_connections_per_uid=6, metrics_connections=4
+    )
+    daemon = DaemonThread(
+        endpoint=f"ipc://{shared_dir}/d.sock", socket_group=SHARED_GROUP, limits=limits
+    )
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        events=msgspec.structs.replace(EventSettings(), pod="test-pod"),
+        metrics=MetricsSettings(address="127.0.0.1:0"),
+    )
+    daemon.start()
+    try:
+        assert daemon.daemon is not None
+        metrics = daemon.daemon.metrics.address
+        a, b = users["odtrust-a"], users["odtrust-b"]
+        shared = grp.getgrnam(SHARED_GROUP).gr_gid
+        # Of B's 20 idle connections to each ZeroMQ socket, 6 are kept (its uid's bound);
+        # of its 12 to the metrics, 4 (served at once, all peers together).
+        expected = {"control": 14, "events": 14, "metrics": 8}
+        command = _attack_command(_IDLE_CONNECTIONS, daemon, b, shared)
+        attacker = subprocess.Popen(
+            [*command, metrics, json.dumps(expected)],
+            env=_ATTACK_ENV, cwd="/tmp", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert attacker.stdout is not None and attacker.stderr is not None
+            line = attacker.stdout.readline()
+            assert line, attacker.stderr.read()
+            assert json.loads(line) == expected
+            # While B holds its connections, A connects, stores and finds what it stored.
+            victim = run_as(a, daemon.endpoint, "--engine", "victim", "--store", "mine")
+            assert victim.get("connected") and victim["stored"] == 4, victim
+            seen = run_as(a, daemon.endpoint, "--engine", "victim-2", "--lookup", "mine")
+            assert seen["hits"] == 4, seen
+        finally:
+            attacker.communicate(timeout=60)
+    finally:
+        daemon.stop()

@@ -1,5 +1,5 @@
-"""The built wheel: what lands in site-packages, that every module in it imports from it
-alone, and that ``offloadd bench`` runs from it.
+"""The built wheel and sdist: their metadata and LICENSE, what lands in site-packages, that
+every module in it imports from it alone, and that ``offloadd bench`` runs from it.
 
 The wheel is built from a copy of the sources (so the checkout gets no build/ or egg-info),
 installed with ``pip install --target`` into a temporary directory, and run with only that
@@ -11,16 +11,20 @@ interpreter's site-packages).
 from __future__ import annotations
 
 import ast
+import email.parser
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import offloadd
 
 REPO = Path(__file__).resolve().parents[2]
 # The checkout's packages the wheel does not carry: nothing in it may need them.
@@ -66,12 +70,13 @@ print(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def wheel_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    """(the wheel, the directory it is installed into)."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, Path]]:
+    """(the wheel, the directory it is installed into, the sdist), as ``make dist`` builds
+    them."""
     root = tmp_path_factory.mktemp("wheel")
     source = root / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, source / name)
     for package in ("protocol", "offloadd"):
         shutil.copytree(
@@ -91,7 +96,82 @@ def wheel_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pa
         check=True,
         timeout=120,
     )
-    yield wheel, target
+    sdists = root / "sdists"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from setuptools import build_meta; build_meta.build_sdist({str(sdists)!r})",
+        ],
+        check=True,
+        timeout=120,
+        cwd=source,
+        capture_output=True,
+    )
+    (sdist,) = sdists.glob("offloadd-*.tar.gz")
+    yield wheel, target, sdist
+
+
+@pytest.fixture(scope="module")
+def wheel_install(built: tuple[Path, Path, Path]) -> tuple[Path, Path]:
+    """(the wheel, the directory it is installed into)."""
+    return built[0], built[1]
+
+
+# What an index shows of the package: the core metadata fields each must carry.
+METADATA = {
+    "Name": ["offloadd"],
+    "License-Expression": ["Apache-2.0"],
+    "License-File": ["LICENSE"],
+    "Author": ["offloadd developers"],
+}
+
+
+def _metadata_problems(text: str) -> list[str]:
+    """What a METADATA or PKG-INFO lacks of ``METADATA``, project URLs, classifiers and
+    keywords."""
+    message = email.parser.Parser().parsestr(text)
+    problems = [
+        f"{field}: {message.get_all(field)} != {values}"
+        for field, values in METADATA.items()
+        if message.get_all(field) != values
+    ]
+    urls = dict(url.split(", ", 1) for url in message.get_all("Project-URL") or [])
+    if not {"Homepage", "Source", "Issues", "Documentation", "Changelog"} <= set(urls):
+        problems.append(f"Project-URL: {sorted(urls)}")
+    classifiers = message.get_all("Classifier") or []
+    if "Operating System :: POSIX :: Linux" not in classifiers or len(classifiers) < 5:
+        problems.append(f"Classifier: {classifiers}")
+    if "vllm" not in (message.get("Keywords") or "").split(","):
+        problems.append(f"Keywords: {message.get('Keywords')}")
+    if message.get("Version") != offloadd.__version__:
+        problems.append(f"Version: {message.get('Version')} != {offloadd.__version__}")
+    return problems
+
+
+def test_wheel_and_sdist_carry_the_metadata_and_the_license(
+    built: tuple[Path, Path, Path],
+) -> None:
+    wheel, _, sdist = built
+    license_text = (REPO / "LICENSE").read_text()
+    assert license_text.lstrip().startswith("Apache License")
+    assert "Version 2.0, January 2004" in license_text
+    info = f"offloadd-{offloadd.__version__}.dist-info"
+    with zipfile.ZipFile(wheel) as archive:
+        assert _metadata_problems(archive.read(f"{info}/METADATA").decode()) == []
+        assert archive.read(f"{info}/licenses/LICENSE").decode() == license_text
+    top = f"offloadd-{offloadd.__version__}"
+    with tarfile.open(sdist) as archive:
+        names = set(archive.getnames())
+        pkg_info = archive.extractfile(f"{top}/PKG-INFO")
+        copied = archive.extractfile(f"{top}/LICENSE")
+        assert pkg_info is not None and copied is not None
+        assert _metadata_problems(pkg_info.read().decode()) == []
+        assert copied.read().decode() == license_text
+    # The sdist builds the same wheel: its sources are all there.
+    assert {f"{top}/pyproject.toml", f"{top}/README.md", f"{top}/offloadd/cli.py"} <= names
+    assert f"{top}/protocol/messages.py" in names
+    assert not any(name.startswith((f"{top}/tests/", f"{top}/benchmarks/")) for name in names)
 
 
 def _installed_env(target: Path) -> dict[str, str]:

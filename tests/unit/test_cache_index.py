@@ -10,7 +10,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offloadd.cache.index import ChunkCache, Entry, RestoredChunk, ShardWrite, _overlaps
+from offloadd.cache.index import ChunkCache, Entry, RestoredChunk, ShardWrite
+from offloadd.cache.placement import _overlaps
 from tests.fakes import Clock
 from tests.strategies import property_settings
 

@@ -38,15 +38,17 @@ def commit(cache: ChunkCache, keys: list[bytes]) -> None:
 def protected_sum(cache: ChunkCache, owner: str) -> int:
     """What ``owner`` protects, read from the cache's own pins, holds and reservations."""
     total = 0
-    for row, pins in cache._pins.items():
+    for row, pins in cache._guards.pins.items():
         if owner in pins:
-            total += sum(cache._shapes[cache._shape.v[row]])
-    for (holder, _token), held in cache._holds.items():
+            total += sum(cache._rows.shapes[cache._rows.shape.v[row]])
+    for (holder, _token), held in cache._guards.holds.items():
         if holder == owner:
-            total += sum(sum(cache._shapes[cache._shape.v[row]]) for row, _ in held.values())
-    for row, reserver in cache._reserved_by.items():
+            total += sum(
+                sum(cache._rows.shapes[cache._rows.shape.v[row]]) for row, _ in held.values()
+            )
+    for row, reserver in cache._guards.reserved_by.items():
         if reserver == owner:
-            total += sum(cache._shapes[cache._shape.v[row]])
+            total += sum(cache._rows.shapes[cache._rows.shape.v[row]])
     return total
 
 
@@ -276,5 +278,5 @@ def test_holding_a_steps_tokens_in_one_call_is_holding_them_in_turn() -> None:
     assert lost[0] == b"\0gone"  # the missing key first, then those beyond the budget
     assert len(lost) > 1  # the budget (96 bytes) refused some
     assert protected_sum(one_call, "s1") == protected_sum(in_turn, "s1") <= 96
-    assert one_call._holds == in_turn._holds
+    assert one_call._guards.holds == in_turn._guards.holds
     assert one_call.stats().held == in_turn.stats().held

@@ -438,13 +438,13 @@ class LifecycleMachine(RuleBasedStateMachine):
     def each_mark_has_its_dict_entry(self) -> None:
         c = self.cache
         dicts: dict[Mark, Container[int]] = {
-            Mark.WRITING: c._writing,
-            Mark.READING: c._readers,
-            Mark.HELD: c._row_holds,
-            Mark.PINNED: c._pins,
-            Mark.RESERVED: c._reserved_by,
+            Mark.WRITING: c._rows.writing,
+            Mark.READING: c._rows.readers,
+            Mark.HELD: c._guards.row_holds,
+            Mark.PINNED: c._guards.pins,
+            Mark.RESERVED: c._guards.reserved_by,
         }
-        for row, key in enumerate(c._keys):
+        for row, key in enumerate(c._rows.keys):
             state = c._state.v[row]
             if key is None:
                 assert state == 0

@@ -294,7 +294,7 @@ def test_keys_of_different_shapes_in_one_call_each_get_their_own_sizes() -> None
     cache = ChunkCache(16 * SIZE)
     keys = [key(0), key(1 << 56), key(1 << 56 | 1), key(1), key(2)]
     assert cache.reserve(NS, keys, "sched", shapes).reserved == [0, 1, 2, 3, 4]
-    assert [len(cache._row_offsets(cache._tables[NS][k])) for k in keys] == [1, 2, 2, 1, 1]
+    assert [len(cache._rows.offsets_of(cache._tables[NS][k])) for k in keys] == [1, 2, 2, 1, 1]
     with pytest.raises(ValueError, match=r"bad shard sizes \(4096, 0\)"):
         cache.reserve(NS, [key(3), key(4)], "sched", lambda k: one if k == key(3) else (SIZE, 0))
 

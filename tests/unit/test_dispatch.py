@@ -13,15 +13,19 @@ import pytest
 
 from offloadd.server.checks import Refused
 from offloadd.server.dispatch import TABLE, Dispatcher, Mode, Session
+from offloadd.server.limits import Limits
 from offloadd.server.registry import Registry
 from offloadd.server.state import Accepted, SessionState
+from offloadd.settings import LimitsSettings
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Bye,
     Clear,
+    ClearCache,
     GetStats,
     Hello,
     HoldResult,
+    ListCache,
     Lookup,
     LookupResult,
     Ok,
@@ -86,6 +90,8 @@ def test_every_request_of_the_wire_has_exactly_one_entry_with_a_mode() -> None:
         Hello,
         GetStats,
         Ping,
+        ListCache,
+        ClearCache,
     }
 
 
@@ -213,3 +219,23 @@ def test_a_step_message_s_lookups_follow_it_each_answered_alone() -> None:
     dispatch(PEER, Reserve(10, [b"k"], lookups=[Lookup(11, [b"d"])]))
     assert recorder.errors == [(10, ErrorCode.BAD_REQUEST, "not in this test")]
     assert recorder.sent[-1] == LookupResult(11, 1, [], 0)
+
+
+def test_a_message_too_large_for_the_bounds_is_refused_whole_before_its_session() -> None:
+    recorder, calls = Recorder(), []
+
+    def lookup(state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
+        calls.append(request.request_id)
+        reply(LookupResult(request.request_id, len(request.keys), [], 0))
+
+    table = {kind: print for kind in TABLE} | {Lookup: lookup}
+    limits = Limits(LimitsSettings(lookups_per_message=2))
+    dispatch = Dispatcher(
+        table, recorder, session_of=lambda _sid: None, bounds=limits.message_problem
+    )
+    probes = [Lookup(8 + i, [b"a"]) for i in range(3)]
+    dispatch(PEER, UpdateHolds(7, lookups=probes))
+    # One refusal, for the carrier; none of its lookups handled, not even NOT_REGISTERED.
+    assert [(rid, code) for rid, code, _ in recorder.errors] == [(7, ErrorCode.TOO_LARGE)]
+    assert "limits.lookups_per_message = 2" in recorder.errors[0][2]
+    assert not calls and not recorder.sent

@@ -19,6 +19,8 @@ PACKAGES = ("offloadd", "protocol")
 # What ranks and routers import: none of it may reach the daemon's wing.
 LIBRARIES = (
     "offloadd.client",
+    "offloadd.client_core",
+    "offloadd.async_client",
     "offloadd.subscriber",
     "offloadd.shm",
     "offloadd.errors",

@@ -22,10 +22,13 @@ from protocol.handles import CudaIpcHandle, KVRegion, ShmHandle
 from protocol.messages import (
     Ack,
     Bye,
+    CacheListing,
     Clear,
+    ClearCache,
     DaemonStats,
     EngineReady,
     EngineState,
+    EngineUsage,
     Error,
     GetStats,
     Hello,
@@ -35,9 +38,11 @@ from protocol.messages import (
     JobDone,
     JobsDone,
     KeysChanged,
+    ListCache,
     Load,
     Lookup,
     LookupResult,
+    NamespaceUsage,
     Ok,
     Ping,
     Release,
@@ -156,6 +161,15 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Bye, request_id=wire_ints),
     st.builds(Clear, request_id=wire_ints),
     st.builds(Ping, request_id=wire_ints, session=names),
+    st.builds(ListCache, request_id=wire_ints, token=st.binary(max_size=32)),
+    st.builds(
+        ClearCache,
+        request_id=wire_ints,
+        token=st.binary(max_size=32),
+        all=st.booleans(),
+        namespace=names,
+        engine_id=names,
+    ),
     st.builds(
         StepJobs,
         request_id=wire_ints,
@@ -208,6 +222,37 @@ job_dones = st.builds(
 )
 
 replies: st.SearchStrategy[Reply] = st.one_of(
+    st.builds(
+        CacheListing,
+        request_id=wire_ints,
+        namespaces=st.lists(
+            st.builds(
+                NamespaceUsage,
+                name=names,
+                tenant=names,
+                chunks=wire_ints,
+                nbytes=wire_ints,
+                hits=wire_ints,
+                misses=wire_ints,
+                last_use=finite_floats,
+                engines=st.lists(names, max_size=3),
+            ),
+            max_size=3,
+        ),
+        engines=st.lists(
+            st.builds(
+                EngineUsage,
+                engine_id=names,
+                data_parallel_index=wire_ints,
+                namespace=names,
+                connected=st.booleans(),
+                hits=wire_ints,
+                misses=wire_ints,
+                last_use=finite_floats,
+            ),
+            max_size=3,
+        ),
+    ),
     st.builds(
         Welcome,
         request_id=wire_ints,
@@ -368,6 +413,8 @@ REQUEST_TAGS: dict[type, str] = {
     UpdateHolds: "holds",
     Ack: "ack",
     StepJobs: "step_jobs",
+    ListCache: "cache_ls",
+    ClearCache: "cache_clear",
 }
 REPLY_TAGS: dict[type, str] = {
     Welcome: "welcome",
@@ -383,6 +430,7 @@ REPLY_TAGS: dict[type, str] = {
     Reserved: "reserved",
     HoldResult: "holds_r",
     KeysChanged: "keys",
+    CacheListing: "cache_ls_r",
 }
 
 

@@ -10,13 +10,25 @@ import msgspec
 import pytest
 
 from offloadd.cache.index import ChunkCache
+from offloadd.server.connections import Tally, nofile_problem
 from offloadd.server.limits import Limits, cache_bounds
 from offloadd.server.peers import REMOTE, Peer
 from offloadd.server.registry import RegistrationError, Registry
 from offloadd.server.tenancy import Tenancy, Viewer
 from offloadd.settings import LimitsSettings, TenancySettings
 from protocol.errors import ErrorCode
-from protocol.messages import DaemonStats, EngineState, TierState
+from protocol.handles import CanonicalPage, KVRegion, ShmHandle
+from protocol.messages import (
+    DaemonStats,
+    EngineState,
+    HoldKeys,
+    Lookup,
+    Reserve,
+    StepJobs,
+    Store,
+    TierState,
+    UpdateHolds,
+)
 from tests.fakes import Clock
 from tests.helpers import hello
 
@@ -154,6 +166,58 @@ def test_regions_and_sessions_per_user() -> None:
     assert limits.session_problem(2, 1) == ""
     assert "regions_per_session" in limits.session_problem(3, 0)
     assert "sessions_per_uid" in limits.session_problem(1, 2)
+
+
+def test_step_messages_are_bounded_in_lookups_jobs_and_keys() -> None:
+    limits = Limits(LimitsSettings(lookups_per_message=2, jobs_per_message=2, keys_per_message=4))
+    two = [Lookup(i, [b"k"]) for i in range(2)]
+    assert limits.message_problem(Reserve(1, [b"k"], lookups=two, touch=[b"t"])) == ""
+    assert "lookups_per_message = 2" in limits.message_problem(UpdateHolds(1, lookups=two * 2))
+    # Keys count across every list and every nested lookup: 2 + 2 + 1 = 5.
+    held = [HoldKeys("r1", [b"h", b"h"])]
+    assert "keys_per_message = 4" in limits.message_problem(
+        UpdateHolds(1, hold=held, lookups=two, touch=[b"t"])
+    )
+    store = Store(0, 1, [b"a", b"b"], [0, 1])
+    assert limits.message_problem(StepJobs(1, [store, store])) == ""
+    assert "jobs_per_message = 2" in limits.message_problem(StepJobs(1, [store] * 3))
+    assert "keys_per_message" in limits.message_problem(
+        StepJobs(1, [store, Store(0, 2, [b"c", b"d", b"e"], [2, 3, 4])])
+    )
+    assert limits.message_problem(Lookup(1, [b"k"] * 10)) == ""  # keys_per_request's job
+
+
+def _canonical_region(fragments: int) -> KVRegion:
+    runs = ((0, 0, 1, fragments, 1, 1),)  # 1-byte fragments tiling a page of ``fragments``
+    page = CanonicalPage(fragments, runs)
+    return KVRegion(ShmHandle("r", 0, fragments, fd=0), 1, fragments, fragments, ("l",), page)
+
+
+def test_canonical_fragments_are_counted_before_they_are_walked() -> None:
+    limits = Limits(LimitsSettings(fragments_per_page=8, fragments_per_hello=12))
+    assert limits.fragments_problem([_canonical_region(8)]) == ""
+    assert "fragments_per_page = 8" in limits.fragments_problem([_canonical_region(9)])
+    both = limits.fragments_problem([_canonical_region(8), _canonical_region(8)])
+    assert "regions 0-1" in both and "fragments_per_hello = 12" in both
+    # The default bound costs a count, not a walk: 2**40 fragments are refused at once.
+    assert "fragments_per_page" in Limits(LimitsSettings()).fragments_problem(
+        [_canonical_region(1 << 40)]
+    )
+
+
+def test_connections_are_bounded_per_uid_and_per_socket() -> None:
+    tally = Tally(per_socket=3, per_uid=2)
+    assert tally.accepted(10, 1001) and tally.accepted(11, 1001)
+    assert not tally.accepted(12, 1001) and "socket_connections_per_uid" in tally.problem(1001)
+    assert tally.accepted(13, 1002)
+    assert not tally.accepted(14, 1003) and "limits.socket_connections" in tally.problem(1003)
+    tally.closed(12)  # the refused one, closed by libzmq: nothing counted
+    tally.closed(10)
+    assert tally.accepted(15, 1003)
+    assert tally.accepted(11, 1003)  # fd 11 reused before its close was seen: B's is gone
+    assert tally.counts == {1002: 1, 1003: 2}
+    assert nofile_problem(3, 4096, 64, 65536) == ""
+    assert "LimitNOFILE" in nofile_problem(3, 4096, 64, 16384)
 
 
 def test_mapped_bytes_per_user() -> None:
