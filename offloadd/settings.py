@@ -252,7 +252,7 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     keys_per_message: int = 1 << 20
     fragments_per_page: int = 1 << 16
     fragments_per_hello: int = 1 << 18
-    socket_connections: int = 4096
+    socket_connections: int = 2048
     socket_connections_per_uid: int = 1024
     metrics_connections: int = 64
 
