@@ -415,7 +415,6 @@ class CacheRequests:
             allocate=not request.reserved,
             writers=writers,
         )
-        self._announce.chunks_removed(reservation.evicted)
         job.failed_keys = [keys[i] for i in reservation.refused]
         job.writes = reservation.writes
         if job.failed_keys:

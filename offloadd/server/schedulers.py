@@ -9,9 +9,9 @@ removed keys may be reused.
 
 Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Error reply):
 - ``reserve``: apply the request's hold changes and ack, then reserve the new keys' shards
-  (evicting if needed, the evictions announced), answer ``Reserved``. Only the leading keys
-  that fit the engine's share of the capacity (``limits.protected_fraction``, counted by the
-  cache with pins and holds, the engine as their account) and its tenant's
+  (evicting if needed: the cache's listener announces it), answer ``Reserved``. Only the
+  leading keys that fit the engine's share of the capacity (``limits.protected_fraction``,
+  counted by the cache with pins and holds, the engine as their account) and its tenant's
   (``limits.tenant_protected_fraction``, all the tenant's engines together) are reserved; the
   rest are not (the ranks skip them: those chunks are simply not cached). A reservation the
   ranks do not store within ``limits.reservation_seconds`` is dropped by the cache. The held
@@ -38,7 +38,6 @@ import logging
 from collections.abc import Callable
 
 from offloadd.cache.index import ChunkCache
-from offloadd.server.announce import Announcer
 from offloadd.server.checks import (
     Refused,
     check_keys,
@@ -83,7 +82,6 @@ class Schedulers:
         registry: Registry,
         cache: ChunkCache,
         mirrors: Mirrors,
-        announce: Announcer,
         jobs: Jobs,
         *,
         limits: Limits,
@@ -93,7 +91,6 @@ class Schedulers:
         self._jobs = jobs
         self._cache = cache
         self._mirrors = mirrors
-        self._announce = announce
         self._limits = limits
 
     def on_reserve_read(self, callback: Callable[[], None]) -> None:
@@ -133,7 +130,6 @@ class Schedulers:
             account=engine.key,  # the leading keys within the engine's budget only,
             tenant=engine.tenant,  # and its tenant's (all its engines together)
         )
-        self._announce.chunks_removed(reservation.evicted)
         return Reserved(request.request_id, reservation.reserved, missing)
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
