@@ -38,19 +38,16 @@ import logging
 from collections.abc import Callable
 
 from offloadd.cache.index import ChunkCache
+from offloadd.server.admission import Admission
 from offloadd.server.checks import (
-    Refused,
     check_keys,
-    check_offloaded,
     keys_pass_together,
-    ready_engine,
 )
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.server.state import SessionState
-from protocol.errors import ErrorCode
 from protocol.messages import (
     Ack,
     HoldKeys,
@@ -88,20 +85,14 @@ class Schedulers:
     ) -> None:
         self.registry = registry
         self._reserve_read: Callable[[], None] = lambda: None
-        self._jobs = jobs
         self._cache = cache
         self._mirrors = mirrors
         self._limits = limits
+        self._admit = Admission(registry, jobs, limits)  # each kind's, once
 
     def on_reserve_read(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` as each Reserve is read (the rank stores waiting for it)."""
         self._reserve_read = callback
-
-    def _scheduler_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
-        if state.session.role != "scheduler":
-            raise Refused(ErrorCode.WRONG_ROLE, "only schedulers reserve and hold keys")
-        engine, namespace = ready_engine(self.registry, state.session)
-        return engine, namespace
 
     def reserve(self, state: SessionState, request: Reserve) -> Reply:
         """Reserve room for the keys' shards before the ranks store them."""
@@ -109,10 +100,7 @@ class Schedulers:
         # this handler: ``WaitingStores``).
         state.session.reserves_read = request.request_id
         self._reserve_read()
-        engine, namespace = self._scheduler_checks(state)
-        check_keys(request.keys, engine, self._limits)
-        self._jobs.refuse_while_draining(len(request.keys))
-        check_offloaded(request.keys, namespace)
+        engine, namespace = self._admit.reserve(state, request)
         _held, missing = self._apply_holds(
             state, engine, namespace, request.holds, request.release, request.ack, request.touch
         )
@@ -134,8 +122,7 @@ class Schedulers:
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
-        engine, namespace = self._scheduler_checks(state)
-        self._jobs.refuse_while_draining()
+        engine, namespace = self._admit.update_holds(state)
         held, missing = self._apply_holds(
             state, engine, namespace, request.hold, request.release, request.ack, request.touch
         )
