@@ -54,19 +54,20 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   call names the watcher that applies that call's removals before anything else (it asked).
 - A key ``reserve`` found room for only once other watchers acknowledge is reserved *unplaced*
   (no extents yet); it is placed, in reservation order, when an acknowledgement or a freed
-  hold or read makes the room, and ``on_placed``'s callback is then called (with nothing,
-  after the cache's state is whole; it must not call back into the cache synchronously).
+  hold or read makes the room, and the listeners then hear ``placed()``.
   ``unplaced(namespace, keys)`` places what fits now and counts the keys still waiting, so a
   rank's store can wait for them instead of meeting them in ``begin_store``, which drops a
   key still unplaced (refused, reason ``ack``).
+- Listeners (``listen``, ``offloadd.cache.listeners``) hear what a ``begin_store`` or
+  ``reserve`` evicted before it returns; ``remove`` and ``clear_namespace`` return theirs.
 - ``used_bytes <= capacity`` always; extents of live and dead-but-busy entries never overlap.
 - Misuse that can only be a caller bug (a write finished twice, a load finished without its
   begin, a shard index outside the key's layout) raises ValueError and changes nothing.
 
 Parts, each in its own module: ``rows`` (the numpy columns, key tables and free rows an
 entry lives in), ``protections`` (pins, holds, reservations and their ledger), ``placement``
-(room, eviction, rows leaving and their watchers) and ``records`` (the ``Entry`` handles and
-the result types). This class states the contract and sequences the parts.
+(room, eviction, rows leaving and their watchers), ``records`` (the ``Entry`` handles and
+the result types) and ``listeners``. This class states the contract and sequences the parts.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ import numpy as np
 
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.lifecycle import COMMITTED
+from offloadd.cache.listeners import CacheListener
 from offloadd.cache.placement import Placement
 from offloadd.cache.policy import make_row_policy
 from offloadd.cache.protections import Protections
@@ -110,6 +112,7 @@ __all__ = [
     "REFUSED_EXPIRED",
     "REFUSED_FULL",
     "REFUSED_TENANT",
+    "CacheListener",
     "CacheStats",
     "ChunkCache",
     "Entry",
@@ -127,19 +130,8 @@ _COMMITTED_BYTE = bytes(int(bool(state & COMMITTED)) for state in range(256))
 
 
 class ChunkCache:
-    """The host chunk cache index over one arena of ``capacity`` bytes.
-
-    See the module docstring for the contract. Methods:
-
-    - ``lookup(namespace, keys, *, pin_owner=None, lease=0.0) -> LookupOutcome``
-    - ``begin_store(namespace, keys, shard, shard_sizes) -> StoreReservation``, then
-      ``finish_store(writes, ok) -> list[Entry]`` (newly committed) exactly once per write;
-      ``abandon(writes)`` in between if the writing session goes away.
-    - ``begin_load(namespace, keys) -> LoadReservation``, then ``finish_load(entries)``.
-    - ``release(namespace, keys, owner) -> int`` / ``release_owner(owner) -> int``: drop pins.
-    - ``remove(namespace, keys)`` / ``clear_namespace(namespace) -> list[Entry]``: the removed
-      committed entries (to announce).
-    - ``keys_in(namespace)``, ``get(namespace, key)``, ``stats()``.
+    """The host chunk cache index over one arena of ``capacity`` bytes; the module docstring
+    states its contract, each method its part.
 
     ``shard_sizes(key)`` gives the byte size of each shard of a new key (one size per rank, or a
     single size for a replicated layout); it is only called when a key is first allocated.
@@ -302,9 +294,13 @@ class ChunkCache:
         """
         return self._stores.reserve(namespace, keys, owner, shard_sizes, acker, account, tenant)
 
+    def listen(self, listener: CacheListener) -> None:
+        """``listener`` hears this cache's evictions and placements from now on."""
+        self._placement.heard.add(listener)
+
     def on_placed(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` whenever waiting unplaced keys got their extents."""
-        self._placement.on_placed = callback
+        self._placement.heard.on_placed(callback)
 
     def unplaced(self, namespace: str, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` are reserved unplaced still, placing those that fit now."""

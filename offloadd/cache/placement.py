@@ -9,7 +9,8 @@ Contract of ``Placement`` (the rules themselves are ``ChunkCache``'s, in its doc
   extents stay until every watcher acknowledged (``release_leaving``), and the room it will
   free is *on its way*. A reserved key that only such room fits is *unplaced*
   (``new_unplaced``): ``place_waiting`` gives unplaced rows their extents, in reservation
-  order, when room was freed, and then calls ``on_placed``.
+  order, when room was freed, and then tells ``heard`` (``placed()``; the stores tell it
+  what they evicted, ``offloadd.cache.listeners``).
 - ``unlink`` takes a row out of the index, the policy and its protections and marks it dead;
   ``free_if_idle`` releases a dead row once no copy, hold or watcher uses it, ``settle``
   does so for rows a protection let go. Every row leaves through these two.
@@ -27,6 +28,7 @@ from itertools import islice, pairwise
 from offloadd.cache import lifecycle
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.cache.lifecycle import COMMITTED, LEAVING, PINNED, Event
+from offloadd.cache.listeners import Listeners
 from offloadd.cache.protections import Protections
 from offloadd.cache.records import (
     REFUSED_ACK,
@@ -70,7 +72,7 @@ class Placement:
         # acknowledge), in reservation order; their extents are placed when it comes.
         self.unplaced: dict[int, None] = {}
         self._unplaced_bytes = 0
-        self.on_placed: Callable[[], None] | None = None
+        self.heard = Listeners()
         self._leaving_bytes = 0
         self.evictions = 0
         self.stores_refused = 0
@@ -183,8 +185,8 @@ class Placement:
             if not self.place_unplaced(row):
                 break
             placed = True
-        if placed and self.on_placed is not None:
-            self.on_placed()
+        if placed:
+            self.heard.placed()
 
     def count_unplaced(self, namespace: str, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` are reserved unplaced still, placing those that fit now."""

@@ -5,7 +5,9 @@ rank's shard of each key, allocating and evicting through ``Placement``; ``finis
 those copies and commits an entry when its last shard (or writer) is written; ``abandon``
 drops the pending entries of a session that went away. ``reserve`` allocates new keys ahead
 of their ranks for a scheduler and marks them as its own in ``Protections``;
-``release_reservations`` drops what a scheduler reserved and never stored.
+``release_reservations`` drops what a scheduler reserved and never stored. What ``begin``
+and ``reserve`` evicted is told to the cache's listeners (``Placement.heard``) before they
+return, even when ``begin`` raises.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Stores:
                         continue
                     rows.set_writers(row, writers)
                 elif shard >= len(sizes):
-                    self._cancel(res.writes)
+                    self._cancel(res)
                     raise ValueError(
                         f"shard {shard} out of range for {len(sizes)} shards of "
                         f"{key.hex()} in namespace {namespace!r}"
@@ -107,7 +109,7 @@ class Stores:
                     sizes = tuple(sizes)
                     bad = len(sizes) != 1 if writers else shard >= len(sizes)
                     if not sizes or bad or min(sizes) <= 0:
-                        self._cancel(res.writes)
+                        self._cancel(res)
                         raise ValueError(
                             f"bad shard sizes {sizes} for shard {shard} of {key.hex()}"
                         )
@@ -126,12 +128,15 @@ class Stores:
             one = 0 if writers else shard
             offset = rows.offsets.v[rows.base.v[row] + one] * rows.align
             res.writes.append(ShardWrite(i, handle(row), one, offset, sizes[one], part))
+        place.heard.removed(res.evicted)
         return res
 
-    def _cancel(self, writes: list[ShardWrite]) -> None:
-        """Undo the writing bits of a ``begin`` that is about to raise."""
-        for w in writes:
+    def _cancel(self, res: StoreReservation) -> None:
+        """Undo the writing bits of a ``begin`` that is about to raise; what it evicted
+        already is gone all the same, and told."""
+        for w in res.writes:
             self._rows.stop_writing(w.entry._row, w.bit)
+        self._placement.heard.removed(res.evicted)
 
     def finish(self, writes: Sequence[ShardWrite], ok: bool) -> list[Entry]:
         """``ChunkCache.finish_store``."""
@@ -234,6 +239,7 @@ class Stores:
             res.reserved.append(i)
             leased.append(row)
         guards.lease(leased, now)
+        place.heard.removed(res.evicted)
         return res
 
     def release_reservations(self, owner: str) -> int:

@@ -1,7 +1,8 @@
 """Who hears of a cache change: the journal, the schedulers' key mirrors, the KV events.
 
-The daemon calls these on its loop right after the cache changed, before it sends anything
-else, so that the journal, the mirrors' ``seq`` and the event stream agree on the order.
+The daemon (or the cache, for its evictions) calls these on its loop right after the cache
+changed, before it sends anything else, so that the journal, the mirrors' ``seq`` and the
+event stream agree on the order.
 
 Contract of ``Announcer`` (it tells of changes; ``offloadd.server.commit`` makes chunks
 visible and journals their commits):
@@ -9,9 +10,11 @@ visible and journals their commits):
   mirrors of the namespace and every engine of it that wants events hear of them, and the
   tiers below the arena (``attach_tiers``) get a copy, all but ``source`` (the tier a
   promoted chunk came from).
-- ``chunks_removed(entries)``: evicted or removed chunks: journaled before their extents can
-  be reused, then told to the mirrors and engines of their own namespace (entries that never
-  committed were never announced, so their removal is not either).
+- ``removed(entries)``: the cache's listener (``offloadd.cache.listeners``; it listens from
+  construction on), so the cache itself tells of what it evicts, before it returns: journaled
+  before their extents can be reused, then told to the mirrors and engines of their own
+  namespace (entries that never committed were never announced, so their removal is not
+  either). ``placed()``: nothing (room placed is the waiting stores' concern).
 - ``cleared(engine, namespace, removed)``: a Clear: ``AllBlocksCleared`` to the clearing
   engine, ``BlockRemoved`` to the others, the tiers drop the namespace too; returns the
   committed keys dropped. ``dropped(name, removed)``: an operator's clear (``ClearCache``):
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from offloadd.cache.index import ChunkCache, Entry
@@ -104,6 +108,7 @@ class Announcer:
         if events is not None:
             for warning in topic_warnings(settings.topic_template, client_topics=client_topics):
                 logger.warning("%s", warning)
+        cache.listen(self)  # the cache tells of its evictions itself
 
     def attach_tiers(self, tiers: TierListener | None) -> None:
         """Commits and clears reach ``tiers`` from now on (None: no more)."""
@@ -155,7 +160,7 @@ class Announcer:
         for engine in self._event_engines(namespace):
             self.publish_to(engine, make(keys, raw_hashes=self._raw_hashes(engine), medium=medium))
 
-    def chunks_removed(self, entries: list[Entry]) -> None:
+    def removed(self, entries: Sequence[Entry]) -> None:
         """Chunks evicted or removed: journaled before their extents can be reused, and
         announced in their own namespace (never-committed entries were never announced, so
         their removal is not either)."""
@@ -175,6 +180,9 @@ class Announcer:
                 continue  # no engine of that namespace is connected: nobody to tell
             for engine in self._event_engines(namespace):
                 self.publish_to(engine, removed_events(keys, raw_hashes=self._raw_hashes(engine)))
+
+    def placed(self) -> None:
+        """Nothing: keys placed are not announced (they commit later)."""
 
     def cleared(self, engine: Engine, namespace: Namespace, removed: list[Entry]) -> list[bytes]:
         """``engine`` cleared ``namespace``, dropping ``removed``; returns the committed keys."""

@@ -24,7 +24,8 @@ Contract of ``Committer`` (the event loop's thread, except ``seal``):
   without a record (a restart does not find them, never anything wrong).
 
 Removals (tombstones before extents are reused) are journaled by the ``Announcer``
-(``chunks_removed``, ``cleared``), which tells of them in the same call.
+(``removed``: the cache's listener, for its evictions; ``cleared``), which tells of them in
+the same call.
 """
 
 from __future__ import annotations

@@ -288,7 +288,7 @@ class Daemon:
             settings, registry, cache, arena, mirrors, jobs, announce,
             metrics=self.metrics, limits=self.limits, tiers=tiers,
         )  # fmt: skip
-        schedulers = Schedulers(registry, cache, mirrors, announce, jobs, limits=self.limits)
+        schedulers = Schedulers(registry, cache, mirrors, jobs, limits=self.limits)
         schedulers.on_reserve_read(requests.waiting.wake)
         stats = Stats(
             cache, registry, self.counters, self.tenancy,

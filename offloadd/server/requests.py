@@ -1,6 +1,6 @@
 """The requests on the cache: Lookup, Store, Load, Release and Clear.
 
-Each handler checks the request against the session's engine (``offloadd.server.checks``), asks the
+Each handler admits the request in one call (``offloadd.server.admission``), asks the
 cache (``ChunkCache``) and answers; a Store or Load reserves its keys in the cache, plans the
 copies between the rank's regions and the arena (``transfer.plan``) and hands the job to
 ``Jobs``, which answers ``JobAccepted`` now and ``JobDone`` when the copy ends.
@@ -41,19 +41,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from itertools import accumulate, chain, groupby, repeat
+from itertools import accumulate, groupby, repeat
 from typing import NamedTuple
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Reads
+from offloadd.server.admission import Admission, Step
 from offloadd.server.announce import Announcer
-from offloadd.server.checks import (
-    Refused,
-    check_keys,
-    check_offloaded,
-    keys_pass_together,
-    ready_engine,
-)
+from offloadd.server.checks import Refused, check_offloaded
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.metrics import Metrics
@@ -73,7 +68,6 @@ from offloadd.server.usage import Usage
 from offloadd.server.waiting import WaitingStores, wait_bound
 from offloadd.settings import Settings
 from offloadd.transfer.copies import ChunkRuns
-from offloadd.transfer.guarded import shrunk
 from offloadd.transfer.plan import block_id_problem, chunk_ranges, group_spans
 from offloadd.transfer.types import Direction, Span
 from protocol.errors import ErrorCode
@@ -126,6 +120,7 @@ class CacheRequests:
         self.metrics = metrics
         # A store waits out a silent mirror: dropped after mirror_ack_timeout (plus up to two
         # reaper periods), its removals free their room and the store is placed.
+        self._admit = Admission(registry, jobs, limits, self.usage)  # each kind's, once
         self.waiting = WaitingStores(
             cache, jobs, registry, seconds=wait_bound(settings.server.mirror_ack_timeout)
         )
@@ -133,8 +128,7 @@ class CacheRequests:
     def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
         """Which leading keys are committed, which are pending; pin the hits if asked."""
         started = time.perf_counter()
-        engine, namespace = ready_engine(self.registry, state.session)
-        check_keys(request.keys, engine, self._limits)
+        engine, namespace = self._admit.keyed(state, request.keys)
         lease = self._limits.lease(request.lease_seconds, self.settings.cache.pin_lease_seconds)
         if lease is None:
             raise Refused(ErrorCode.BAD_REQUEST, f"lease_seconds={request.lease_seconds!r}")
@@ -175,15 +169,14 @@ class CacheRequests:
 
     def release(self, state: SessionState, request: Release) -> Reply:
         """Drop the session's pins of ``request.keys``."""
-        engine, namespace = ready_engine(self.registry, state.session)
-        check_keys(request.keys, engine, self._limits)
+        _engine, namespace = self._admit.keyed(state, request.keys)
         owner = state.session.session_id
         count = self._cache.release(namespace.name, request.keys, owner)
         return Ok(request.request_id, count)
 
     def clear(self, state: SessionState, request: Clear) -> Reply:
         """Drop every chunk of the session's namespace."""
-        engine, namespace = ready_engine(self.registry, state.session)
+        engine, namespace = self._admit.ready(state)
         removed = self._cache.clear_namespace(namespace.name, acker=acker(self._mirrors, state))
         keys = self._announce.cleared(engine, namespace, removed)
         logger.info(
@@ -194,60 +187,13 @@ class CacheRequests:
         )
         return Ok(request.request_id, len(keys))
 
-    def _worker_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
-        """A worker rank of a ready engine: that engine and its namespace."""
-        if state.session.role != "worker":
-            raise Refused(ErrorCode.WRONG_ROLE, "only worker ranks store and load")
-        engine, namespace = ready_engine(self.registry, state.session)
-        self.usage.used(engine.key, namespace.name)
-        return engine, namespace
-
-    def _worker_job_checks(
-        self,
-        state: SessionState,
-        job_id: int,
-        keys: list[bytes],
-        step: _Step | None,
-    ) -> tuple[Engine, Namespace]:
-        """The checks of one job; ``step``: its StepJobs' (see ``_Step``)."""
-        if step is not None and step.checked:
-            state.done.pop(job_id, None)
-            return step.engine, step.namespace
-        self._jobs.refuse_while_draining()
-        engine, namespace = (
-            self._worker_checks(state) if step is None else (step.engine, step.namespace)
-        )
-        if job_id in state.jobs:
-            raise Refused(ErrorCode.DUPLICATE_JOB, f"job {job_id} is still running")
-        most = self._limits.settings.jobs_per_session
-        if len(state.jobs) >= most:
-            raise Refused(
-                ErrorCode.TOO_LARGE, f"{most} jobs in flight already (limits.jobs_per_session)"
-            )
-        check_keys(keys, engine, self._limits)
-        if step is None:
-            self._check_files(state)
-        state.done.pop(job_id, None)  # a reused id: Wait must report the new job, not the old
-        return engine, namespace
-
-    @staticmethod
-    def _check_files(state: SessionState) -> None:
-        """A rank file that shrank fails here, never in a copy."""
-        problem = shrunk(state.unsealed)
-        if problem:
-            raise Refused(ErrorCode.HANDLE_OPEN_FAILED, problem)
-
     def step_jobs(self, state: SessionState, request: StepJobs) -> Reply:
         """Run each job of the step as its lone request would run; see the module docstring."""
         started = 0
-        step: _Step | None = None
+        step: Step | None = None
         problem: Refused | None = None
         try:
-            # Once for the step's jobs, planned in this one turn of the loop: an fstat per
-            # job gave the GIL to a copy thread each time, and took 0.2 ms to get it back.
-            engine, namespace = self._worker_checks(state)
-            self._check_files(state)
-            step = _Step(engine, namespace, self._checked_together(state, request.jobs, engine))
+            step = self._admit.step(state, request.jobs)
         except Refused as refused:
             problem = refused
         # Loads first, as a copy of their own: a request's first token waits for them, a
@@ -265,32 +211,11 @@ class CacheRequests:
             started += sum(self._step_job(state, job, step, problem) for job in stores)
         return Ok(request.request_id, started)
 
-    def _checked_together(
-        self, state: SessionState, jobs: Sequence[Store | Load], engine: Engine
-    ) -> bool:
-        """Whether the step's jobs all pass ``_worker_job_checks`` (but for its draining and
-        files) and ``_check_block_ids``, checked as one at C speed: 256 jobs' checks one by one
-        cost ~0.5 ms. When not, each job is checked alone, for its own refusal."""
-        ids = {job.job_id for job in jobs}
-        settings = self._limits.settings
-        if (
-            self._jobs.draining
-            or not jobs
-            or len(ids) < len(jobs)
-            or not state.jobs.keys().isdisjoint(ids)
-            or len(state.jobs) + len(jobs) > settings.jobs_per_session
-        ):
-            return False
-        block_ids = list(chain.from_iterable(job.block_ids for job in jobs))
-        return keys_pass_together(
-            [job.keys for job in jobs], engine, self._limits
-        ) and not block_id_problem(block_ids, state.session.num_blocks)
-
     def _step_job(
         self,
         state: SessionState,
         job: Store | Load,
-        step: _Step | None,
+        step: Step | None,
         problem: Refused | None,
     ) -> int:
         """One job of a StepJobs: 1 if it started, else 0 (its JobDone says why)."""
@@ -326,12 +251,10 @@ class CacheRequests:
             outcome.then()
         return 1
 
-    def store(self, state: SessionState, request: Store, *, step: _Step | None = None) -> Accepted:
+    def store(self, state: SessionState, request: Store, *, step: Step | None = None) -> Accepted:
         """Reserve the rank's shard of each key and copy its blocks into the arena (``step``:
-        see ``_worker_job_checks``)."""
-        self._jobs.refuse_while_draining(len(request.keys))
-        engine, namespace = self._worker_job_checks(state, request.job_id, request.keys, step)
-        self._jobs.refuse_late(request.deadline, request.keys)  # its blocks may be reused
+        see ``Admission.store``)."""
+        engine, namespace = self._admit.store(state, request, step)
         bpc = namespace.blocks_per_chunk
         if not request.segments and len(request.block_ids) != len(request.keys) * bpc:
             raise Refused(
@@ -360,7 +283,7 @@ class CacheRequests:
             (request.reserver, request.reserve_id),
         ):
             return Accepted(JobAccepted(request.request_id, job.job_id))
-        return self._start_store(state, request, job, ranges, namespace, mine)
+        return self._start_store(state, request, job, ranges, namespace, mine, engine)
 
     def _start_waiting(
         self,
@@ -373,10 +296,8 @@ class CacheRequests:
     ) -> None:
         """Start a store that waited for its room; a refusal is its JobDone."""
         try:
-            ready_engine(self.registry, state.session)
-            self._check_files(state)
-            self._jobs.refuse_late(job.deadline, job.keys)  # it waited past the rank's bound
-            accepted = self._start_store(state, request, job, ranges, namespace, mine)
+            engine = self._admit.waited(state, job.deadline, job.keys)
+            accepted = self._start_store(state, request, job, ranges, namespace, mine, engine)
         except Refused as refused:
             job.failed_keys = list(job.keys)
             self._jobs.complete(job, ok=False, seconds=0.0, error=str(refused))
@@ -397,13 +318,13 @@ class CacheRequests:
         ranges: _Ranges,
         namespace: Namespace,
         mine: list[int],
+        engine: Engine,
     ) -> Accepted:
         """Reserve and copy the keys ``mine`` (indexes into the request's) names."""
         session = state.session
         bpc = namespace.blocks_per_chunk
         # Canonical layout: one shard, the canonical chunk, that the engine's writers fill
         # together, each its own fragments; it commits when all have.
-        engine, _ = ready_engine(self.registry, session)
         shard, writers = store_part(engine, session.rank)
         keys = request.keys if len(mine) == len(request.keys) else [request.keys[i] for i in mine]
         cache = self._cache
@@ -415,7 +336,6 @@ class CacheRequests:
             allocate=not request.reserved,
             writers=writers,
         )
-        self._announce.chunks_removed(reservation.evicted)
         job.failed_keys = [keys[i] for i in reservation.refused]
         job.writes = reservation.writes
         if job.failed_keys:
@@ -439,16 +359,16 @@ class CacheRequests:
         job.nbytes += runs.nbytes
         return self._jobs.submit(state, request.request_id, job, runs, request.wait_event)
 
-    def load(self, state: SessionState, request: Load, *, step: _Step | None = None) -> Accepted:
+    def load(self, state: SessionState, request: Load, *, step: Step | None = None) -> Accepted:
         """Copy committed chunks into the rank's blocks: every key, or none (``step``: see
-        ``_worker_job_checks``)."""
+        ``Admission.load``)."""
         ((_, outcome),) = self._loads(state, [request], step)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
     def _loads(
-        self, state: SessionState, requests: Sequence[Load], step: _Step | None
+        self, state: SessionState, requests: Sequence[Load], step: Step | None
     ) -> list[tuple[Load, Accepted | Exception]]:
         """``load`` of each request, in order, their held entries read in one call (a step's
         loads; 64 read one by one cost ~0.3 ms): each with its outcome, a refusal or a bug
@@ -461,7 +381,7 @@ class CacheRequests:
         where: tuple[Engine, Namespace] | None = None
         for request in requests:
             try:
-                where = self._worker_job_checks(state, request.job_id, request.keys, step)
+                where = self._admit.load(state, request, step)
                 ranges = self._load_ranges(state, request, where[1], step)
             except Exception as exc:
                 outcomes.append(exc)
@@ -497,7 +417,7 @@ class CacheRequests:
         return list(zip(requests, outcomes, strict=True))
 
     def _load_ranges(
-        self, state: SessionState, request: Load, namespace: Namespace, step: _Step | None
+        self, state: SessionState, request: Load, namespace: Namespace, step: Step | None
     ) -> _Ranges:
         """The checks of a Load's block ids: its chunks' ranges in them."""
         bpc = namespace.blocks_per_chunk
@@ -646,7 +566,7 @@ class CacheRequests:
             raise Refused(ErrorCode.BAD_REQUEST, str(exc)) from None
 
     def _check_block_ids(
-        self, state: SessionState, block_ids: list[int], step: _Step | None
+        self, state: SessionState, block_ids: list[int], step: Step | None
     ) -> None:
         if step is not None and step.checked:
             return
@@ -679,16 +599,6 @@ _UNSTARTED = Exception("not started")
 # The outcome of a step's Load started with others (``_start_loads``): its JobDone is its only
 # answer, as for any job of a StepJobs, so no reply of its own is made.
 _STARTED_TOGETHER = Accepted(Ok(0, 0))
-
-
-class _Step(NamedTuple):
-    """A StepJobs' engine and namespace (``_worker_checks``, its rank's files checked too:
-    once for all its jobs), and whether its jobs passed their checks together
-    (``_checked_together``): then each job's own are not run again."""
-
-    engine: Engine
-    namespace: Namespace
-    checked: bool
 
 
 class _Ranges(NamedTuple):

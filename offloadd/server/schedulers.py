@@ -9,9 +9,9 @@ removed keys may be reused.
 
 Contract of ``Schedulers`` (the event loop's thread only; ``Refused`` for an Error reply):
 - ``reserve``: apply the request's hold changes and ack, then reserve the new keys' shards
-  (evicting if needed, the evictions announced), answer ``Reserved``. Only the leading keys
-  that fit the engine's share of the capacity (``limits.protected_fraction``, counted by the
-  cache with pins and holds, the engine as their account) and its tenant's
+  (evicting if needed: the cache's listener announces it), answer ``Reserved``. Only the
+  leading keys that fit the engine's share of the capacity (``limits.protected_fraction``,
+  counted by the cache with pins and holds, the engine as their account) and its tenant's
   (``limits.tenant_protected_fraction``, all the tenant's engines together) are reserved; the
   rest are not (the ranks skip them: those chunks are simply not cached). A reservation the
   ranks do not store within ``limits.reservation_seconds`` is dropped by the cache. The held
@@ -38,20 +38,16 @@ import logging
 from collections.abc import Callable
 
 from offloadd.cache.index import ChunkCache
-from offloadd.server.announce import Announcer
+from offloadd.server.admission import Admission
 from offloadd.server.checks import (
-    Refused,
     check_keys,
-    check_offloaded,
     keys_pass_together,
-    ready_engine,
 )
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.server.state import SessionState
-from protocol.errors import ErrorCode
 from protocol.messages import (
     Ack,
     HoldKeys,
@@ -83,28 +79,20 @@ class Schedulers:
         registry: Registry,
         cache: ChunkCache,
         mirrors: Mirrors,
-        announce: Announcer,
         jobs: Jobs,
         *,
         limits: Limits,
     ) -> None:
         self.registry = registry
         self._reserve_read: Callable[[], None] = lambda: None
-        self._jobs = jobs
         self._cache = cache
         self._mirrors = mirrors
-        self._announce = announce
         self._limits = limits
+        self._admit = Admission(registry, jobs, limits)  # each kind's, once
 
     def on_reserve_read(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` as each Reserve is read (the rank stores waiting for it)."""
         self._reserve_read = callback
-
-    def _scheduler_checks(self, state: SessionState) -> tuple[Engine, Namespace]:
-        if state.session.role != "scheduler":
-            raise Refused(ErrorCode.WRONG_ROLE, "only schedulers reserve and hold keys")
-        engine, namespace = ready_engine(self.registry, state.session)
-        return engine, namespace
 
     def reserve(self, state: SessionState, request: Reserve) -> Reply:
         """Reserve room for the keys' shards before the ranks store them."""
@@ -112,10 +100,7 @@ class Schedulers:
         # this handler: ``WaitingStores``).
         state.session.reserves_read = request.request_id
         self._reserve_read()
-        engine, namespace = self._scheduler_checks(state)
-        check_keys(request.keys, engine, self._limits)
-        self._jobs.refuse_while_draining(len(request.keys))
-        check_offloaded(request.keys, namespace)
+        engine, namespace = self._admit.reserve(state, request)
         _held, missing = self._apply_holds(
             state, engine, namespace, request.holds, request.release, request.ack, request.touch
         )
@@ -133,13 +118,11 @@ class Schedulers:
             account=engine.key,  # the leading keys within the engine's budget only,
             tenant=engine.tenant,  # and its tenant's (all its engines together)
         )
-        self._announce.chunks_removed(reservation.evicted)
         return Reserved(request.request_id, reservation.reserved, missing)
 
     def update_holds(self, state: SessionState, request: UpdateHolds) -> Reply:
         """Hold and release keys under tokens."""
-        engine, namespace = self._scheduler_checks(state)
-        self._jobs.refuse_while_draining()
+        engine, namespace = self._admit.update_holds(state)
         held, missing = self._apply_holds(
             state, engine, namespace, request.hold, request.release, request.ack, request.touch
         )

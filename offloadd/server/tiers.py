@@ -480,7 +480,6 @@ class Tiers:
             return 0  # stored meanwhile: the arena answers next time
         owner = f"offloadd-tier-{slot.name}-{next(self._owners)}"
         reservation = cache.reserve(name, keys, owner, namespace.shard_sizes_for_key, acker=acker)
-        self._announce.chunks_removed(reservation.evicted)
         taken = len(reservation.reserved)
         keys = keys[:taken]
         if not keys:

@@ -2,7 +2,7 @@
 
 A scheduler's ``Reserve`` may find room for a key only in removed entries that another
 engine's mirror still shows; the cache reserves such a key *unplaced* and gives it extents
-when that mirror acknowledges the removal (``ChunkCache.unplaced``, ``on_placed``). A rank's
+when that mirror acknowledges the removal (``ChunkCache.unplaced``; ``placed()``). A rank's
 store of it that arrives first waits here instead of dropping the key, and runs once the
 cache has placed every one of its keys. And the daemon reads the scheduler's socket and its
 ranks' in turns (zmq's fair queue), so a daemon that fell behind may read a rank's Store
@@ -20,8 +20,8 @@ Contract of ``WaitingStores`` (the event loop's thread only):
   placed all its keys, or after ``seconds`` at most (its keys still unplaced are then
   refused, reason ``ack``, as they are without waiting; keys never reserved are skipped).
   Nothing of it is copied, and nothing is visible, before ``start()``.
-- ``wake()``: keys were placed, or a scheduler's Reserve was read; the stores that no longer
-  wait start after the caller returned.
+- ``wake()`` (``placed()`` as the cache's listener): keys were placed, or a scheduler's
+  Reserve was read; the stores that no longer wait start after the caller returned.
 - A waiting store whose session ended (``Jobs.abandon`` unbooks it) never starts; it leaves
   the queue at the next placement, or when its wait would have ended.
 - ``waiting``: how many stores wait now (``Jobs.parked``: an ended session's are unbooked).
@@ -36,7 +36,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from offloadd.cache.index import ChunkCache
+from offloadd.cache.index import ChunkCache, Entry
 from offloadd.server.jobs import Jobs
 from offloadd.server.registry import Registry
 from offloadd.server.state import Job
@@ -81,7 +81,7 @@ class WaitingStores:
         # In arrival order: job -> (namespace, keys, start, reserve).
         self._queue: dict[Job, tuple[str, Sequence[bytes], Callable[[], None], _Reserve]] = {}
         self._scheduled = False
-        cache.on_placed(self.wake)
+        cache.listen(self)  # placed() wakes the stores
 
     @property
     def waiting(self) -> int:
@@ -120,6 +120,13 @@ class WaitingStores:
             ):
                 return True
         return self._cache.unplaced(namespace, keys) > 0
+
+    def removed(self, entries: Sequence[Entry]) -> None:
+        """Nothing: evictions free no room a waiting store needs (acknowledgements do)."""
+
+    def placed(self) -> None:
+        """The cache placed waiting keys (a ``CacheListener``): ``wake``."""
+        self.wake()
 
     def wake(self) -> None:
         """Start the stores that no longer wait, once the caller (the cache placing keys, a

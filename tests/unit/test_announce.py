@@ -72,7 +72,7 @@ def test_removals_are_journaled_first_and_announced_only_for_committed_chunks() 
     assert a.namespace is not None
     name = a.namespace.name
     gone = [entry(name, b"old"), entry(name, b"pending", committed=False)]
-    announcer.chunks_removed([*gone, entry("nobody@0000", b"orphan")])
+    announcer.removed([*gone, entry("nobody@0000", b"orphan")])
     assert len(journal.removed_keys) == 3  # the journal sees every entry
     assert publishers.heard() == {"kv@a@0": ["BlockRemoved"], "kv@b@0": ["BlockRemoved"]}
     removed = publishers.batches[0][2].events[0]
@@ -106,7 +106,7 @@ def test_a_ready_engine_is_sent_what_its_namespace_holds_and_closing_stops_it() 
     assert announcer.endpoints_for(1) == ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5559")
     announcer.events_closed()
     announcer.journal_closed()
-    announcer.chunks_removed(committed)
+    announcer.removed(committed)
     announcer.chunks_committed(namespace, committed)
     assert len(publishers.batches) == 1 and journal.removed_keys == []
     assert announcer.endpoints_for(0) == ("", "")

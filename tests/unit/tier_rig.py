@@ -69,7 +69,7 @@ class Rig:
 
     def evict(self, keys: list[bytes]) -> None:
         """Take ``keys`` out of the arena as an eviction would (tiers keep their copies)."""
-        self.announce.chunks_removed(self.cache.remove(self.namespace.name, keys))
+        self.announce.removed(self.cache.remove(self.namespace.name, keys))
 
 
 def pattern(key: bytes, shard: int, seed: int) -> bytes:
