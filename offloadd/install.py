@@ -16,7 +16,13 @@ from the shipped one; the settings file only when absent (it is the operator's).
 ``--prefix DIR`` puts every path under DIR and the unit names them there (a venv cannot be
 moved once made, so DIR is where they are used); it creates no user or group unless
 ``--create-users`` asks, and runs no ``systemctl``. ``--dry-run`` prints the steps and changes
-nothing. Imported when the command line starts: the standard library and the settings only.
+nothing.
+
+It needs the standard library only, so that a node with nothing but Python runs it from the
+wheel itself (``PYTHONPATH=offloadd-*.whl python3 -m offloadd install``: ``__main__`` comes
+here before the command line imports its dependencies; the wheel it runs from is the one it
+installs). The settings file is read with ``tomllib`` for the endpoint alone; the venv's own
+``offloadd check-config`` validates it.
 """
 
 from __future__ import annotations
@@ -31,15 +37,16 @@ import pwd
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
+import offloadd
 from offloadd import __version__
 from offloadd.endpoint import NODE_RUNTIME_DIR
-from offloadd.settings import SettingsError, load_settings
 
 __all__ = [
     "CONFIG",
@@ -51,6 +58,7 @@ __all__ = [
     "Step",
     "add_command",
     "main",
+    "main_argv",
     "plan",
     "shipped",
     "unit_text",
@@ -67,6 +75,7 @@ GROUP = "offloadd-clients"
 # The wheel installed in the venv, recorded so that a second run can tell it is the same.
 MARKER = "offloadd-wheel.sha256"
 DEFAULT_WHEEL = f"dist/offloadd-{__version__}-py3-none-any.whl"
+NODE_ENDPOINT = f"ipc://{NODE_RUNTIME_DIR}/offloadd.sock"  # the unit's RuntimeDirectory=
 FAILED = 1
 BAD_USAGE = 2
 
@@ -217,10 +226,12 @@ def node_endpoint(options: Options) -> str:
     unit's runtime directory."""
     config = options.path(CONFIG)
     try:
-        settings = load_settings(str(config) if config.exists() else None, environ={})
-    except SettingsError:
-        return f"ipc://{NODE_RUNTIME_DIR}/offloadd.sock"
-    return settings.server.endpoint or f"ipc://{NODE_RUNTIME_DIR}/offloadd.sock"
+        with config.open("rb") as file:
+            server = tomllib.load(file).get("server", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return NODE_ENDPOINT  # none yet (check-config says what is wrong with a bad one)
+    endpoint = server.get("endpoint") if isinstance(server, dict) else None
+    return endpoint if isinstance(endpoint, str) and endpoint else NODE_ENDPOINT
 
 
 def vllm_serve_line(endpoint: str) -> str:
@@ -310,21 +321,42 @@ def _next_steps(options: Options, out: TextIO) -> None:
     )
 
 
+HELP = "set up this node (as root): user, group, venv, unit, settings file"
+DESCRIPTION = (
+    f"Create the offloadd user and offloadd-clients group, the venv {VENV} with the wheel, "
+    f"the unit {UNIT} and {CONFIG} (kept when it exists), as docs/operations.md describes; "
+    "then print the vllm serve line for this node. Only what is missing is done: a second "
+    "run changes nothing and says so."
+)
+
+
 def add_command(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``install`` by the command line's ``add_parser``."""
-    parser = add_parser(
-        "install",
-        help="set up this node (as root): user, group, venv, unit, settings file",
-        description="Create the offloadd user and offloadd-clients group, the venv "
-        f"{VENV} with the wheel, the unit {UNIT} and {CONFIG} (kept when it exists), as "
-        "docs/operations.md describes; then print the vllm serve line for this node. Only "
-        "what is missing is done: a second run changes nothing and says so.",
-    )
+    _add_arguments(add_parser("install", help=HELP, description=DESCRIPTION))
+
+
+def main_argv(argv: Sequence[str]) -> int:
+    """``offloadd install ARGS`` without the rest of the command line (``__main__``)."""
+    parser = argparse.ArgumentParser(prog="offloadd install", description=DESCRIPTION)
+    _add_arguments(parser)
+    return run_command(parser.parse_args(argv))
+
+
+def _running_wheel() -> str | None:
+    """The wheel this code runs from (``PYTHONPATH=X.whl``), if it does."""
+    holder = Path(offloadd.__file__).parent.parent
+    return str(holder) if holder.suffix == ".whl" else None
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    wheel = _running_wheel()
     parser.add_argument(
         "--wheel",
         metavar="PATH",
-        default=DEFAULT_WHEEL,
-        help=f"the wheel to install (default {DEFAULT_WHEEL}, what `make dist` builds)",
+        default=wheel or DEFAULT_WHEEL,
+        help="the wheel to install (default: "
+        + (f"{wheel}, the one running" if wheel else f"{DEFAULT_WHEEL}, what `make dist` builds")
+        + ")",
     )
     parser.add_argument(
         "--prefix",

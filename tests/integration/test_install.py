@@ -2,6 +2,9 @@
 root, its unit verified by ``systemd-analyze verify``, the daemon started from that venv and
 answered by that venv's client, a second run changing nothing.
 
+``install`` runs as the quickstart runs it, from the wheel itself with the standard library
+alone (``python -S``: no site-packages), and installs the wheel it runs from.
+
 The venv is made first with this interpreter's site-packages on its path (a ``.pth`` file),
 as an operator makes it first with the node's torch (docs/operations.md): ``install
 --no-deps`` then adds the wheel alone, and nothing is downloaded.
@@ -36,10 +39,9 @@ def _env() -> dict[str, str]:
 
 
 def _install(wheel: Path, prefix: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**_env(), "PYTHONPATH": str(REPO)}  # the checkout's command, the built wheel
+    env = {**_env(), "PYTHONPATH": str(wheel)}
     return subprocess.run(
-        [sys.executable, "-m", "offloadd", "install", "--wheel", str(wheel), "--prefix",
-         str(prefix), *args],
+        [sys.executable, "-S", "-m", "offloadd", "install", "--prefix", str(prefix), *args],
         capture_output=True, text=True, env=env, cwd=prefix.parent, timeout=180, check=False,
     )  # fmt: skip
 
@@ -71,9 +73,9 @@ def test_dry_run_changes_nothing_and_prints_the_vllm_line(
     assert '"offloadd_endpoint": "ipc:///run/offloadd/offloadd.sock"' in done.stdout
 
 
-def test_a_missing_wheel_is_one_line(prefix: Path) -> None:
+def test_a_missing_wheel_is_one_line(dist: tuple[Path, Path], prefix: Path) -> None:
     prefix.parent.mkdir(exist_ok=True)
-    done = _install(prefix / "none.whl", prefix)
+    done = _install(dist[0], prefix, "--wheel", str(prefix / "none.whl"))
     assert done.returncode == 2
     assert done.stderr.strip().endswith("run `make dist` in the checkout, or give --wheel PATH")
     assert not prefix.exists()
@@ -126,6 +128,7 @@ def test_install_into_a_prefix_verify_the_unit_and_serve_from_the_venv(
     venv = _venv_with_this_interpreters_packages(prefix)
     first = _install(wheel, prefix, "--no-deps")
     assert first.returncode == 0, first.stderr
+    assert f"from {wheel}\n" in first.stdout  # the wheel it runs from
     assert "3 changes made" in first.stdout
     assert "create system" not in first.stdout  # --prefix: no users unless --create-users
 
