@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import shlex
 import zipfile
 from pathlib import Path
@@ -74,6 +75,14 @@ def test_the_vllm_line_is_the_readmes_with_the_nodes_endpoint() -> None:
     extra = config["kv_connector_extra_config"]
     assert extra["offloadd_endpoint"] == "ipc:///run/offloadd/offloadd.sock"
     assert extra["spec_module_path"] == "offloadd.vllm"
+
+
+def test_the_vllm_line_printed_for_a_default_node_is_the_readmes() -> None:
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"vllm serve MODEL --kv-transfer-config '(.*?)'", readme, re.DOTALL)
+    assert command, "README's vllm serve line"
+    printed = shlex.split(install.vllm_serve_line(install.NODE_ENDPOINT))[-1]
+    assert json.loads(printed) == json.loads(command[1])
 
 
 def test_the_endpoint_printed_is_the_settings_files(wheel: Path, tmp_path: Path) -> None:
