@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 import offloadd
 from offloadd import __version__
@@ -335,9 +335,17 @@ def add_command(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     _add_arguments(add_parser("install", help=HELP, description=DESCRIPTION))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as the rest of the command line gives them."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line and exit with status 2."""
+        self.exit(BAD_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main_argv(argv: Sequence[str]) -> int:
     """``offloadd install ARGS`` without the rest of the command line (``__main__``)."""
-    parser = argparse.ArgumentParser(prog="offloadd install", description=DESCRIPTION)
+    parser = _Parser(prog="offloadd install", description=DESCRIPTION)
     _add_arguments(parser)
     return run_command(parser.parse_args(argv))
 
@@ -348,10 +356,44 @@ def _running_wheel() -> str | None:
     return str(holder) if holder.suffix == ".whl" else None
 
 
+def _wheel_file(text: str) -> str:
+    if not text.endswith(".whl") or not os.path.isfile(text):
+        hint = "run `make dist` in the checkout, or give the path of a built one"
+        raise argparse.ArgumentTypeError(f"no wheel (*.whl) at {text!r}: {hint}")
+    return text
+
+
+def _prefix(text: str) -> str:
+    if not os.path.isabs(text):
+        raise argparse.ArgumentTypeError(f"expected an absolute directory, got {text!r}")
+    return text
+
+
+def _user(text: str) -> str:
+    try:
+        pwd.getpwnam(text)
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no user {text!r} on this host") from None
+    return text
+
+
+def _python(text: str) -> str:
+    if not text or shutil.which(text) is None:
+        raise argparse.ArgumentTypeError(f"no Python to run at {text!r}")
+    return text
+
+
+def _pip_option(text: str) -> str:
+    if not text.startswith("-"):
+        raise argparse.ArgumentTypeError(f"expected a pip install option (-...), got {text!r}")
+    return text
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     wheel = _running_wheel()
     parser.add_argument(
         "--wheel",
+        type=_wheel_file,
         metavar="PATH",
         default=wheel or DEFAULT_WHEEL,
         help="the wheel to install (default: "
@@ -360,6 +402,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix",
+        type=_prefix,
         metavar="DIR",
         help="put every path under DIR, and name them there in the unit (for packagers and "
         "tests); creates no user or group unless --create-users, runs no systemctl",
@@ -369,6 +412,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--client",
+        type=_user,
         action="append",
         default=[],
         metavar="USER",
@@ -377,6 +421,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the steps, change nothing")
     parser.add_argument(
         "--python",
+        type=_python,
         default=sys.executable,
         metavar="PATH",
         help="the Python the venv is made with (default: this one)",
@@ -388,6 +433,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pip-arg",
+        type=_pip_option,
         action="append",
         default=[],
         metavar="ARG",
@@ -399,7 +445,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """``offloadd install``: checks its arguments, then ``main``."""
     wheel = Path(args.wheel).resolve()
-    if not wheel.is_file():
+    if not wheel.is_file():  # the default, which argparse does not check
         hint = "run `make dist` in the checkout, or give --wheel PATH"
         print(f"offloadd install: no wheel at {args.wheel}: {hint}", file=sys.stderr)
         return BAD_USAGE
@@ -424,8 +470,5 @@ def run_command(args: argparse.Namespace) -> int:
     if args.client and not options.create_users:
         hint = "drop --prefix or add --create-users"
         print(f"offloadd install: --client adds to a group it manages: {hint}", file=sys.stderr)
-        return BAD_USAGE
-    if shutil.which(options.python) is None and not Path(options.python).exists():
-        print(f"offloadd install: no Python at {options.python} (--python)", file=sys.stderr)
         return BAD_USAGE
     return main(options)
