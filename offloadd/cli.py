@@ -1,5 +1,6 @@
 """The ``offloadd`` command line: ``serve``, ``status``, ``cache``, ``check-config``, ``demo``,
-``events``, ``bench``, ``check-gpu`` (``cache``'s own module: ``offloadd.cache_admin``).
+``events``, ``bench``, ``check-gpu``, ``install`` (``cache`` and ``install`` have modules of
+their own: ``offloadd.cache_admin``, ``offloadd.install``).
 
 A value a command cannot use is a usage error, reported before anything starts: one line on
 stderr that names the flag (or the setting and where its value came from) and exit status 2.
@@ -23,7 +24,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from offloadd import __version__, cache_admin
+from offloadd import __version__, cache_admin, install
 from offloadd import cli_values as values
 from offloadd.settings import (
     ENV_PREFIX,
@@ -389,6 +390,7 @@ Run one daemon per GPU node; engines connect to its socket through the plugin.
   offloadd events                     follow the KV-cache events routers receive
   offloadd bench                      measure it against same-run baselines
   offloadd check-gpu                  the CUDA path end to end on this GPU host, verified
+  offloadd install                    set up this node: user, group, venv, unit, settings
 
 Settings come from built-in defaults < --config FILE (TOML) < OFFLOADD_<SECTION>__<KEY>
 environment variables < flags. systemd/offloadd.toml lists every setting at its default.
@@ -465,6 +467,7 @@ def build_parser() -> _Parser:
     )
     status.set_defaults(handler=_status)
     cache_admin.add_command(commands.add_parser)
+    install.add_command(commands.add_parser)
 
     check = commands.add_parser(
         "check-config",

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from offloadd.transfer.engine import CopyEngine
 from tests.integration.harness import DaemonThread, Rank
+from tests.integration.wheels import build_dist
 
 DaemonFactory = Callable[..., DaemonThread]
 
@@ -42,3 +44,9 @@ def ranks() -> Iterator[list[Rank]]:
     yield created
     for rank in created:
         rank.close()
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the wheel, the sdist) as ``make dist`` builds them, once per session."""
+    return build_dist(tmp_path_factory.mktemp("dist"))

@@ -1,7 +1,8 @@
 """The built wheel and sdist: their metadata and LICENSE, what lands in site-packages, that
-every module in it imports from it alone, and that ``offloadd bench`` runs from it.
+every module in it imports from it alone, that it carries the files ``offloadd install``
+writes, and that ``offloadd bench`` runs from it.
 
-The wheel is built from a copy of the sources (so the checkout gets no build/ or egg-info),
+The wheel is built once per session from a copy of the sources (tests/integration/wheels.py),
 installed with ``pip install --target`` into a temporary directory, and run with only that
 directory on ``PYTHONPATH`` from a directory outside the checkout, so nothing can be
 imported from the checkout by accident (the declared dependencies come from this
@@ -14,17 +15,16 @@ import ast
 import email.parser
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import offloadd
+from tests.integration.wheels import PIP
 
 REPO = Path(__file__).resolve().parents[2]
 # The checkout's packages the wheel does not carry: nothing in it may need them.
@@ -70,46 +70,19 @@ print(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, Path]]:
+def built(
+    dist: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, Path]:
     """(the wheel, the directory it is installed into, the sdist), as ``make dist`` builds
     them."""
-    root = tmp_path_factory.mktemp("wheel")
-    source = root / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(REPO / name, source / name)
-    for package in ("protocol", "offloadd"):
-        shutil.copytree(
-            REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    wheels = root / "wheels"
+    wheel, sdist = dist
+    target = tmp_path_factory.mktemp("wheel") / "site"
     subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)],
+        [*PIP, "install", "--no-deps", "--target", str(target), str(wheel)],
         check=True,
         timeout=120,
     )
-    (wheel,) = wheels.glob("offloadd-*.whl")
-    target = root / "site"
-    subprocess.run(
-        [*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
-        check=True,
-        timeout=120,
-    )
-    sdists = root / "sdists"
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"from setuptools import build_meta; build_meta.build_sdist({str(sdists)!r})",
-        ],
-        check=True,
-        timeout=120,
-        cwd=source,
-        capture_output=True,
-    )
-    (sdist,) = sdists.glob("offloadd-*.tar.gz")
-    yield wheel, target, sdist
+    return wheel, target, sdist
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +145,29 @@ def test_wheel_and_sdist_carry_the_metadata_and_the_license(
     assert {f"{top}/pyproject.toml", f"{top}/README.md", f"{top}/offloadd/cli.py"} <= names
     assert f"{top}/protocol/messages.py" in names
     assert not any(name.startswith((f"{top}/tests/", f"{top}/benchmarks/")) for name in names)
+
+
+def test_wheel_carries_the_files_offloadd_install_writes(
+    wheel_install: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The unit and the settings file, as systemd/ in the checkout has them, read the way
+    ``offloadd install`` reads them from an installed wheel."""
+    wheel, target = wheel_install
+    with zipfile.ZipFile(wheel) as archive:
+        for name in ("offloadd.service", "offloadd.toml"):
+            shipped = archive.read(f"offloadd/data/{name}").decode()
+            assert shipped == (REPO / "systemd" / name).read_text(), name
+    code = "from offloadd.install import shipped; print(shipped('offloadd.service'), end='')"
+    read = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_installed_env(target),
+        cwd=tmp_path,
+        timeout=60,
+        check=True,
+    )
+    assert read.stdout == (REPO / "systemd" / "offloadd.service").read_text()
 
 
 def _installed_env(target: Path) -> dict[str, str]:

@@ -168,7 +168,9 @@ def assert_refused(status: int, err: str, *names: str) -> None:
 
 def test_the_sweep_covers_every_command() -> None:
     commands = {command for command, _flag, _value in FLAG_CASES}
-    assert {"serve", "check-config", "status", "demo", "events", "bench", "check-gpu"} <= commands
+    assert {
+        "serve", "check-config", "status", "demo", "events", "bench", "check-gpu", "install"
+    } <= commands  # fmt: skip
     assert ("events", "--daemon") in set(_value_flags())  # sanity: later flags are read too
 
 
