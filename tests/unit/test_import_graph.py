@@ -27,6 +27,7 @@ LIBRARIES = (
     "offloadd.cuda_ipc",
     "offloadd.peer",
     "offloadd.vllm",
+    "offloadd.sglang",
 )
 SERVER = "offloadd.server"
 
