@@ -5,7 +5,8 @@ A job is one ``Store`` or ``Load`` of one session. Its cache side was reserved b
 
 Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from the copy
 engine's threads through ``call_soon_threadsafe``, then runs through ``bulk``: the control
-socket's bulk lane, behind the Lookups and Reserves waiting, or at once when none is given):
+socket's bulk lane (its session's tenant's), behind the Lookups and Reserves waiting, or at
+once when none is given):
 - ``submit(state, request_id, job, moves, wait_event)``: book the job in its session's table,
   take a reference on the session's imports for the copy (inside ``batch``, one for all the
   jobs of the copy, taken with its first: a session that ended before the batch closes
@@ -137,7 +138,7 @@ class Jobs:
         metrics: Metrics,
         counters: Counters,
         send: Callable[[bytes, Reply], None],
-        bulk: Callable[[Callable[[], object]], None] | None = None,
+        bulk: Callable[[Callable[[], object], str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -148,7 +149,7 @@ class Jobs:
         self.metrics = metrics
         self.counters = counters
         self._send = send
-        self._bulk = bulk or (lambda work: work())
+        self._bulk = bulk or (lambda work, _tenant: work())
         self.in_flight = 0
         self.parked = 0  # of them, stores waiting for their room (park, unpark)
         self.draining = False
@@ -332,7 +333,7 @@ class Jobs:
         def on_done(done: Future[float]) -> None:
             def finished() -> None:
                 work = partial(self._copies_finished, copy, done)
-                loop.call_soon_threadsafe(self._bulk, work)
+                loop.call_soon_threadsafe(self._bulk, work, state.session.tenant)
 
             if store and not done.cancelled() and done.exception() is None:
                 writes = [w for job in group for w in job.writes]
