@@ -228,6 +228,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     open, and ``socket_connections_per_uid`` of one uid (all tcp peers count as one); a
     newcomer beyond is closed as soon as it is accepted. ``metrics_connections``: metrics
     connections served at once. Together they stay below the descriptor limit.
+    ``waiting_stores_per_tenant``: rank stores of one tenant that may wait for their
+    scheduler's Reserve (or for room another mirror frees), of the 4,096 all tenants may; a
+    store beyond is not stored, and its ``JobDone`` says so.
     """
 
     regions_per_session: int = 1024
@@ -255,6 +258,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     socket_connections: int = 4096
     socket_connections_per_uid: int = 1024
     metrics_connections: int = 64
+    # Rank stores of one tenant that may wait for their Reserve (of 4,096 for all tenants);
+    # a store beyond is not stored, and its JobDone says so.
+    waiting_stores_per_tenant: int = 1024
 
 
 class DiskSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -942,6 +948,7 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "socket_connections"): _at_least(1),
     ("limits", "socket_connections_per_uid"): _at_least(1),
     ("limits", "metrics_connections"): _at_least(1),
+    ("limits", "waiting_stores_per_tenant"): _at_least(1),
     ("disk", "path"): _disk_path_problem,
     ("mooncake", "master"): _master_problem,
     ("mooncake", "metadata"): _metadata_problem,

@@ -170,7 +170,7 @@ class Jobs:
         if not self.draining:
             return
         if store_keys:
-            self._count_refused(REFUSED_DRAINING, store_keys)
+            self.count_refused(REFUSED_DRAINING, store_keys)
         raise Refused(
             ErrorCode.SHUTTING_DOWN,
             "the daemon is shutting down: no new jobs, reservations or holds until it is back",
@@ -210,13 +210,13 @@ class Jobs:
         rank may have given its blocks back already."""
         if not late(deadline):
             return
-        self._count_refused(REFUSED_LATE, len(keys))
+        self.count_refused(REFUSED_LATE, len(keys))
         raise Refused(
             ErrorCode.DEADLINE_PASSED,
             f"the store's deadline passed {time.monotonic() - deadline:.3f}s ago: not started",
         )
 
-    def _count_refused(self, reason: str, keys: int) -> None:
+    def count_refused(self, reason: str, keys: int) -> None:
         """Count ``keys`` store keys refused for ``reason`` (GetStats, metrics)."""
         refused = self.counters.refused
         refused[reason] = refused.get(reason, 0) + keys
@@ -447,7 +447,7 @@ class Jobs:
             commits = copied and not job.abandoned
             overdue = commits and late(job.deadline)
             if overdue:
-                self._count_refused(REFUSED_LATE, len(job.writes))
+                self.count_refused(REFUSED_LATE, len(job.writes))
                 overrun = time.monotonic() - job.deadline
                 errors[index] = (
                     f"store deadline passed ({overrun:.3f}s ago) as its copy ended: not committed"

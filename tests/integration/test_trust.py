@@ -1907,3 +1907,86 @@ def test_a_tenants_flood_delays_another_tenant_by_one_item_per_turn(
         assert len([e for e in ran if e[2] == lane]) <= 1, (lane, len(ran))
         assert len(ran) <= (2 * 32 + 1 if lane else 2), (lane, len(ran))
     assert judged >= 40, f"only {judged} of A's requests met a backlog of B's"
+
+
+_PARKING_FLOOD = (
+    _RANK_FILES
+    + """
+from offloadd.errors import JobError
+# Four engines of this user, each rank sending 1,024 one-chunk stores that name a Reserve its
+# scheduler never sends: each waits for it, in the daemon's waiting-stores queue.
+out = {"sent": 0}
+for engine in range(4):
+    worker, _ = connect(f"parking-{engine}")
+    scheduler, _ = connect(f"parking-{engine}", "scheduler")
+    named = (scheduler.welcome.session_id, 1 << 30)
+    for job in range(1, 1025):
+        worker.store(job, chain_keys(1, b"p%d-%d" % (engine, job)), chunk_block_ids([0], 2),
+                     reserved=True, reserve=named)
+        out["sent"] += 1
+    try:
+        done = worker.wait(range(1, 1025), 0.5, raise_on_failure=False)
+    except JobError as exc:  # those waiting did not finish: the others did
+        done = exc.results
+    out[f"ok_{engine}"] = sum(d.ok for d in done)
+    out[f"not_stored_{engine}"] = sum(not d.ok and len(d.failed_keys) == 1 for d in done)
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+)
+
+_STORE_BEFORE_RESERVE = (
+    _RANK_FILES
+    + """
+worker, fds = connect("early")
+scheduler, _ = connect("early", "scheduler")
+keys = chain_keys(8, b"early")
+reserve = scheduler._core.reserve(keys, [], [], 0, [])  # numbered, sent after the stores
+named = (scheduler.welcome.session_id, reserve.request_id)
+for i, key in enumerate(keys):
+    worker.store(i + 1, [key], chunk_block_ids([i], 2), reserved=True, reserve=named)
+scheduler._post_awaited(reserve)
+done = worker.wait(range(1, 9), 10, raise_on_failure=False)
+print(json.dumps({"ok": sum(d.ok for d in done), "bytes": sum(d.nbytes for d in done),
+                  "hits": worker.lookup(keys).hits}), flush=True)
+"""
+)
+
+
+def test_a_tenant_filling_the_waiting_stores_never_drops_anothers(
+    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+) -> None:
+    daemon = shared_daemon()
+    # A parked store waits 1.5 x mirror_ack_timeout: longer than the test.
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        server=msgspec.structs.replace(daemon.settings.server, mirror_ack_timeout=60.0),
+    )
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    limits = LimitsSettings()
+    attacker = subprocess.Popen(
+        _attack_command(_PARKING_FLOOD, daemon, b, shared),
+        env=_ATTACK_ENV, cwd="/tmp", text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert attacker.stdout is not None and attacker.stderr is not None
+        line = attacker.stdout.readline()
+        assert line, attacker.stderr.read()
+        flood = json.loads(line)
+        # 4,096 stores sent, the whole queue's worth: its tenant's share waits, and every one
+        # beyond it is answered not stored (none ok, its one key failed).
+        assert flood["sent"] == 4096, flood
+        share = limits.waiting_stores_per_tenant
+        assert sum(flood[f"ok_{e}"] for e in range(4)) == 0, flood
+        assert sum(flood[f"not_stored_{e}"] for e in range(4)) == 4096 - share, flood
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            stats = admin.stats()
+            assert stats.stores_waiting == share
+            assert stats.stores_refused_by_reason.get("waiting") == 4096 - share
+        # A's stores read before their scheduler's Reserve wait for it and are all stored.
+        victim = _attack(_STORE_BEFORE_RESERVE, daemon, a, shared)
+        assert victim == {"ok": 8, "bytes": 8 * 2 * PAGE * 3, "hits": 8}, victim
+    finally:
+        attacker.communicate("", timeout=60)
