@@ -143,7 +143,10 @@ class WaitingStores:
         share = self._most // (len(self._tenants) + (0 if mine else 1))
         top, largest = max((count, name) for name, count in self._tenants.items())
         if mine >= share or top <= mine + 1:
-            return f"not stored: {len(self._queue)} stores wait already, this tenant's share"
+            return (
+                f"not stored: all {self._most} places for waiting stores are taken, {mine} "
+                f"by this tenant (its even share: {share})"
+            )
         latest = next(job for job in reversed(self._queue) if job.state.session.tenant == largest)
         self._remove(latest)
         self._jobs.unpark(latest)

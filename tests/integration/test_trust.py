@@ -1954,14 +1954,15 @@ print(json.dumps({"ok": sum(d.ok for d in done), "bytes": sum(d.nbytes for d in 
 
 
 def test_a_tenant_filling_the_waiting_stores_never_drops_anothers(
-    users: dict[str, User], shared_daemon: Callable[..., DaemonThread]
+    users: dict[str, User], shared_dir: str
 ) -> None:
-    daemon = shared_daemon()
+    daemon = DaemonThread(endpoint=f"ipc://{shared_dir}/d.sock", socket_group=SHARED_GROUP)
     # A parked store waits 1.5 x mirror_ack_timeout: longer than the test.
     daemon.settings = msgspec.structs.replace(
         daemon.settings,
         server=msgspec.structs.replace(daemon.settings.server, mirror_ack_timeout=60.0),
     )
+    daemon.start()
     a, b = users["odtrust-a"], users["odtrust-b"]
     shared = grp.getgrnam(SHARED_GROUP).gr_gid
     limits = LimitsSettings()
@@ -1988,5 +1989,8 @@ def test_a_tenant_filling_the_waiting_stores_never_drops_anothers(
         # A's stores read before their scheduler's Reserve wait for it and are all stored.
         victim = _attack(_STORE_BEFORE_RESERVE, daemon, a, shared)
         assert victim == {"ok": 8, "bytes": 8 * 2 * PAGE * 3, "hits": 8}, victim
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            assert admin.stats().stores_waiting == share  # B's still wait (for 90 s)
     finally:
         attacker.communicate("", timeout=60)
+        daemon.stop()
