@@ -51,7 +51,7 @@ Request = tuple[bytes, list[bytes]]
 Item = Request | Callable[[], object]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Peer:
     """A peer with requests queued: under which tenant, how many, how many of them bulk."""
 
@@ -60,7 +60,7 @@ class _Peer:
     in_bulk: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lane:
     """One lane: each tenant's queue, and the tenants with items queued in turn order."""
 
