@@ -16,7 +16,7 @@ Contract of ``ControlSocket`` (the event loop's thread only):
   (``offloadd.server.lanes``): control requests (Lookup, Reserve, ...) are handled before
   bulk work (Store, Load, StepJobs, Hello, ... and the copies' ends given to ``run_bulk``),
   one peer's requests always in the order it sent them, and each lane serves the tenants
-  (``tenant_of(identity)``, "" for a peer with no session) in turn; the loop's other
+  (``tenant_of(identity)``; "" for a peer nobody knows) in turn; the loop's other
   callbacks run after each bulk item and after ``_BATCH`` control ones. While a peer's
   Hello is handled off the loop (``RequestGate``), its later frames are held, then given to
   ``handle_frames`` in order.

@@ -10,7 +10,8 @@ queue ahead of everyone else's requests; here each lane serves its tenants in tu
 
 Contract of ``Lanes`` (the event loop's thread only; pure, no sockets):
 - ``Lanes(burst, tenant_of, weight_of)``: ``tenant_of(peer)`` names the tenant a request
-  is queued under when it is read ("" for a peer with no session: they share one turn);
+  is queued under when it is read (the daemon's: its session's, else its registration's,
+  else "": the peers it knows nothing of share one turn);
   ``weight_of(tenant)`` the items it may have served per turn (1 when not given).
 - ``add(peer, frames, urgent)``: queue a request as read from the socket. ``urgent`` (a
   control request, see ``URGENT``) goes to the control lane, unless the same peer still has

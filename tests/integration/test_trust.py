@@ -1803,12 +1803,14 @@ for index in range(sessions):
     sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
+    socks.append(sock)
+    if name == "sessionless":  # no registration, no Hello: the daemon knows nothing of it
+        continue
     token = register(endpoint, identity, []).token
     config = make_config(engine_id=f"{name}-{index}", tp=1)
     sock.send(encode(Hello(1, PROTOCOL_VERSION, "scheduler", config, token=token)))
     assert sock.poll(30_000), "no Welcome"
     assert isinstance(decode_reply(sock.recv()), Welcome)
-    socks.append(sock)
 keys = chain_keys(64, name.encode())
 print(json.dumps({"identities": [s.getsockopt(zmq.ROUTING_ID).hex() for s in socks]}), flush=True)
 def request(rid):
@@ -1837,7 +1839,9 @@ else:  # as fast as the daemon reads, replies unread, until stdin speaks
 """
 
 
+@pytest.mark.parametrize("flood", ["sessions", "sessionless"])
 def test_a_tenants_flood_delays_another_tenant_by_one_item_per_turn(
+    flood: str,
     users: dict[str, User],
     shared_daemon: Callable[..., DaemonThread],
     monkeypatch: pytest.MonkeyPatch,
@@ -1876,9 +1880,10 @@ def test_a_tenants_flood_delays_another_tenant_by_one_item_per_turn(
         found: dict[str, Any] = json.loads(line)
         return found
 
-    # B floods Lookups (control lane) and GetStats (bulk lane) from 4 sessions; A asks 60
-    # of the same, one at a time.
-    attacker = start(b, "flood", "4", "0")
+    # B floods Lookups (control lane) and GetStats (bulk lane) from 4 sessions, or from 4
+    # sockets with neither a registration nor a session; A says Hello (registered: its
+    # tenant's turn, not the sessionless peers') and asks 60 of the same, one at a time.
+    attacker = start(b, "flood" if flood == "sessions" else "sessionless", "4", "0")
     victim = None
     try:
         flooders = {bytes.fromhex(identity) for identity in report(attacker)["identities"]}
