@@ -207,6 +207,10 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     who starts more engines gets no more of the arena (0: ``protected_fraction``).
     ``reservation_seconds``: how long a scheduler's reservation waits for its ranks' store;
     one not committed by then is dropped and its room freed (counted as ``expired``).
+    ``reservation_renewals``: how many times more a key may be reserved before it is stored
+    (reserved again once its reservation lapsed or its scheduler left): a renewing lease
+    ends after ``(1 + reservation_renewals) * reservation_seconds``; beyond, the key is not
+    reserved (counted as ``expired``) until it is stored.
     ``mapped_bytes_per_uid``: bytes of shared-memory region files a uid's live sessions may
     make the daemon map or reserve address space for (0: the host's memory, ``MemTotal``).
     ``max_lease_seconds`` caps a Lookup's pin lease. ``snapshot_keys``: chunks announced (KV
@@ -228,6 +232,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     open, and ``socket_connections_per_uid`` of one uid (all tcp peers count as one); a
     newcomer beyond is closed as soon as it is accepted. ``metrics_connections``: metrics
     connections served at once. Together they stay below the descriptor limit.
+    ``waiting_stores_per_tenant``: rank stores of one tenant that may wait for their
+    scheduler's Reserve (or for room another mirror frees), of the 4,096 all tenants may; a
+    store beyond is not stored, and its ``JobDone`` says so.
     """
 
     regions_per_session: int = 1024
@@ -236,6 +243,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     protected_fraction: float = 0.5
     tenant_protected_fraction: float = 0.0
     reservation_seconds: float = 5.0
+    # Times more a key may be reserved before it is stored (its lease renewed): beyond, not
+    # reserved until stored.
+    reservation_renewals: int = 3
     mapped_bytes_per_uid: int = 0
     max_lease_seconds: float = 300.0
     jobs_per_session: int = 1024
@@ -255,6 +265,9 @@ class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     socket_connections: int = 2048
     socket_connections_per_uid: int = 1024
     metrics_connections: int = 64
+    # Rank stores of one tenant that may wait for their Reserve (of 4,096 for all tenants);
+    # a store beyond is not stored, and its JobDone says so.
+    waiting_stores_per_tenant: int = 1024
 
 
 class DiskSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -924,6 +937,7 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "protected_fraction"): _fraction_problem,
     ("limits", "tenant_protected_fraction"): _fraction_or_zero_problem,
     ("limits", "reservation_seconds"): _at_least(0, above=True),
+    ("limits", "reservation_renewals"): _at_least(0),
     ("limits", "mapped_bytes_per_uid"): _at_least(0),
     ("limits", "max_lease_seconds"): _at_least(0, above=True),
     ("limits", "jobs_per_session"): _at_least(1),
@@ -942,6 +956,7 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("limits", "socket_connections"): _at_least(1),
     ("limits", "socket_connections_per_uid"): _at_least(1),
     ("limits", "metrics_connections"): _at_least(1),
+    ("limits", "waiting_stores_per_tenant"): _at_least(1),
     ("disk", "path"): _disk_path_problem,
     ("mooncake", "master"): _master_problem,
     ("mooncake", "metadata"): _metadata_problem,

@@ -453,7 +453,7 @@ class TierState(msgspec.Struct, frozen=True):
 
 
 # The reasons ``DaemonStats.stores_refused_by_reason`` may carry (metrics export each, 0 included).
-REFUSAL_REASONS = ("full", "ack", "budget", "tenant", "expired", "draining", "late")
+REFUSAL_REASONS = ("full", "ack", "budget", "tenant", "expired", "draining", "late", "waiting")
 
 
 class DaemonStats(msgspec.Struct, frozen=True):

@@ -47,7 +47,8 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   counted as ``expired``; one being written is left a plain pending entry (its store has
   begun; eviction may take it once the copy ends).
   Lapsed reservations are dropped whenever the cache counts a room, reserves, allocates a
-  store or reports ``stats``.
+  store or reports ``stats``. With ``reservation_renewals``, a key is reserved at most that
+  many times more until stored (``Protections.renewable``; beyond, counted as ``expired``).
 - A scheduler that mirrors a namespace's keys (``watch``) may still show a removed key as
   present: a removed committed entry of a watched namespace keeps its extents until every
   watcher acknowledged the removal (``ack``; see ``offloadd.cache.watchers``). ``acker`` on a
@@ -148,6 +149,7 @@ class ChunkCache:
         budget: int | None = None,
         tenant_budget: int | None = None,
         reservation_lease: float | None = None,
+        reservation_renewals: int | None = None,
     ) -> None:
         # ``boundary``: no shard extent straddles a multiple of it (see ExtentAllocator).
         alloc = ExtentAllocator(capacity, align, boundary=boundary)
@@ -160,6 +162,7 @@ class ChunkCache:
             budget=budget,
             tenant_budget=tenant_budget,
             reservation_lease=reservation_lease,
+            reservation_renewals=reservation_renewals,
         )
         self._handles = Handles(rows, self._guards)
         self._placement = Placement(rows, self._guards, self._watchers, self._handles, clock)

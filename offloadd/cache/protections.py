@@ -13,7 +13,11 @@ the ledger. Contract of ``Protections``:
   ``release_holds``; ``held_rows`` reads the rows a token holds (removed ones too).
 - Reservations (a scheduler's new keys): ``reserve`` marks a pending row as an owner's and
   starts its lease; ``end_reservation`` as it commits or leaves; ``release_reservations``
-  and ``lapsed`` end an owner's, or those whose lease ended.
+  and ``lapsed`` end an owner's, or those whose lease ended. With ``reservation_renewals``,
+  a key is reserved at most that many times more after its first reservation until it is
+  stored (``stored``): ``renewable(namespace, key)`` says whether it may be reserved again,
+  so a lease that a scheduler renews by reserving the key again after it lapsed (or after it
+  left) ends. The count is kept for the last ``RENEWALS_KEPT`` keys reserved.
 - ``room(account, tenant, now)``: what an engine within its tenant may still protect,
   expired pins dropped first (they protect nothing); ``tenant_binds`` says which bound that
   was, ``owned(owner)`` what an owner protects.
@@ -25,7 +29,7 @@ unused returns the rows, and the cache releases them (``offloadd.cache.placement
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 from offloadd.cache import lifecycle
@@ -34,7 +38,9 @@ from offloadd.cache.lifecycle import COMMITTED, DEAD, Event
 from offloadd.cache.rows import NO_ROWS, Rows
 from offloadd.cache.watchers import Watchers
 
-__all__ = ["Protections"]
+__all__ = ["RENEWALS_KEPT", "Protections"]
+
+RENEWALS_KEPT = 1 << 16  # keys whose reservations since their last store are counted
 
 _HOLD = int(Event.HOLD)
 _UNHOLD = int(Event.UNHOLD)
@@ -57,6 +63,7 @@ class Protections:
         budget: int | None,
         tenant_budget: int | None,
         reservation_lease: float | None,
+        reservation_renewals: int | None = None,
     ) -> None:
         self._rows = rows
         self._watchers = watchers
@@ -75,6 +82,9 @@ class Protections:
         self._lease = reservation_lease
         self._reserved_until: dict[int, float] = {}
         self._deadlines: deque[tuple[float, list[int]]] = deque()
+        # (namespace id, key) -> its reservations since it was last stored, oldest first.
+        self._renewals = reservation_renewals
+        self._reserved_times: OrderedDict[tuple[int, bytes], int] = OrderedDict()
 
     # -- the ledger -------------------------------------------------------------------------
 
@@ -386,6 +396,29 @@ class Protections:
         state[row] = lifecycle.step(state[row], _RESERVE)
         self._ledger.charge(owner, self._cost(row), account, tenant)
         self._reservations.setdefault(owner, set()).add(row)
+        if self._renewals is not None:
+            times = self._reserved_times
+            name = self._name(row)
+            times[name] = times.pop(name, 0) + 1
+            if len(times) > RENEWALS_KEPT:
+                times.popitem(last=False)
+
+    def renewable(self, namespace: str, key: bytes) -> bool:
+        """Whether ``key`` may be reserved (again): within ``reservation_renewals``."""
+        ns = self._rows.namespace_ids.get(namespace)
+        if self._renewals is None or ns is None:
+            return True
+        return self._reserved_times.get((ns, key), 0) <= self._renewals
+
+    def stored(self, row: int) -> None:
+        """``row`` committed: its key's reservations start counting afresh."""
+        if self._reserved_times:
+            self._reserved_times.pop(self._name(row), None)
+
+    def _name(self, row: int) -> tuple[int, bytes]:
+        key = self._rows.keys[row]
+        assert key is not None
+        return int(self._rows.ns.v[row]), key
 
     def lease(self, rows: list[int], now: float) -> None:
         """Start the lease of the rows one ``reserve`` call reserved."""

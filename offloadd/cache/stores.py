@@ -20,6 +20,7 @@ from offloadd.cache.placement import Placement
 from offloadd.cache.protections import Protections
 from offloadd.cache.records import (
     REFUSED_BUDGET,
+    REFUSED_EXPIRED,
     REFUSED_TENANT,
     Entry,
     Handles,
@@ -165,6 +166,7 @@ class Stores:
                     rows.written.pop(row, None)
                     rows.writers.pop(row, None)
                     self._guards.end_reservation(row)  # never outlives the pending entry
+                    self._guards.stored(row)
                     state[row] = lifecycle.step(state[row], _COMMIT)
                     rows.committed += 1
                     rows.committed_bytes += entry.nbytes
@@ -218,6 +220,9 @@ class Stores:
             if key in table or key in seen:
                 continue
             seen.add(key)
+            if not guards.renewable(namespace, key):
+                place.refuse(REFUSED_EXPIRED, 1)  # reserved too often, never stored
+                continue
             sizes = shard_sizes(key)
             if sizes is not checked:
                 sizes = tuple(sizes)

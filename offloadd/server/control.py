@@ -15,13 +15,15 @@ Contract of ``ControlSocket`` (the event loop's thread only):
 - ``receive_loop()``: receive until cancelled. Requests are read into two lanes
   (``offloadd.server.lanes``): control requests (Lookup, Reserve, ...) are handled before
   bulk work (Store, Load, StepJobs, Hello, ... and the copies' ends given to ``run_bulk``),
-  one peer's requests always in the order it sent them; the loop's other callbacks run after
-  each bulk item and after ``_BATCH`` control ones. While a peer's Hello is handled off the
-  loop (``RequestGate``), its later frames are held, then given to ``handle_frames`` in
-  order.
-- ``run_bulk(work)``: run ``work`` on the loop in the bulk lane, behind the control requests
-  queued; at once when the receive loop is not running (before it starts, once it ended) or
-  waits on an empty socket with nothing queued (a copy's end then skips a turn of the loop).
+  one peer's requests always in the order it sent them, and each lane serves the tenants
+  (``tenant_of(identity)``; "" for a peer nobody knows) in turn; the loop's other
+  callbacks run after each bulk item and after ``_BATCH`` control ones. While a peer's
+  Hello is handled off the loop (``RequestGate``), its later frames are held, then given to
+  ``handle_frames`` in order.
+- ``run_bulk(work, tenant)``: run ``work`` on the loop in ``tenant``'s bulk lane, behind the
+  control requests queued; at once when the receive loop is not running (before it starts,
+  once it ended) or waits on an empty socket with nothing queued (a copy's end then skips a
+  turn of the loop).
 - ``send(identity, reply)``: never blocks: a reply to a peer that is gone or not reading is
   dropped, and so is every reply once the socket is closed.
 - ``protocol_error(identity, request_id, code, message)``: answer an Error and count it.
@@ -91,6 +93,7 @@ class ControlSocket:
         dispatch: Callable[[bytes, Request], None],
         metrics: Metrics,
         counters: Counters,
+        tenant_of: Callable[[bytes], str] = lambda _identity: "",
     ) -> None:
         self.settings = settings
         self.endpoint = endpoint
@@ -101,7 +104,8 @@ class ControlSocket:
         self._sock: zmq.Socket[bytes] | None = None  # blocking calls never block: see send
         self._readable: asyncio.Event | None = None  # receive_loop's wake-up, see send
         self._auth: AsyncioAuthenticator | None = None  # CURVE authentication, when used
-        self._lanes = Lanes(_BATCH)
+        self._tenant_of = tenant_of
+        self._lanes = Lanes(_BATCH, tenant_of)
 
     def bind(
         self,
@@ -211,10 +215,11 @@ class ControlSocket:
             while (popped := lanes.pop()) is not None:
                 if not isinstance(popped[0], tuple):
                     loop.call_soon(popped[0])
-            self._lanes = Lanes(_BATCH)
+            self._lanes = Lanes(_BATCH, self._tenant_of)
 
-    def run_bulk(self, work: Callable[[], object]) -> None:
-        """Run ``work`` (on the loop) in the bulk lane; at once if nothing is receiving."""
+    def run_bulk(self, work: Callable[[], object], tenant: str = "") -> None:
+        """Run ``work`` (on the loop) in ``tenant``'s bulk lane; at once if nothing is
+        receiving."""
         readable = self._readable
         if readable is None:
             work()
@@ -229,7 +234,7 @@ class ControlSocket:
             # Nothing to run before it: the receive loop would wake only to run it.
             self._run(work)
             return
-        self._lanes.add_work(work)
+        self._lanes.add_work(work, tenant)
         readable.set()
 
     def _read(self, sock: zmq.Socket[bytes]) -> None:

@@ -143,6 +143,7 @@ class Daemon:
             dispatch=lambda identity, request: self._require_parts().dispatch(identity, request),
             metrics=self.metrics,
             counters=self.counters,
+            tenant_of=lambda peer: self._parts.sessions.tenant_of(peer) if self._parts else "",
         )
 
     async def __aenter__(self) -> Daemon:

@@ -5,7 +5,8 @@ A job is one ``Store`` or ``Load`` of one session. Its cache side was reserved b
 
 Contract of ``Jobs`` (the event loop's thread only; a copy's end arrives from the copy
 engine's threads through ``call_soon_threadsafe``, then runs through ``bulk``: the control
-socket's bulk lane, behind the Lookups and Reserves waiting, or at once when none is given):
+socket's bulk lane (its session's tenant's), behind the Lookups and Reserves waiting, or at
+once when none is given):
 - ``submit(state, request_id, job, moves, wait_event)``: book the job in its session's table,
   take a reference on the session's imports for the copy (inside ``batch``, one for all the
   jobs of the copy, taken with its first: a session that ended before the batch closes
@@ -137,7 +138,7 @@ class Jobs:
         metrics: Metrics,
         counters: Counters,
         send: Callable[[bytes, Reply], None],
-        bulk: Callable[[Callable[[], object]], None] | None = None,
+        bulk: Callable[[Callable[[], object], str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -148,7 +149,7 @@ class Jobs:
         self.metrics = metrics
         self.counters = counters
         self._send = send
-        self._bulk = bulk or (lambda work: work())
+        self._bulk = bulk or (lambda work, _tenant: work())
         self.in_flight = 0
         self.parked = 0  # of them, stores waiting for their room (park, unpark)
         self.draining = False
@@ -169,7 +170,7 @@ class Jobs:
         if not self.draining:
             return
         if store_keys:
-            self._count_refused(REFUSED_DRAINING, store_keys)
+            self.count_refused(REFUSED_DRAINING, store_keys)
         raise Refused(
             ErrorCode.SHUTTING_DOWN,
             "the daemon is shutting down: no new jobs, reservations or holds until it is back",
@@ -209,13 +210,13 @@ class Jobs:
         rank may have given its blocks back already."""
         if not late(deadline):
             return
-        self._count_refused(REFUSED_LATE, len(keys))
+        self.count_refused(REFUSED_LATE, len(keys))
         raise Refused(
             ErrorCode.DEADLINE_PASSED,
             f"the store's deadline passed {time.monotonic() - deadline:.3f}s ago: not started",
         )
 
-    def _count_refused(self, reason: str, keys: int) -> None:
+    def count_refused(self, reason: str, keys: int) -> None:
         """Count ``keys`` store keys refused for ``reason`` (GetStats, metrics)."""
         refused = self.counters.refused
         refused[reason] = refused.get(reason, 0) + keys
@@ -332,7 +333,7 @@ class Jobs:
         def on_done(done: Future[float]) -> None:
             def finished() -> None:
                 work = partial(self._copies_finished, copy, done)
-                loop.call_soon_threadsafe(self._bulk, work)
+                loop.call_soon_threadsafe(self._bulk, work, state.session.tenant)
 
             if store and not done.cancelled() and done.exception() is None:
                 writes = [w for job in group for w in job.writes]
@@ -446,7 +447,7 @@ class Jobs:
             commits = copied and not job.abandoned
             overdue = commits and late(job.deadline)
             if overdue:
-                self._count_refused(REFUSED_LATE, len(job.writes))
+                self.count_refused(REFUSED_LATE, len(job.writes))
                 overrun = time.monotonic() - job.deadline
                 errors[index] = (
                     f"store deadline passed ({overrun:.3f}s ago) as its copy ended: not committed"

@@ -50,6 +50,7 @@ class CacheBounds(TypedDict):
     budget: int
     tenant_budget: int
     reservation_lease: float
+    reservation_renewals: int
 
 
 def cache_bounds(capacity: int, settings: LimitsSettings) -> CacheBounds:
@@ -59,6 +60,7 @@ def cache_bounds(capacity: int, settings: LimitsSettings) -> CacheBounds:
         budget=int(capacity * settings.protected_fraction),
         tenant_budget=int(capacity * tenant),
         reservation_lease=settings.reservation_seconds,
+        reservation_renewals=settings.reservation_renewals,
     )
 
 

@@ -20,7 +20,9 @@ hands over. The wire is ``protocol.peer``; the client end is ``offloadd.peer``.
   ``descriptors_per_uid``.
 - ``take(token, identity)`` hands the ``Registration`` to the Hello (or GetStats) that brings
   its token from the ZeroMQ identity it names, once; the caller then owns it and ``close()``s
-  it (its descriptors; the pidfd unless taken). Tokens expire after ``token_seconds``; a uid
+  it (its descriptors; the pidfd unless taken). ``peer_of(identity)``: who registered last for that
+  identity and has not brought its token yet (the control socket's lanes queue the requests
+  of a peer with no session under its tenant). Tokens expire after ``token_seconds``; a uid
   may have at most ``per_uid`` registrations waiting; each may carry ``max_descriptors``.
 - ``listen_beside(endpoint, settings, loop)``: the listener an ipc control endpoint gets,
   bounded by ``[limits]``, started; None for tcp:// and inproc://.
@@ -159,6 +161,7 @@ class PeerListener:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: set[_Connection] = set()
         self._waiting: dict[bytes, Registration] = {}
+        self._identities: dict[bytes, bytes] = {}  # identity -> the token registered last
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind and listen; raises OSError (or EndpointRefused for a bad group)."""
@@ -185,7 +188,7 @@ class PeerListener:
     def take(self, token: bytes, identity: bytes) -> Registration | None:
         """The registration of ``token`` if it is valid for ``identity`` (used up either way)."""
         self._expire()
-        registration = self._waiting.pop(token, None) if token else None
+        registration = self._pop(token) if token else None
         if registration is None:
             return None
         if registration.identity != identity:
@@ -207,6 +210,18 @@ class PeerListener:
         for registration in self._waiting.values():
             registration.close()
         self._waiting.clear()
+        self._identities.clear()
+
+    def peer_of(self, identity: bytes) -> Peer | None:
+        """Who registered for ``identity`` and has not said Hello yet (None: nobody)."""
+        registration = self._waiting.get(self._identities.get(identity, b""))
+        return registration.peer if registration is not None else None
+
+    def _pop(self, token: bytes) -> Registration | None:
+        registration = self._waiting.pop(token, None)
+        if registration is not None and self._identities.get(registration.identity) == token:
+            del self._identities[registration.identity]
+        return registration
 
     # -- the loop's callbacks ---------------------------------------------------------------
 
@@ -344,6 +359,7 @@ class PeerListener:
         )
         connection.fds, connection.pidfd = [], None
         self._waiting[token] = registration
+        self._identities[register.identity] = token
         self._reply(connection, Registered(token, peer.uid, peer.gid, peer.pid))
 
     def _refuse(self, connection: _Connection, code: ErrorCode, message: str) -> None:
@@ -373,7 +389,9 @@ class PeerListener:
     def _expire(self) -> None:
         now = self._clock()
         for token in [t for t, r in self._waiting.items() if r.expires <= now]:
-            self._waiting.pop(token).close()
+            registration = self._pop(token)
+            if registration is not None:
+                registration.close()
 
 
 def _close_all(fds: Sequence[int], pidfd: int | None) -> None:

@@ -73,7 +73,6 @@ from offloadd.transfer.types import Direction, Span
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Clear,
-    JobAccepted,
     Load,
     Lookup,
     LookupResult,
@@ -122,7 +121,11 @@ class CacheRequests:
         # reaper periods), its removals free their room and the store is placed.
         self._admit = Admission(registry, jobs, limits, self.usage)  # each kind's, once
         self.waiting = WaitingStores(
-            cache, jobs, registry, seconds=wait_bound(settings.server.mirror_ack_timeout)
+            cache,
+            jobs,
+            registry,
+            seconds=wait_bound(settings.server.mirror_ack_timeout),
+            per_tenant=settings.limits.waiting_stores_per_tenant,
         )
 
     def lookup(self, state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
@@ -275,14 +278,17 @@ class CacheRequests:
         mine = elected_keys(engine, session.rank, request.keys)
         if not mine:
             return self._jobs.accept_without_copy(state, request.request_id, job)
-        if request.reserved and self.waiting.park(
-            job,
-            namespace.name,
-            [request.keys[i] for i in mine] if len(mine) < len(request.keys) else request.keys,
-            lambda: self._start_waiting(state, request, job, ranges, namespace, mine),
-            (request.reserver, request.reserve_id),
+        if request.reserved and (
+            parked := self.waiting.park(
+                job,
+                namespace.name,
+                [request.keys[i] for i in mine] if len(mine) < len(request.keys) else request.keys,
+                lambda: self._start_waiting(state, request, job, ranges, namespace, mine),
+                (request.reserver, request.reserve_id),
+                request.request_id,
+            )
         ):
-            return Accepted(JobAccepted(request.request_id, job.job_id))
+            return parked
         return self._start_store(state, request, job, ranges, namespace, mine, engine)
 
     def _start_waiting(

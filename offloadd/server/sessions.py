@@ -30,6 +30,8 @@ Contract of ``Sessions`` (the event loop's thread only):
   for the same engine replaces its old session (``Registry.hello``), as a rank does.
 - ``begin_drain()``: the daemon stops: no new Hellos, jobs, reservations or holds
   (``SHUTTING_DOWN``), and every mirror is told that every key misses (``Mirrors.drain``).
+- ``tenant_of(identity)``: the tenant a peer's requests are served under (the control
+  socket's lanes): its session's, else its registration's (``PeerListener.peer_of``), else "".
 - ``unwatch_all()`` and ``handles_closed()``: the daemon is closing.
 """
 
@@ -142,6 +144,15 @@ class Sessions:
     def get(self, session_id: str) -> SessionState | None:
         """The live session ``session_id`` (its identity in hex), if any."""
         return self._states.get(session_id)
+
+    def tenant_of(self, identity: bytes) -> str:
+        """The tenant of the peer ``identity``: its session's, else its registration's (a Hello
+        on its way), else "" (a peer the daemon knows nothing of)."""
+        state = self._states.get(identity.hex())
+        if state is not None:
+            return state.session.tenant
+        peer = self._peers.peer_of(identity) if self._peers is not None else None
+        return self._tenancy.tenant_of(peer) if peer is not None else ""
 
     def handles_closed(self) -> None:
         """Register nothing more (the daemon closed the handle table)."""

@@ -216,3 +216,31 @@ def test_region_files_number_each_file_once_and_allocate_its_pages() -> None:
             files.close()
     finally:
         os.unlink(path)
+
+
+@pytest.mark.asyncio
+async def test_who_registered_for_an_identity_is_known_until_its_token_is_used(
+    listener: tuple[PeerListener, Clock, str],
+) -> None:
+    # The control socket's lanes queue a Hello on its way under its registrant's tenant.
+    peers, clock, endpoint = listener
+    identity, other = uuid.uuid4().bytes, uuid.uuid4().bytes
+    assert peers.peer_of(identity) is None
+    first = await asyncio.to_thread(register, endpoint, identity, [])
+    second = await asyncio.to_thread(register, endpoint, identity, [])
+    assert first is not None and second is not None
+    found = peers.peer_of(identity)
+    assert found is not None and (found.uid, found.pid) == (os.getuid(), os.getpid())
+    assert peers.peer_of(other) is None
+    taken = peers.take(first.token, identity)  # the older token: the last one still names it
+    assert taken is not None
+    taken.close()
+    assert peers.peer_of(identity) is not None
+    taken = peers.take(second.token, identity)
+    assert taken is not None
+    taken.close()
+    assert peers.peer_of(identity) is None
+    await asyncio.to_thread(register, endpoint, other, [])
+    clock.now += 31
+    assert peers.take(b"expire the rest", other) is None
+    assert peers.peer_of(other) is None and len(peers) == 0

@@ -743,3 +743,43 @@ def test_a_touched_key_outlives_an_older_use_when_room_is_needed() -> None:
         sched.close()
         r.close()
         d.stop()
+
+
+def test_a_renewing_lease_stops_renewing() -> None:
+    """A scheduler that reserves the same keys again as each reservation lapses (or again
+    after it left) keeps them for 1 + limits.reservation_renewals leases, then no longer;
+    what its ranks store within a lease is stored as ever."""
+    limits = LimitsSettings(reservation_seconds=0.2, reservation_renewals=2)
+    daemon = DaemonThread(capacity=64 << 20, limits=limits).start()
+    r = rank(daemon.endpoint)
+    sched = scheduler(daemon.endpoint)
+    try:
+        sched.wait_ready()
+        assert daemon.daemon is not None
+        stats = daemon.daemon.stats
+        keys = chain_keys(4, b"renew")
+        for lease in range(1, 4):  # the reservation and its 2 renewals
+            assert sched.reserve(keys).reserved == [0, 1, 2, 3], lease
+            expired = 4 * lease  # each lapses unstored (the daemon's stats expire them)
+
+            def lapsed(expired: int = expired) -> bool:
+                return stats().stores_refused_by_reason.get("expired") == expired
+
+            wait_for(lapsed, sched)
+        assert sched.reserve(keys).reserved == []
+        assert stats().stores_refused_by_reason.get("expired") == 16
+        assert stats().entries == 0
+        # Leaving and coming back renews nothing.
+        sched.close()
+        sched = scheduler(daemon.endpoint)
+        sched.wait_ready()
+        assert sched.reserve(keys).reserved == []
+        # Other keys are reserved, and stored, as ever.
+        fresh = chain_keys(2, b"fresh")
+        assert sched.reserve(fresh).reserved == [0, 1]
+        store_reserved(r, 1, fresh, [0, 1])
+        assert r.client is not None and r.client.lookup(fresh).hits == 2
+    finally:
+        sched.close()
+        r.close()
+        daemon.stop()

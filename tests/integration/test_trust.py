@@ -37,6 +37,7 @@ import zmq
 from prometheus_client import generate_latest
 
 import offloadd.peer
+import offloadd.server.lanes
 import offloadd.transfer.guarded
 import offloadd.transfer.handles
 from offloadd.cache.arena import Arena
@@ -1779,4 +1780,222 @@ def test_idle_connections_beyond_the_bounds_are_closed_and_the_victim_is_served(
         finally:
             attacker.communicate(timeout=60)
     finally:
+        daemon.stop()
+
+
+# ---------------------------------------------------------------- round three: fairness
+
+_SCHEDULERS = """
+import json, os, select, sys, time, uuid
+import zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.messages import GetStats, Hello, Lookup, Welcome, decode_reply, encode
+from tests.integration.configs import chain_keys, make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+name, sessions, count = sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+ctx = zmq.Context()
+socks = []
+for index in range(sessions):
+    identity = uuid.uuid4().bytes
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    socks.append(sock)
+    if name == "sessionless":  # no registration, no Hello: the daemon knows nothing of it
+        continue
+    token = register(endpoint, identity, []).token
+    config = make_config(engine_id=f"{name}-{index}", tp=1)
+    sock.send(encode(Hello(1, PROTOCOL_VERSION, "scheduler", config, token=token)))
+    assert sock.poll(30_000), "no Welcome"
+    assert isinstance(decode_reply(sock.recv()), Welcome)
+keys = chain_keys(64, name.encode())
+print(json.dumps({"identities": [s.getsockopt(zmq.ROUTING_ID).hex() for s in socks]}), flush=True)
+def request(rid):
+    return encode(Lookup(rid, keys) if rid % 2 else GetStats(rid))
+if count:  # one request at a time, each answered before the next
+    [sock] = socks
+    for rid in range(2, 2 + count):
+        sock.send(request(rid))
+        while True:
+            assert sock.poll(30_000), "no answer"
+            if decode_reply(sock.recv()).request_id == rid:
+                break
+    print(json.dumps({"served": count}), flush=True)
+    sys.stdin.read()
+else:  # as fast as the daemon reads, replies unread, until stdin speaks
+    rid, deadline = 2, time.monotonic() + 90
+    while not select.select([sys.stdin], [], [], 0)[0] and time.monotonic() < deadline:
+        for sock in socks:
+            try:
+                for _ in range(64):
+                    sock.send(request(rid), zmq.NOBLOCK)
+                    rid += 1
+            except zmq.Again:
+                time.sleep(0.001)
+    print(json.dumps({"sent": rid - 2}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("flood", ["sessions", "sessionless"])
+def test_a_tenants_flood_delays_another_tenant_by_one_item_per_turn(
+    flood: str,
+    users: dict[str, User],
+    shared_daemon: Callable[..., DaemonThread],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Which requests the daemon's loop queued and ran, in order (its lanes, traced): a count
+    # of the items run between a victim's request being read and being run, not a timing.
+    trace: list[tuple[str, bytes, bool]] = []
+
+    class Traced(offloadd.server.lanes.Lanes):
+        def add(self, peer: bytes, frames: list[bytes], urgent: bool) -> None:
+            super().add(peer, frames, urgent)
+            trace.append(("add", peer, urgent))
+
+        def pop(self) -> tuple[offloadd.server.lanes.Item, bool] | None:
+            popped = super().pop()
+            if popped is not None and isinstance(popped[0], tuple):
+                trace.append(("run", popped[0][0], popped[1]))
+            return popped
+
+    monkeypatch.setattr("offloadd.server.control.Lanes", Traced)
+    daemon = shared_daemon()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+
+    def start(user: User, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*_attack_command(_SCHEDULERS, daemon, user, shared), *args],
+            env=_ATTACK_ENV, cwd="/tmp", text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    def report(process: subprocess.Popen[str]) -> dict[str, Any]:
+        assert process.stdout is not None and process.stderr is not None
+        line = process.stdout.readline()
+        assert line, process.stderr.read()
+        found: dict[str, Any] = json.loads(line)
+        return found
+
+    # B floods Lookups (control lane) and GetStats (bulk lane) from 4 sessions, or from 4
+    # sockets with neither a registration nor a session; A says Hello (registered: its
+    # tenant's turn, not the sessionless peers') and asks 60 of the same, one at a time.
+    attacker = start(b, "flood" if flood == "sessions" else "sessionless", "4", "0")
+    victim = None
+    try:
+        flooders = {bytes.fromhex(identity) for identity in report(attacker)["identities"]}
+        victim = start(a, "victim", "1", "60")
+        [mine] = [bytes.fromhex(identity) for identity in report(victim)["identities"]]
+        assert report(victim) == {"served": 60}
+    finally:
+        for process in (victim, attacker):
+            if process is not None:
+                process.communicate("stop\n", timeout=60)
+    events = list(trace)
+    judged, queued = 0, 0
+    for index, (kind, peer, _urgent) in enumerate(events):
+        if peer in flooders:
+            queued += 1 if kind == "add" else -1
+        if kind != "add" or peer != mine or queued < 32:
+            continue  # A's requests read while B had a backlog queued in the lanes
+        judged += 1
+        end = next(i for i in range(index + 1, len(events)) if events[i][:2] == ("run", mine))
+        lane = events[end][2]
+        ahead = [event for event in events[index + 1 : end] if event[1] in flooders]
+        ran = [event for event in ahead if event[0] == "run"]
+        # Of its lane, at most one of B's items (B's turn when A's request came); of the other
+        # lane, at most the one bulk item a control burst lets through, or the control burst
+        # (_BATCH) each of the two bulk turns may be given.
+        assert len([e for e in ran if e[2] == lane]) <= 1, (lane, len(ran))
+        assert len(ran) <= (2 * 32 + 1 if lane else 2), (lane, len(ran))
+    assert judged >= 40, f"only {judged} of A's requests met a backlog of B's"
+
+
+_PARKING_FLOOD = (
+    _RANK_FILES
+    + """
+from offloadd.errors import JobError
+# Four engines of this user, each rank sending 1,024 one-chunk stores that name a Reserve its
+# scheduler never sends: each waits for it, in the daemon's waiting-stores queue.
+out = {"sent": 0}
+for engine in range(4):
+    worker, _ = connect(f"parking-{engine}")
+    scheduler, _ = connect(f"parking-{engine}", "scheduler")
+    named = (scheduler.welcome.session_id, 1 << 30)
+    for job in range(1, 1025):
+        worker.store(job, chain_keys(1, b"p%d-%d" % (engine, job)), chunk_block_ids([0], 2),
+                     reserved=True, reserve=named)
+        out["sent"] += 1
+    try:
+        done = worker.wait(range(1, 1025), 0.5, raise_on_failure=False)
+    except JobError as exc:  # those waiting did not finish: the others did
+        done = exc.results
+    out[f"ok_{engine}"] = sum(d.ok for d in done)
+    out[f"not_stored_{engine}"] = sum(not d.ok and len(d.failed_keys) == 1 for d in done)
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+)
+
+_STORE_BEFORE_RESERVE = (
+    _RANK_FILES
+    + """
+worker, fds = connect("early")
+scheduler, _ = connect("early", "scheduler")
+keys = chain_keys(8, b"early")
+reserve = scheduler._core.reserve(keys, [], [], 0, [])  # numbered, sent after the stores
+named = (scheduler.welcome.session_id, reserve.request_id)
+for i, key in enumerate(keys):
+    worker.store(i + 1, [key], chunk_block_ids([i], 2), reserved=True, reserve=named)
+scheduler._post_awaited(reserve)
+done = worker.wait(range(1, 9), 10, raise_on_failure=False)
+print(json.dumps({"ok": sum(d.ok for d in done), "bytes": sum(d.nbytes for d in done),
+                  "hits": worker.lookup(keys).hits}), flush=True)
+"""
+)
+
+
+def test_a_tenant_filling_the_waiting_stores_never_drops_anothers(
+    users: dict[str, User], shared_dir: str
+) -> None:
+    daemon = DaemonThread(endpoint=f"ipc://{shared_dir}/d.sock", socket_group=SHARED_GROUP)
+    # A parked store waits 1.5 x mirror_ack_timeout: longer than the test.
+    daemon.settings = msgspec.structs.replace(
+        daemon.settings,
+        server=msgspec.structs.replace(daemon.settings.server, mirror_ack_timeout=60.0),
+    )
+    daemon.start()
+    a, b = users["odtrust-a"], users["odtrust-b"]
+    shared = grp.getgrnam(SHARED_GROUP).gr_gid
+    limits = LimitsSettings()
+    attacker = subprocess.Popen(
+        _attack_command(_PARKING_FLOOD, daemon, b, shared),
+        env=_ATTACK_ENV, cwd="/tmp", text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert attacker.stdout is not None and attacker.stderr is not None
+        line = attacker.stdout.readline()
+        assert line, attacker.stderr.read()
+        flood = json.loads(line)
+        # 4,096 stores sent, the whole queue's worth: its tenant's share waits, and every one
+        # beyond it is answered not stored (none ok, its one key failed).
+        assert flood["sent"] == 4096, flood
+        share = limits.waiting_stores_per_tenant
+        assert sum(flood[f"ok_{e}"] for e in range(4)) == 0, flood
+        assert sum(flood[f"not_stored_{e}"] for e in range(4)) == 4096 - share, flood
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            stats = admin.stats()
+            assert stats.stores_waiting == share
+            assert stats.stores_refused_by_reason.get("waiting") == 4096 - share
+        # A's stores read before their scheduler's Reserve wait for it and are all stored.
+        victim = _attack(_STORE_BEFORE_RESERVE, daemon, a, shared)
+        assert victim == {"ok": 8, "bytes": 8 * 2 * PAGE * 3, "hits": 8}, victim
+        with OffloadClient(daemon.endpoint, heartbeat=0) as admin:
+            assert admin.stats().stores_waiting == share  # B's still wait (for 90 s)
+    finally:
+        attacker.communicate("", timeout=60)
         daemon.stop()

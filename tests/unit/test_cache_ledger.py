@@ -253,6 +253,49 @@ def test_a_reservation_made_again_gets_a_lease_of_its_own() -> None:
     assert cache.stats().refused == {REFUSED_EXPIRED: 1} and cache.get(NS, key[0]) is None
 
 
+def test_a_renewing_lease_stops_renewing_until_the_key_is_stored() -> None:
+    # A scheduler that reserves its keys again each time their lease lapses (or after it left
+    # and came back) keeps them for (1 + renewals) leases, then no longer.
+    clock = Clock()
+    cache = ChunkCache(1 << 12, align=8, clock=clock, reservation_lease=2.0, reservation_renewals=2)
+    keys = [bytes([0, i]) for i in range(4)]
+    for renewal in range(3):  # the first reservation and two renewals
+        assert cache.reserve(NS, keys, "s", sized).reserved == [0, 1, 2, 3], renewal
+        clock.now += 2.0
+    assert cache.stats().refused == {REFUSED_EXPIRED: 12}  # each lapsed unstored
+    assert cache.reserve(NS, keys, "s", sized).reserved == []  # reserved 3 times: no more
+    assert cache.stats().refused == {REFUSED_EXPIRED: 16} and cache.stats().used_bytes == 0
+    # Another owner of the namespace (the scheduler again, after it left) renews nothing.
+    assert cache.reserve(NS, keys, "s2", sized).reserved == []
+    # A scheduler that leaves before the lease lapses renews as much.
+    other = [bytes([0, 9])]
+    for _ in range(3):
+        assert cache.reserve(NS, other, "s", sized).reserved == [0]
+        assert cache.release_reservations("s") == 1
+    assert cache.reserve(NS, other, "s", sized).reserved == []
+    # Stored, a key counts afresh: evicted later, it is reserved again as a new one.
+    done = cache.begin_store(NS, other, 0, sized)
+    assert len(cache.finish_store(done.writes, ok=True)) == 1
+    cache.remove(NS, other)
+    assert cache.reserve(NS, other, "s", sized).reserved == [0]
+    # A reservation its ranks store resets the count the same way.
+    stored = cache.begin_store(NS, other, 0, sized, allocate=False)
+    assert len(cache.finish_store(stored.writes, ok=True)) == 1
+    cache.remove(NS, other)
+    for _ in range(3):
+        assert cache.reserve(NS, other, "s", sized).reserved == [0]
+        cache.release_reservations("s")
+    assert cache.reserve(NS, other, "s", sized).reserved == []
+
+
+def test_without_a_renewal_bound_a_lease_renews_as_before() -> None:
+    clock = Clock()
+    cache = ChunkCache(1 << 12, align=8, clock=clock, reservation_lease=2.0)
+    for _ in range(10):
+        assert cache.reserve(NS, [b"\0k"], "s", sized).reserved == [0]
+        clock.now += 2.0
+
+
 def test_lapsed_reservations_make_room_for_another_store() -> None:
     clock = Clock()
     cache = ChunkCache(4 * 8, align=8, clock=clock, reservation_lease=5.0)

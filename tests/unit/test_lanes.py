@@ -1,4 +1,5 @@
-"""Lanes: control requests before bulk work, one peer's requests in the order it sent them."""
+"""Lanes: control requests before bulk work, one peer's requests in the order it sent them,
+tenants served in turn within each lane."""
 
 from __future__ import annotations
 
@@ -60,3 +61,90 @@ def test_a_flood_of_control_requests_lets_one_bulk_item_through_per_burst() -> N
     assert (
         order == [b"lookup"] * 4 + [b"store-0"] + [b"lookup"] * 4 + [b"store-1"] + [b"lookup"] * 2
     )
+
+
+def _tenants(peers: dict[bytes, str]) -> Lanes:
+    return Lanes(burst=32, tenant_of=lambda peer: peers.get(peer, ""))
+
+
+def test_a_flood_of_one_tenant_delays_anothers_request_by_one_item_per_lane() -> None:
+    # Tenant A's four sessions flood both lanes (N items each); tenant B's request, in either
+    # lane, is served after at most one of A's items of its lane (weight 1).
+    flooders = {f"a{index}".encode(): "u1" for index in range(4)}
+    lanes = _tenants({**flooders, b"b": "u2"})
+    n = 200
+    for _ in range(n):
+        for peer in flooders:
+            lanes.add(peer, [b"a-lookup"], urgent=True)
+            lanes.add(peer, [b"a-store"], urgent=False)
+    for _ in range(3):
+        lanes.pop()  # the loop was busy with A when B's requests arrived
+    lanes.add(b"b", [b"b-lookup"], urgent=True)
+    order = drain(lanes)
+    assert order.index(b"b-lookup") <= 1
+    lanes = _tenants({**flooders, b"b": "u2"})
+    for _ in range(n):
+        for peer in flooders:
+            lanes.add(peer, [b"a-store"], urgent=False)
+    lanes.pop()
+    lanes.add(b"c", [b"sessionless-hello"], urgent=False)  # peers with no session: one turn
+    lanes.add(b"b", [b"b-store"], urgent=False)
+    order = drain(lanes)
+    assert order.index(b"sessionless-hello") <= 1 and order.index(b"b-store") <= 3
+    assert order.count(b"a-store") == 4 * n - 1
+
+
+def test_a_bulk_request_waits_for_at_most_burst_control_items_per_bulk_turn() -> None:
+    # A floods Lookups and Stores; B's store waits for one of A's stores and the control
+    # items between two bulk turns: at most 2 * burst + 1 of A's items, whatever N.
+    burst = 8
+    lanes = Lanes(burst=burst, tenant_of=lambda peer: peer[:1].decode())
+    for _ in range(500):
+        lanes.add(b"a", [b"a-lookup"], urgent=True)
+        lanes.add(b"A", [b"a-store"], urgent=False)  # tenant "A": another flooding tenant
+    lanes.add(b"b", [b"b-store"], urgent=False)
+    order = drain(lanes)
+    assert order.index(b"b-store") <= 2 * burst + 1
+
+
+def test_copy_ends_take_their_tenants_turn() -> None:
+    lanes = _tenants({b"a": "u1"})
+    for _ in range(50):
+        lanes.add(b"a", [b"a-store"], urgent=False)
+        lanes.add_work(lambda: None, "u1")  # the end of one of A's copies
+
+    def b_copy_end() -> None:
+        pass
+
+    lanes.add_work(b_copy_end, "u2")
+    assert drain(lanes).index(b_copy_end) <= 1
+
+
+def test_weights_give_a_tenant_that_many_items_per_turn() -> None:
+    lanes = Lanes(
+        burst=32,
+        tenant_of=lambda peer: peer[:1].decode(),
+        weight_of=lambda tenant: 3 if tenant == "h" else 1,
+    )
+    for index in range(6):
+        lanes.add(f"h{index}".encode(), [b"h"], urgent=True)
+        lanes.add(f"l{index}".encode(), [b"l"], urgent=True)
+    assert drain(lanes) == [b"h", b"h", b"h", b"l", b"h", b"h", b"h", b"l", b"l", b"l", b"l", b"l"]
+
+
+def test_a_peers_requests_stay_in_order_when_its_tenant_changes() -> None:
+    # Read before its Hello was handled, a peer's requests queue under the sessionless turn;
+    # those read after stay behind them, under that turn, until none of its requests is left.
+    tenants = {b"p": ""}
+    lanes = Lanes(burst=32, tenant_of=lambda peer: tenants[peer])
+    lanes.add(b"p", [b"hello"], urgent=False)
+    lanes.add(b"p", [b"lookup-1"], urgent=True)
+    assert lanes.pop() == ((b"p", [b"hello"]), True)
+    tenants[b"p"] = "u1"  # the Hello made its session
+    lanes.add(b"p", [b"lookup-2"], urgent=True)
+    assert drain(lanes) == [b"lookup-1", b"lookup-2"]
+    lanes.add(b"p", [b"lookup-3"], urgent=True)
+    tenants[b"q"] = "u1"
+    lanes.add(b"q", [b"q-lookup"], urgent=True)
+    assert drain(lanes) == [b"lookup-3", b"q-lookup"]
+    assert lanes.requests == 0 and len(lanes) == 0

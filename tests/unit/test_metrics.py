@@ -342,11 +342,11 @@ def test_process_series_and_build_info() -> None:
 
 def test_every_refusal_reason_the_daemon_counts_is_exported() -> None:
     from offloadd.cache import index
-    from offloadd.server import jobs
+    from offloadd.server import jobs, waiting
 
     counted = {
         getattr(module, name)
-        for module in (index, jobs)
+        for module in (index, jobs, waiting)
         for name in dir(module)
         if name.startswith("REFUSED_")
     }

@@ -229,7 +229,9 @@ def test_mapped_bytes_per_user() -> None:
 
 def test_the_cache_bounds_per_engine_and_per_tenant() -> None:
     default = cache_bounds(1000, LimitsSettings())
-    assert default == {"budget": 500, "tenant_budget": 500, "reservation_lease": 5.0}
+    assert default == {
+        "budget": 500, "tenant_budget": 500, "reservation_lease": 5.0, "reservation_renewals": 3
+    }  # fmt: skip
     tenant = cache_bounds(
         1000, LimitsSettings(protected_fraction=0.5, tenant_protected_fraction=0.75)
     )
