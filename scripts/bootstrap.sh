@@ -68,9 +68,12 @@ if [ ! -x .venv/bin/python ]; then
     step "creating .venv" "$python" -m venv .venv
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-    || [ scripts/vllm-test-requirements.txt -nt "$stamp" ]; then
+    || [ scripts/vllm-test-requirements.txt -nt "$stamp" ] \
+    || [ scripts/sglang-test-requirements.txt -nt "$stamp" ]; then
     step "installing torch ${torch_pin%.0} (CPU)" pip_install "torch==$torch_pin"
     step "installing offloadd and test tools" pip_install -e '.[test,mooncake]'
     step "installing vLLM ${vllm_pin%.0} without its CUDA stack" install_vllm
+    # SGLang for tests/sglang, the same way (about 20 s): scripts/install-sglang.sh.
+    step "installing SGLang 0.5.23 without its CUDA stack" scripts/install-sglang.sh
     touch "$stamp"
 fi

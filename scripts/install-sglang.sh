@@ -2,7 +2,7 @@
 # Installs SGLang 0.5.23 into .venv for tests/sglang (which skip without it): the wheel with
 # --no-deps, then scripts/sglang-test-requirements.txt, every step under a constraint that
 # keeps the CPU torch bootstrap.sh pinned (any torch-related install otherwise pulls CUDA
-# torch). Run scripts/bootstrap.sh first. Not part of bootstrap.sh: see docs/sglang.md.
+# torch). Run scripts/bootstrap.sh first (it runs this one too): see docs/sglang.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sglang_pin=0.5.23
