@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
@@ -48,7 +48,7 @@ class FakeJobs:
 
 
 class FakeCache:
-    def on_placed(self, callback: Callable[[], None]) -> None:
+    def listen(self, listener: object) -> None:
         pass
 
     def unplaced(self, namespace: str, keys: Sequence[bytes]) -> int:
