@@ -39,13 +39,19 @@ install_vllm() {
 mkdir -p .venv
 : >"$log"  # this run's output only
 
-# System packages, installed with apt-get when running as root (CI), else named:
+# System packages the tests need, with --system-packages only (scripts/test.sh: `make demo`
+# and `make serve` change nothing outside the checkout), installed with apt-get when running
+# as root (CI), else named:
 # - the cluster tier's Mooncake Store (the `mooncake` extra) loads libibverbs, libnuma and
 #   libcurl even over TCP;
 # - promtool, for the tests that run it: Debian ships it in the `prometheus` package, which
 #   also brings the Prometheus server (enabled as prometheus.service where systemd runs).
 libraries=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
 missing=()
+system_packages=false
+if [ "${1:-}" = "--system-packages" ]; then
+    system_packages=true
+fi
 for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
     if ! grep -qF "${pair%%:*}" <<<"$libraries"; then
         missing+=("${pair#*:}")
@@ -54,7 +60,7 @@ done
 if ! command -v promtool >/dev/null; then
     missing+=(prometheus)
 fi
-if [ "${#missing[@]}" -gt 0 ]; then
+if "$system_packages" && [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         step "apt-get install ${missing[*]}" env DEBIAN_FRONTEND=noninteractive \
             sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@"' \

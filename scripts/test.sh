@@ -3,7 +3,7 @@
 # failure here: this project always has tests, so collecting none means something broke.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
+scripts/bootstrap.sh --system-packages  # the tests' apt packages too (as root)
 .venv/bin/ruff check protocol offloadd tests benchmarks
 .venv/bin/ruff format --check protocol offloadd tests benchmarks
 .venv/bin/mypy
