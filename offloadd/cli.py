@@ -404,6 +404,13 @@ the setting's default or "off", as each says: docs/settings.md gives every setti
 """
 
 
+def _completion(args: argparse.Namespace) -> int:
+    from offloadd.completion import script
+
+    sys.stdout.write(script(build_parser(), args.shell))
+    return 0
+
+
 def _settings_epilog() -> str:
     flagged = {(section, key) for section, key, _help in SETTINGS_FLAGS.values()}
     names = [
@@ -657,6 +664,15 @@ def build_parser() -> _Parser:
         "--json", type=values.output_file, metavar="FILE", help="write the results as JSON"
     )
     gpu.set_defaults(handler=_check_gpu)
+
+    completion = commands.add_parser(
+        "completion",
+        help="print a bash or zsh completion script (docs/operations.md says where it goes)",
+        description="Print a completion script for the shell, made from this command line's "
+        "own parser: subcommands, their flags and the flags' choices.",
+    )
+    completion.add_argument("shell", choices=["bash", "zsh"], help="the shell to complete for")
+    completion.set_defaults(handler=_completion)
     return parser
 
 
