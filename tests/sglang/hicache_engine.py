@@ -6,7 +6,9 @@ SGLang's own parts: its device KV pool (``MHATokenToKVPool`` on CPU), its host p
 (``get_hash_str`` chains). What SGLang's HiCache controller would do with them is done here:
 ``set`` fills the prefix's pages with known bytes and backs them up (``batch_set_v1``);
 ``get`` (a fresh, empty engine) asks ``batch_exists`` and loads the hits into other host
-slots (``batch_get_v1``), then compares them with the known bytes. Prints one JSON line.
+slots (``batch_get_v1``), then compares them with the known bytes. Prints one JSON line;
+with ``--hold`` it then keeps its session (its engine listed by the daemon) until its stdin
+ends.
 A process of its own keeps SGLang's imports and threads out of the test process.
 """
 
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, default=8)
     parser.add_argument("--model", default="test/tiny-mha")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--hold", action="store_true")
     args = parser.parse_args(argv)
 
     install_torchvision_stub()
@@ -130,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             for page in range(args.pages)
         ]
+    print(json.dumps(out), flush=True)
+    if args.hold:
+        sys.stdin.read()
     backend.close()
-    print(json.dumps(out))
     return 0
 
 

@@ -8,7 +8,7 @@ import random
 import time
 
 from offloadd.vllm.manager import OffloaddManager
-from tests.integration.harness import DaemonThread
+from tests.integration.harness import DaemonThread, ServeProcess
 from tests.vllm.harness import VllmHarness, sampled_token
 
 __all__ = ["A_PROMPT", "b_prompt", "compute", "extra_for", "prompt_of", "settle", "why_not_stored"]
@@ -63,7 +63,7 @@ def why_not_stored(h: VllmHarness) -> str:
     )
 
 
-def extra_for(daemon: DaemonThread, **more: object) -> dict[str, object]:
+def extra_for(daemon: DaemonThread | ServeProcess, **more: object) -> dict[str, object]:
     return {
         "spec_name": "OffloaddSpec",
         "spec_module_path": "offloadd.vllm",
