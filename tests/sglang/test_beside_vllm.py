@@ -26,7 +26,7 @@ import tests.vllm.harness  # noqa: F401  (first: it selects vLLM's CPU platform)
 from offloadd.cache.allocator import ExtentAllocator
 from offloadd.client import OffloadClient
 from tests.integration.harness import ServeProcess
-from tests.sglang.test_hicache_storage import PAGES, engine
+from tests.sglang.engines import PAGES, engine
 from tests.vllm.harness import NUM_LAYERS, VllmHarness
 from tests.vllm.prompts import A_PROMPT, b_prompt, compute, extra_for, settle
 

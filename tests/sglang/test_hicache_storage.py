@@ -9,10 +9,7 @@ process calls the storage interface as the controller's zero-copy path does).
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.harness import ServeProcess
+from tests.sglang.engines import PAGES, engine
 
 pytestmark = [
     pytest.mark.skipif(
@@ -29,8 +27,6 @@ pytestmark = [
     pytest.mark.timeout(240),
 ]
 
-PAGES = 8
-
 
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
@@ -39,34 +35,6 @@ def serve() -> Iterator[ServeProcess]:
     yield daemon
     daemon.cleanup()
     shutil.rmtree(workdir, ignore_errors=True)
-
-
-def engine(
-    role: str, endpoint: str, *, allocator: str = "shm", timeout: float = 5.0
-) -> dict[str, object]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.sglang.hicache_engine",
-            role,
-            "--endpoint",
-            endpoint,
-            "--allocator",
-            allocator,
-            "--pages",
-            str(PAGES),
-            "--timeout",
-            str(timeout),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
-    return answer
 
 
 def test_engine_b_loads_engine_a_prefix_byte_exact(serve: ServeProcess) -> None:
