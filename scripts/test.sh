@@ -8,8 +8,11 @@ scripts/bootstrap.sh --system-packages  # the tests' apt packages too (as root)
 .venv/bin/ruff format --check protocol offloadd tests benchmarks
 .venv/bin/mypy
 set +e
-# The vLLM plugin's tests run against the vLLM bootstrap.sh pinned, never skip (tests/vllm).
-OFFLOADD_REQUIRE_VLLM="$(sed -n 's/^vllm_pin=//p' scripts/bootstrap.sh)" .venv/bin/python -m pytest "$@"
+# The plugins' tests run against the vLLM and SGLang bootstrap pinned, never skip (tests/vllm,
+# tests/sglang).
+OFFLOADD_REQUIRE_VLLM="$(sed -n 's/^vllm_pin=//p' scripts/bootstrap.sh)" \
+OFFLOADD_REQUIRE_SGLANG="$(sed -n 's/^sglang_pin=//p' scripts/install-sglang.sh)" \
+    .venv/bin/python -m pytest "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
