@@ -419,13 +419,15 @@ class Jobs:
             if done is not None:
                 dones.append(done)
         state = jobs[0].state
+        if not store and copied:
+            # Counted before the JobDone leaves: a rank that reads the stats on its reply
+            # sees its own load in them.
+            self.counters.bytes_loaded += total
         if dones:
             self._send(state.identity, dones[0] if len(dones) == 1 else JobsDone(dones))
             self._wake_waiters(state)
         if not store:
             self._cache.finish_reads(job.reads for job in jobs if job.reads)
-            if copied:
-                self.counters.bytes_loaded += total
         engine_id, dp = state.session.engine_key
         self.metrics.jobs_finished(
             jobs[0].direction.value, engine_id, dp, nbytes, seconds=seconds, failed=failed
