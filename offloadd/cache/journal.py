@@ -27,9 +27,11 @@ Contract (the daemon calls everything from its event loop, except ``seal``):
   that is about to be reused.
 
 Format: a header (magic, arena identity, boot id) and records ``[u32 length][16-byte MAC]
-[msgpack payload]``. MACs are HMAC-SHA256, truncated, under a key that only the daemon's
-user can read (``<journal>.key``, created 0600 at first start); each record's MAC covers the
-previous one's, so records cannot be forged, reordered or spliced in from another journal.
+[msgpack payload]``; a payload is one commit or tombstone, or a batch of them (one append
+writes one batch: a step's chunks cost one MAC, not one each). MACs are HMAC-SHA256,
+truncated, under a key that only the daemon's user can read (``<journal>.key``, created 0600
+at first start); each record's MAC covers the previous one's, so records cannot be forged,
+reordered or spliced in from another journal.
 Replay stops at the first record that is short, fails its MAC or does not decode (a torn
 tail, or tampering) and truncates the file there; it never raises. Every append is one
 ``write(2)``; when it fails (ENOSPC, EIO) the file is truncated back to the last good record,
@@ -95,8 +97,18 @@ class _Remove(msgspec.Struct, array_like=True, frozen=True, tag="-"):
     key: bytes
 
 
+class _Batch(msgspec.Struct, array_like=True, frozen=True, tag="*"):
+    """The records of one append, in order, under one MAC."""
+
+    records: list[_Commit | _Remove]
+
+
+_Record = _Commit | _Remove
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(_Commit | _Remove)
+_DECODER = msgspec.msgpack.Decoder(_Commit | _Remove | _Batch)
+# Records per frame at most (a frame's payload is at most _MAX_RECORD: 4,096 commits of
+# 8 shards with long names are about 2.5 MiB).
+_FRAME_RECORDS = 4096
 
 
 def shm_dirs_problem(path: str, shm_dirs: Sequence[str]) -> str:
@@ -321,8 +333,8 @@ class Journal:
         live: dict[tuple[str, bytes], RestoredChunk] = {}
         offset, chain, records = _HEAD_SIZE, self._head_mac, 0
         while offset < len(data):
-            record, end, mac = self._record_at(data, offset, chain)
-            if record is None:
+            batch, end, mac = self._record_at(data, offset, chain)
+            if batch is None:
                 logger.warning(
                     "journal %s: record at byte %d is torn, forged or unreadable; replay stops "
                     "there and the %d bytes from it on are dropped",
@@ -331,9 +343,10 @@ class Journal:
                     len(data) - offset,
                 )
                 break
-            self._apply(live, record)
+            for record in batch:
+                self._apply(live, record)
             offset, chain = end, mac
-            records += 1
+            records += len(batch)
         self._size, self._chain = offset, chain
         if offset < len(data):
             try:
@@ -358,8 +371,9 @@ class Journal:
 
     def _record_at(
         self, data: bytes, offset: int, chain: bytes
-    ) -> tuple[_Commit | _Remove | None, int, bytes]:
-        """The authenticated record at ``offset``, its end and MAC; None when there is none."""
+    ) -> tuple[list[_Record] | None, int, bytes]:
+        """The authenticated records of the frame at ``offset``, its end and MAC; None when
+        there is none."""
         body = offset + _LENGTH.size + _MAC_SIZE
         if body > len(data):
             return None, offset, chain
@@ -372,18 +386,18 @@ class Journal:
         if not hmac.compare_digest(mac, data[offset + _LENGTH.size : body]):
             return None, offset, chain
         try:
-            record = _DECODER.decode(payload)
+            decoded = _DECODER.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None, offset, chain
-        if isinstance(record, _Commit) and not (
-            len(record.offsets) == len(record.sizes) == len(record.sums) > 0
-        ):
-            return None, offset, chain
-        return record, end, mac
+        records = decoded.records if isinstance(decoded, _Batch) else [decoded]
+        for record in records:
+            if isinstance(record, _Commit) and not (
+                len(record.offsets) == len(record.sizes) == len(record.sums) > 0
+            ):
+                return None, offset, chain
+        return records, end, mac
 
-    def _apply(
-        self, live: dict[tuple[str, bytes], RestoredChunk], record: _Commit | _Remove
-    ) -> None:
+    def _apply(self, live: dict[tuple[str, bytes], RestoredChunk], record: _Record) -> None:
         name = (record.namespace, record.key)
         live.pop(name, None)  # a re-commit moves it to the recent end
         if isinstance(record, _Commit):
@@ -437,19 +451,20 @@ class Journal:
         gets no checksum, so its chunk will not commit.
         """
         arena = self._arena
+        with self._pending_lock:  # the writes' seals all start now, in this order
+            first = self._seals_started + 1
+            self._seals_started += len(writes)
+        sealed: list[tuple[ShardWrite, int]] = []
         for write in writes:
-            token = (write.entry, write.shard)
-            with self._pending_lock:
-                self._seals_started += 1
-                started = self._seals_started
             try:
                 if self.durable:
                     arena.sync(write.offset, write.size)
-                value = checksum(arena.address + write.offset, write.size)
+                sealed.append((write, checksum(arena.address + write.offset, write.size)))
             except OSError as exc:
                 logger.error("arena %s: %s; that chunk is not committed", arena.path, exc)
-                continue
-            with self._pending_lock:
+        with self._pending_lock:
+            for started, (write, value) in enumerate(sealed, first):
+                token = (write.entry, write.shard)
                 if write.part >= 0:
                     if self._seal_order.get(token, -1) > started:
                         continue
@@ -481,42 +496,43 @@ class Journal:
         """Journal chunks that just became visible; returns those it could not journal."""
         if not entries:
             return []
-        sums = {entry: self._take(entry) for entry in entries}
-        ready = [entry for entry in entries if sums[entry] is not None]
-        unsealed = [entry for entry in entries if sums[entry] is None]
+        ready, unsealed = self._take(entries)
         self._prune()
         if not ready:
             return unsealed
         if self._failed and not self._recover(chunks):
             return list(entries)
-        records = []
-        for entry in ready:
-            shard_sums = sums[entry]
-            assert shard_sums is not None
-            records.append(
-                _ENCODER.encode(
-                    _Commit(entry.namespace, entry.key, entry.offsets, list(entry.sizes),
-                            list(shard_sums))
-                )
-            )  # fmt: skip
+        records: list[_Record] = [
+            _Commit(entry.namespace, entry.key, entry.offsets, list(entry.sizes), list(sums))
+            for entry, sums in ready
+        ]
         try:
             self._append(records)
         except JournalError:
             return list(entries)
-        for entry in ready:
-            shard_sums = sums[entry]
-            assert shard_sums is not None
-            self._sums[(entry.namespace, entry.key)] = shard_sums
+        for entry, sums in ready:
+            self._sums[(entry.namespace, entry.key)] = sums
         return unsealed
 
-    def _take(self, entry: Entry) -> tuple[int, ...] | None:
-        with self._pending_lock:
-            found = [self._pending.pop((entry, s), None) for s in range(len(entry.sizes))]
-            for shard in range(len(entry.sizes)):
-                self._seal_order.pop((entry, shard), None)
-        if any(value is None for value in found):
-            return None
-        return tuple(value for value in found if value is not None)
+    def _take(
+        self, entries: Sequence[Entry]
+    ) -> tuple[list[tuple[Entry, tuple[int, ...]]], list[Entry]]:
+        """The entries whose every shard was sealed, with their checksums (taken), and those
+        with a shard that was not."""
+        ready: list[tuple[Entry, tuple[int, ...]]] = []
+        unsealed: list[Entry] = []
+        pending, order = self._pending, self._seal_order
+        with self._pending_lock:  # once for all of them: seal() takes it per shard
+            for entry in entries:
+                found = []
+                for shard in range(len(entry.sizes)):
+                    found.append(pending.pop((entry, shard), None))
+                    order.pop((entry, shard), None)
+                if None in found:
+                    unsealed.append(entry)
+                else:
+                    ready.append((entry, tuple(found)))  # type: ignore[arg-type]
+        return ready, unsealed
 
     def _prune(self) -> None:
         """Forget the checksums of shards whose chunk was dropped before it committed."""
@@ -539,8 +555,8 @@ class Journal:
     def removed(self, entries: Iterable[Entry]) -> None:
         """Record that journaled chunks are gone, before their extents are reused."""
         self._prune()
-        records = [
-            _ENCODER.encode(_Remove(entry.namespace, entry.key))
+        records: list[_Record] = [
+            _Remove(entry.namespace, entry.key)
             for entry in entries
             if entry.committed and self._sums.pop((entry.namespace, entry.key), None) is not None
         ]
@@ -595,14 +611,13 @@ class Journal:
     ) -> tuple[int, int, bytes]:
         parts = [self._head]
         chain = self._head_mac
-        for chunk, sums in chunks:
-            payload = _ENCODER.encode(
-                _Commit(chunk.namespace, chunk.key, list(chunk.offsets), list(chunk.sizes),
-                        list(sums))
-            )  # fmt: skip
-            frame, chain = self._frame(chain, payload)
-            parts.append(frame)
-        data = b"".join(parts)
+        records: list[_Record] = [
+            _Commit(chunk.namespace, chunk.key, list(chunk.offsets), list(chunk.sizes),
+                    list(sums))
+            for chunk, sums in chunks
+        ]  # fmt: skip
+        frames, chain = self._frames(chain, records)
+        data = b"".join(parts + frames)
         temporary = self.path + ".tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(temporary, flags, 0o600)
@@ -628,25 +643,29 @@ class Journal:
     def _mac(self, chain: bytes, data: bytes) -> bytes:
         return hmac.digest(self._key, chain + data, "sha256")[:_MAC_SIZE]
 
-    def _frame(self, chain: bytes, payload: bytes) -> tuple[bytes, bytes]:
-        length = _LENGTH.pack(len(payload))
-        mac = self._mac(chain, length + payload)
-        return length + mac + payload, mac
+    def _frames(self, chain: bytes, records: list[_Record]) -> tuple[list[bytes], bytes]:
+        """Frames holding ``records``, up to ``_FRAME_RECORDS`` each (a lone record bare, as
+        earlier versions wrote it), and the last one's MAC."""
+        frames = []
+        for start in range(0, len(records), _FRAME_RECORDS):
+            batch = records[start : start + _FRAME_RECORDS]
+            payload = _ENCODER.encode(batch[0] if len(batch) == 1 else _Batch(batch))
+            length = _LENGTH.pack(len(payload))
+            chain = self._mac(chain, length + payload)
+            frames.append(length + chain + payload)
+        return frames, chain
 
     def _write_all(self, fd: int, data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[self._io.write(fd, view) :]
 
-    def _append(self, payloads: list[bytes]) -> None:
-        """Append records with one write; on failure truncate back and raise JournalError."""
+    def _append(self, records: list[_Record]) -> None:
+        """Append records as one frame with one write; on failure truncate back and raise
+        JournalError."""
         if self._fd is None:
             raise JournalError(self._failed or "the journal has no file")
-        frames = []
-        chain = self._chain
-        for payload in payloads:
-            frame, chain = self._frame(chain, payload)
-            frames.append(frame)
+        frames, chain = self._frames(self._chain, records)
         data = b"".join(frames)
         try:
             self._write_all(self._fd, data)

@@ -11,13 +11,14 @@ the ledger. Contract of ``Protections``:
   row's pins as it leaves the index.
 - Holds (a scheduler's requests): ``hold_tokens``, ``release_hold_tokens`` and
   ``release_holds``; ``held_rows`` reads the rows a token holds (removed ones too).
-- Reservations (a scheduler's new keys): ``reserve`` marks a pending row as an owner's and
-  starts its lease; ``end_reservation`` as it commits or leaves; ``release_reservations``
-  and ``lapsed`` end an owner's, or those whose lease ended. With ``reservation_renewals``,
-  a key is reserved at most that many times more after its first reservation until it is
-  stored (``stored``): ``renewable(namespace, key)`` says whether it may be reserved again,
-  so a lease that a scheduler renews by reserving the key again after it lapsed (or after it
-  left) ends. The count is kept for the last ``RENEWALS_KEPT`` keys reserved.
+- Reservations (a scheduler's new keys): ``reserve`` marks pending rows as an owner's and
+  starts their lease; ``committed`` ends them as they commit, ``end_reservation`` as one
+  leaves; ``release_reservations`` and ``lapsed`` end an owner's, or those whose lease ended.
+  With ``reservation_renewals``, a key is reserved at most that many times more after its
+  first reservation until it is stored (``committed``): ``renewable(namespace, key)`` says
+  whether it may be reserved again, so a lease that a scheduler renews by reserving the key
+  again after it lapsed (or after it left) ends. The count is kept for the last
+  ``RENEWALS_KEPT`` keys reserved.
 - ``room(account, tenant, now)``: what an engine within its tenant may still protect,
   expired pins dropped first (they protect nothing); ``tenant_binds`` says which bound that
   was, ``owned(owner)`` what an owner protects.
@@ -388,19 +389,27 @@ class Protections:
     # -- reservations -----------------------------------------------------------------------
 
     def reserve(
-        self, row: int, owner: str, account: Hashable | None, tenant: Hashable | None
+        self, rows: list[int], owner: str, account: Hashable | None, tenant: Hashable | None
     ) -> None:
-        """``owner`` reserves the new pending ``row`` (its lease starts with ``lease``)."""
-        self.reserved_by[row] = owner
-        state = self._rows.state.v
-        state[row] = lifecycle.step(state[row], _RESERVE)
-        self._ledger.charge(owner, self._cost(row), account, tenant)
-        self._reservations.setdefault(owner, set()).add(row)
+        """``owner`` reserves the new pending ``rows`` (their lease starts with ``lease``):
+        one ledger charge for them all."""
+        if not rows:
+            return
+        reserved_by, state, step = self.reserved_by, self._rows.state.v, lifecycle.step
+        nbytes, shape_of = self._rows.nbytes, self._rows.shape.v
+        cost = 0
+        for row in rows:
+            reserved_by[row] = owner
+            state[row] = step(state[row], _RESERVE)
+            cost += nbytes[shape_of[row]]
+        self._ledger.charge(owner, cost, account, tenant)
+        self._reservations.setdefault(owner, set()).update(rows)
         if self._renewals is not None:
             times = self._reserved_times
-            name = self._name(row)
-            times[name] = times.pop(name, 0) + 1
-            if len(times) > RENEWALS_KEPT:
+            for row in rows:
+                name = self._name(row)
+                times[name] = times.pop(name, 0) + 1
+            while len(times) > RENEWALS_KEPT:
                 times.popitem(last=False)
 
     def renewable(self, namespace: str, key: bytes) -> bool:
@@ -410,10 +419,29 @@ class Protections:
             return True
         return self._reserved_times.get((ns, key), 0) <= self._renewals
 
-    def stored(self, row: int) -> None:
-        """``row`` committed: its key's reservations start counting afresh."""
+    def committed(self, rows: list[int]) -> None:
+        """``rows`` committed: their reservations end (one refund per owner) and their keys'
+        reservations start counting afresh."""
+        reserved_by, until = self.reserved_by, self._reserved_until
+        state, step = self._rows.state.v, lifecycle.step
+        nbytes, shape_of = self._rows.nbytes, self._rows.shape.v
+        refunds: dict[str, int] = {}
+        for row in rows:
+            owner = reserved_by.pop(row, None)
+            if owner is None:
+                continue
+            until.pop(row, None)
+            state[row] = step(state[row], _UNRESERVE)
+            refunds[owner] = refunds.get(owner, 0) + nbytes[shape_of[row]]
+            reserved = self._reservations[owner]
+            reserved.discard(row)
+            if not reserved:
+                del self._reservations[owner]
+        for owner, cost in refunds.items():
+            self._ledger.refund(owner, cost)
         if self._reserved_times:
-            self._reserved_times.pop(self._name(row), None)
+            for row in rows:
+                self._reserved_times.pop(self._name(row), None)
 
     def _name(self, row: int) -> tuple[int, bytes]:
         key = self._rows.keys[row]

@@ -150,6 +150,7 @@ class Stores:
                 raise ValueError(f"shard {w.shard} of {w.entry!r} is not being written")
             seen.add(token)
         committed: list[Entry] = []
+        committing: list[int] = []  # their rows
         dead: list[int] = []
         state = rows.state.v
         for w in writes:
@@ -165,14 +166,16 @@ class Stores:
                 if written == (1 << rows.writers.get(row, len(entry.sizes))) - 1:
                     rows.written.pop(row, None)
                     rows.writers.pop(row, None)
-                    self._guards.end_reservation(row)  # never outlives the pending entry
-                    self._guards.stored(row)
-                    state[row] = lifecycle.step(state[row], _COMMIT)
-                    rows.committed += 1
-                    rows.committed_bytes += entry.nbytes
+                    committing.append(row)
                     committed.append(entry)
                 else:
                     rows.written[row] = written
+        # Their reservations end (never outliving the pending entry) before they commit.
+        self._guards.committed(committing)
+        for row, entry in zip(committing, committed, strict=True):
+            state[row] = lifecycle.step(state[row], _COMMIT)
+            rows.committed_bytes += entry.nbytes
+        rows.committed += len(committing)
         self._placement.settle(dead)
         return committed
 
@@ -233,16 +236,18 @@ class Stores:
         if new:
             need = sum(rows.footprints[shape] for _i, _key, shape in new)
             place.make_room(namespace, need, protected, res.evicted, acker)
-        leased: list[int] = []  # the rows reserved, for their lease
+        leased: list[int] = []  # the rows reserved
         for i, key, shape in new:
+            # The rows made so far cannot be evicted for the later ones: their keys are
+            # ``protected``.
             row = place.reserve_room(namespace, key, shape, protected, res.evicted, acker)
             if row is None:
                 res.refused.extend(range(i, len(keys)))
                 place.refuse_full(len(keys) - i)
                 break
-            guards.reserve(row, owner, account, tenant)
             res.reserved.append(i)
             leased.append(row)
+        guards.reserve(leased, owner, account, tenant)
         guards.lease(leased, now)
         place.heard.removed(res.evicted)
         return res

@@ -532,3 +532,30 @@ def test_checksums_of_chunks_that_never_commit_are_forgotten(node: Node) -> None
         mirror.cache.finish_store(reservation.writes, ok=True)
     assert len(mirror.journal._pending) <= 1024 + 8
     assert mirror.cache.stats().committed == 0
+
+
+def test_a_steps_commits_are_one_record_and_a_torn_one_drops_them_all(node: Node) -> None:
+    mirror, _ = node.start()
+    assert mirror.store(0)
+    sizes = (SHARD,) * SHARDS
+    keys = [key_of(n) for n in range(1, 7)]  # six chunks stored together, as one step's
+    writes = []
+    for shard in range(SHARDS):
+        reservation = mirror.cache.begin_store(NS, keys, shard, lambda _key: sizes)
+        assert not reservation.evicted and len(reservation.writes) == len(keys)
+        for write in reservation.writes:
+            mirror.arena.view(write.offset, write.size)[:] = shard_bytes(keys[write.index], shard)
+        mirror.journal.seal(reservation.writes)
+        writes += reservation.writes
+    before = _records(node.journal_path)
+    committed = mirror.cache.finish_store(writes, ok=True)
+    assert len(committed) == len(keys)
+    assert mirror.journal.committed(committed, mirror.cache.committed_chunks) == []
+    ends = _records(node.journal_path)
+    assert len(ends) == len(before) + 1  # one frame, one MAC, for the six
+    node.crash()
+    written = Path(node.journal_path).read_bytes()
+    assert [c.key for c in node.replay()] == [key_of(0), *keys]
+    # Torn inside that frame: none of the six comes back, the chunk before it does.
+    Path(node.journal_path).write_bytes(written[: ends[-1] - 1])
+    assert [c.key for c in node.replay(mismatched=None)] == [key_of(0)]
