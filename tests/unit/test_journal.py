@@ -301,7 +301,12 @@ def test_an_authenticated_record_that_does_not_decode_is_a_torn_tail(
     journal = node.journal
     assert journal is not None
     # Written with the journal's own key and chain: it authenticates but is no record.
-    journal._append([garbage])
+    length = len(garbage).to_bytes(4, "big")
+    mac = journal._mac(journal._chain, length + garbage)
+    assert journal._fd is not None
+    os.write(journal._fd, length + mac + garbage)
+    journal._size += len(length + mac + garbage)
+    journal._chain = mac
     mirror.store(1)  # after the bad record: not found again
     node.crash()
     assert [c.key for c in node.replay()] == [key_of(0)]
