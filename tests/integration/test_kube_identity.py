@@ -56,7 +56,8 @@ def _first_uid(tenant: str, offset: int = 0) -> int:
 class Node:
     """A daemon as the DaemonSet runs it, and what a pod on its node needs to reach it."""
 
-    endpoint: str
+    endpoint: str  # where the daemon binds
+    pod_endpoint: str  # the same socket through a read-only bind mount, where one can be made
     arena: str
     gid: int  # the socket group, every pod's primary group (runAsGroup)
 
@@ -78,6 +79,18 @@ def group() -> Iterator[int]:
             subprocess.run(["groupdel", GROUP], check=False)
 
 
+def _read_only_bind(source: str, target: str) -> bool:
+    """Bind ``source`` at ``target`` read-only; False where this host lets no test mount."""
+    bound = subprocess.run(["mount", "--bind", source, target], capture_output=True, check=False)
+    if bound.returncode != 0:
+        return False
+    remount = ["mount", "-o", "remount,bind,ro", target]
+    if subprocess.run(remount, capture_output=True, check=False).returncode != 0:
+        subprocess.run(["umount", target], check=False)
+        return False
+    return True
+
+
 def _drop_to(uid: int, gid: int) -> str:
     # The interpreter lives where only root reads (/root): import first, then become the user.
     return f"import os; os.setgroups([]); os.setgid({gid}); os.setuid({uid}); "
@@ -87,9 +100,12 @@ def _drop_to(uid: int, gid: int) -> str:
 def node(group: int) -> Iterator[Node]:
     """``offloadd serve`` as uid 10001 with the ConfigMap's offloadd.toml (the node's paths,
     size and copy engine put here instead), its socket directory 10001's and the group's,
-    0750, as the DaemonSet's init container makes /run/offloadd."""
+    0750, as the DaemonSet's init container makes /run/offloadd; pods see that directory
+    through a read-only bind mount, as the example pod's ``readOnly: true`` mounts it."""
     tag = uuid.uuid4().hex[:10]
     run_dir = tempfile.mkdtemp(prefix="od-kube-run-", dir="/tmp")
+    pod_dir = tempfile.mkdtemp(prefix="od-kube-pod-", dir="/tmp")
+    mounted = _read_only_bind(run_dir, pod_dir)
     shm_dir = f"/dev/shm/od-kube-{tag}"
     os.mkdir(shm_dir)
     for path, mode in ((run_dir, 0o750), (shm_dir, 0o700)):
@@ -129,10 +145,14 @@ def node(group: int) -> Iterator[Node]:
             assert served.poll() is None, f"the daemon did not start: {served.communicate()[1]}"
             assert time.monotonic() < deadline, "the daemon did not bind in time"
             time.sleep(0.05)
-        yield Node(endpoint, arena, group)
+        pod_endpoint = endpoint.replace(run_dir, pod_dir) if mounted else endpoint
+        yield Node(endpoint, pod_endpoint, arena, group)
     finally:
         served.terminate()
         _, err = served.communicate(timeout=60)
+        if mounted:
+            subprocess.run(["umount", pod_dir], check=False)
+        os.rmdir(pod_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
     assert served.returncode == 0, err
@@ -140,7 +160,7 @@ def node(group: int) -> Iterator[Node]:
 
 def _pod(node: Node, uid: int, *options: str) -> subprocess.Popen[str]:
     """tests.integration.peer_process as a pod's rank: ``uid``, the socket group primary."""
-    command = [sys.executable, "-m", "tests.integration.peer_process", node.endpoint]
+    command = [sys.executable, "-m", "tests.integration.peer_process", node.pod_endpoint]
     command += ["--user", str(uid), "--group", str(node.gid), *options]
     env = {"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     return subprocess.Popen(
@@ -228,3 +248,14 @@ def test_the_arena_is_out_of_every_tenants_reach(node: Node) -> None:
     for uid in (_first_uid("team-a"), _first_uid("team-b")):
         report = run_pod(node, uid, "--open", node.arena)
         assert report["opened"] == "Permission denied", report
+
+
+def test_pods_reach_the_daemon_through_a_read_only_mount(node: Node) -> None:
+    if node.pod_endpoint == node.endpoint:
+        pytest.skip("this host lets no test bind-mount a directory")
+    pod_dir = os.path.dirname(node.pod_endpoint.removeprefix("ipc://"))
+    with open("/proc/self/mountinfo") as mounts:
+        (options,) = [line.split()[5] for line in mounts if line.split()[4] == pod_dir]
+    assert "ro" in options.split(","), options
+    stored = run_pod(node, _first_uid("team-a"), "--engine", "a-engine", "--store", "ro")
+    assert stored["stored"] == 4
