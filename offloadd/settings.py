@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import difflib
 import grp
+import itertools
 import logging
 import math
 import os
@@ -937,7 +938,7 @@ def _uid_ranges_problem(tenants: dict[str, list[str]]) -> str:
                 )
             spans.append((first, last, name))
     spans.sort()
-    for (_, last, name), (first, _, other) in zip(spans, spans[1:], strict=False):
+    for (_, last, name), (first, _, other) in itertools.pairwise(spans):
         if first <= last:
             return f"uid {first} is in the ranges of both {name} and {other}"
     return ""

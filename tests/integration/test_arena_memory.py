@@ -81,18 +81,12 @@ def _stats(endpoint: str) -> dict[str, object]:
 
 def _demo(endpoint: str, phase: str) -> dict[str, int]:
     """The demo's summary (a load that finds nothing exits 1: that is not an error here)."""
-    summary: dict[str, int] = json.loads(
-        _offloadd(
-            "demo", "--endpoint", endpoint, "--phase", phase, "--seed", "3", "--chunks", "16",
-            "--json", "--events", "none", ok=(0, 1),
-        )  # fmt: skip
-    )
+    argv = ["demo", "--endpoint", endpoint, "--phase", phase, "--seed", "3", "--chunks", "16"]
+    summary: dict[str, int] = json.loads(_offloadd(*argv, "--json", "--events", "none", ok=(0, 1)))
     return summary
 
 
-def test_clear_stop_and_remove_give_the_arenas_memory_back(
-    shm: str, serve: ServeProcess
-) -> None:
+def test_clear_stop_and_remove_give_the_arenas_memory_back(shm: str, serve: ServeProcess) -> None:
     idle = _used(shm)
     serve.start()
     endpoint = serve.endpoint

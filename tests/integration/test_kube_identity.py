@@ -238,8 +238,8 @@ def test_each_namespace_sees_its_own_engines_and_not_anothers_session(node: Node
 def test_a_uid_in_no_range_has_no_session(node: Node, uid: int, who: str) -> None:
     report = run_pod(node, uid, "--engine", f"outside-{uid}", "--store", "prompt")
     assert report["error"] == (
-        f"NotPermitted: NOT_PERMITTED: uid {uid}{who} is in none of tenancy.uid_ranges, and uid_ranges_only "
-        "admits only their engines: run the engine as a uid of its tenant's range"
+        f"NotPermitted: NOT_PERMITTED: uid {uid}{who} is in none of tenancy.uid_ranges, and "
+        "uid_ranges_only admits only their engines: run the engine as a uid of its tenant's range"
     ), report
     assert "stored" not in report
 

@@ -597,7 +597,7 @@ def test_uid_ranges_name_tenants_and_are_checked(toml: Path) -> None:
         ('{ a = ["5-1"] }', "is not FIRST-LAST"),
         ('{ a = ["1-4294967295"] }', "is not FIRST-LAST"),
         ('{ a = ["10"] }', "is not FIRST-LAST"),
-        ('{ a = [] }', "tenant a: no range"),
+        ("{ a = [] }", "tenant a: no range"),
         ('{ u1000 = ["1-5"] }', "one offloadd gives by itself"),
         ('{ remote = ["1-5"] }', "one offloadd gives by itself"),
         ('{ "a@b" = ["1-5"] }', "expected 1-64 of"),

@@ -69,7 +69,9 @@ def test_a_uid_range_names_its_tenant_before_every_other_rule() -> None:
     ranges = {"team-a": ["41000-41999"], "team-b": ["42000-42099", "43000-43000"]}
     ranged = tenancy(uid_ranges=ranges, shared_groups=("shared",), share_across_uids=False)
     assert ranged.tenant_of(Peer(41000, 500, 1)) == "team-a" == ranged.tenant_of(Peer(41999, 7, 2))
-    assert ranged.tenant_of(Peer(42050, 42050, 3)) == "team-b" == ranged.tenant_of(Peer(43000, 1, 4))
+    assert (
+        ranged.tenant_of(Peer(42050, 42050, 3)) == "team-b" == ranged.tenant_of(Peer(43000, 1, 4))
+    )
     assert ranged.tenant_of(Peer(42100, 42100, 5)) == "u42100"  # between two ranges
     assert ranged.tenant_of(Peer(40999, 500, 6)) == "g500"  # outside: the other rules
     assert ranged.tenant_of(REMOTE) == "remote"
