@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import difflib
 import grp
+import itertools
 import logging
 import math
 import os
@@ -190,11 +191,30 @@ class TenancySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     group is one of these one tenant per group. Sessions are only ever replaced by the same
     uid. ``client_topics``: ranks may name their engine's KV-event topic (else the daemon's
     ``events.topic_template`` decides, and a Hello naming another topic is refused).
+    ``uid_ranges`` names tenants by ranges of uids, before every other rule: a uid in a range
+    is that tenant, whatever its group (on Kubernetes, one range per namespace, which an
+    admission policy holds that namespace's pods to; docs/kubernetes.md). With
+    ``uid_ranges_only`` a Hello from a uid in no range (root and the daemon's user included)
+    is refused: only tenants' engines have sessions.
     """
 
     share_across_uids: bool = False
     shared_groups: tuple[str, ...] = ()
     client_topics: bool = False
+    # Tenants by uid range: name -> ranges "FIRST-LAST" (inclusive), e.g.
+    # { team-a = ["41000-41999"] }; the tenant is the name (in topics, `cache ls`, stats).
+    uid_ranges: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    # With uid_ranges: refuse a Hello from a uid in none of them (engines are tenants' only).
+    uid_ranges_only: bool = False
+
+    def uid_range_table(self) -> list[tuple[int, int, str]]:
+        """``uid_ranges`` as (first, last, tenant) triples, in order of ``first``."""
+        table = []
+        for name, ranges in self.uid_ranges.items():
+            for text in ranges:
+                first, _, last = text.partition("-")
+                table.append((int(first), int(last), name))
+        return sorted(table)
 
 
 class LimitsSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -300,16 +320,21 @@ class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # cluster (companion MACs, payload encryption, object names); required.
     key_file: str = ""
     # Cluster tenants: name -> the local identities that are it ("uid:1000", "gid:2000", a
-    # gid as tenancy.shared_groups makes one tenant of). Unmapped tenants skip the cluster.
+    # gid as tenancy.shared_groups makes one tenant of, "range:NAME" a tenancy.uid_ranges
+    # tenant). Unmapped tenants skip the cluster.
     tenants: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
     def cluster_tenants(self) -> dict[str, str]:
-        """``tenants`` as local tenant (``u1000``, ``g2000``) -> the cluster tenant it is."""
+        """``tenants`` as local tenant (``u1000``, ``g2000``, a uid range's name) -> the
+        cluster tenant it is."""
         local: dict[str, str] = {}
         for name, members in self.tenants.items():
             for member in members:
-                kind, _, number = member.partition(":")
-                local[("u" if kind == "uid" else "g") + str(int(number))] = name
+                kind, _, rest = member.partition(":")
+                if kind == "range":
+                    local[rest] = name
+                else:
+                    local[("u" if kind == "uid" else "g") + str(int(rest))] = name
         return local
 
 
@@ -885,18 +910,50 @@ def _cluster_key_problem(path: str) -> str:
 
 
 _CLUSTER_TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
-_LOCAL_IDENTITY = re.compile(r"(uid|gid):(\d{1,10})\Z")
+_LOCAL_IDENTITY = re.compile(r"(uid|gid):(\d{1,10})\Z|range:[A-Za-z0-9_.-]{1,64}\Z")
+# The tenant names offloadd.server.tenancy makes by itself: a uid range may not take one.
+_DERIVED_TENANT = re.compile(r"[ug]\d+\Z|remote\Z")
+_UID_RANGE = re.compile(r"(\d{1,10})-(\d{1,10})\Z")
+MAX_UID = 2**32 - 2  # (uid_t)-1 is "no uid"
+
+
+def _uid_ranges_problem(tenants: dict[str, list[str]]) -> str:
+    """Tenant names from a short alphabet and unlike the derived ones (``u1000``); ranges
+    ``FIRST-LAST`` within 1..2**32-2 (never root), no uid in two of them."""
+    spans: list[tuple[int, int, str]] = []
+    for name, ranges in tenants.items():
+        if not _CLUSTER_TENANT.match(name):
+            return f"tenant name {name!r}: expected 1-64 of A-Z a-z 0-9 _ . -"
+        if _DERIVED_TENANT.match(name):
+            return f"tenant name {name!r} is one offloadd gives by itself (u<uid>, g<gid>, remote)"
+        if not ranges:
+            return f"tenant {name}: no range"
+        for text in ranges:
+            match = _UID_RANGE.match(text)
+            first, last = (int(match[1]), int(match[2])) if match else (0, -1)
+            if not match or not 1 <= first <= last <= MAX_UID:
+                return (
+                    f"tenant {name}: {text!r} is not FIRST-LAST with 1 <= FIRST <= LAST <= "
+                    f"{MAX_UID} (uid 0 is root, never a tenant's)"
+                )
+            spans.append((first, last, name))
+    spans.sort()
+    for (_, last, name), (first, _, other) in itertools.pairwise(spans):
+        if first <= last:
+            return f"uid {first} is in the ranges of both {name} and {other}"
+    return ""
 
 
 def _cluster_tenants_problem(tenants: dict[str, list[str]]) -> str:
-    """Names from a short alphabet; each local identity ("uid:N", "gid:N") in one tenant."""
+    """Names from a short alphabet; each local identity ("uid:N", "gid:N", "range:NAME") in
+    one tenant."""
     seen: dict[str, str] = {}
     for name, members in tenants.items():
         if not _CLUSTER_TENANT.match(name):
             return f"tenant name {name!r}: expected 1-64 of A-Z a-z 0-9 _ . -"
         for member in members:
             if not _LOCAL_IDENTITY.match(member):
-                return f"tenant {name}: {member!r} is not uid:N or gid:N"
+                return f"tenant {name}: {member!r} is not uid:N, gid:N or range:NAME"
             if member in seen:
                 return f"{member} is in both tenants {seen[member]} and {name}"
             seen[member] = name
@@ -931,6 +988,7 @@ _CHECKS: dict[tuple[str, str], Callable[[Any], str]] = {
     ("metrics", "socket_mode"): _socket_mode_problem,
     ("metrics", "socket_group"): _socket_group_problem,
     ("tenancy", "shared_groups"): _groups_problem,
+    ("tenancy", "uid_ranges"): _uid_ranges_problem,
     ("limits", "regions_per_session"): _at_least(1),
     ("limits", "key_bytes"): _at_least(5),
     ("limits", "keys_per_request"): _at_least(1),

@@ -5,8 +5,8 @@ tcp port is bound and released at once; an ipc socket's directory is one only th
 user can change, and no live daemon holds the path), the arena's directory takes the file
 and its file system has room for ``cache.capacity``, as has the memory this process may take
 (its cgroup's limit, else the machine's: ``offloadd.server.memory``), the state directory
-keeps the journal privately, the disk tier's directory is usable, and the copy engine can
-run here.
+keeps the journal privately, the disk tier's directory is usable, the copy engine can
+run here, and the daemon's own uid is in no tenant's ``tenancy.uid_ranges``.
 ``offloadd check-config --preflight`` prints them; ``serve`` runs the same checks first, so a
 busy port or an unwritable arena stops it in a second, not after minutes of pre-faulting.
 A check names the setting it is about and the path or address.
@@ -86,6 +86,8 @@ def preflight(
         checks.append(_named("disk.path", settings.disk.path, _creatable_dir(settings.disk.path)))
     if copy_engine:
         checks.append(_copy_engine_check(settings.server.copy_engine))
+    if settings.tenancy.uid_ranges:
+        checks.append(_uid_ranges_check(settings))
     return checks
 
 
@@ -96,6 +98,20 @@ def raise_on_failure(
     for check in preflight(settings, claimed=claimed, copy_engine=copy_engine):
         if not check.ok:
             raise PreflightError(f"{check.what}: {check.problem}")
+
+
+def _uid_ranges_check(settings: Settings) -> Check:
+    """The daemon's own user in a tenant's range would make that tenant's engines the owner of
+    the arena, journal and sockets: refused."""
+    uid = os.geteuid()
+    for first, last, name in settings.tenancy.uid_range_table():
+        if first <= uid <= last:
+            return Check(
+                "tenancy.uid_ranges",
+                f"the daemon's own uid {uid} is in tenant {name}'s range {first}-{last}: run "
+                "the daemon as a uid no tenant has",
+            )
+    return Check("tenancy.uid_ranges")
 
 
 def _named(setting: str, value: str, problem: str) -> Check:

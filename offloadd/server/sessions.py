@@ -256,6 +256,9 @@ class Sessions:
             )
         if registration.exited():
             raise Refused(ErrorCode.UNAUTHENTICATED, "the process that registered has exited")
+        problem = self._tenancy.hello_problem(registration.peer)
+        if problem:
+            raise Refused(ErrorCode.NOT_PERMITTED, problem)
         uid, own = registration.peer.uid, identity.hex()
         sessions = sum(1 for sid, st in self._states.items() if st.peer.uid == uid and sid != own)
         # Both O(regions + runs): a canonical page's fragments are counted before they are

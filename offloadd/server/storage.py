@@ -27,6 +27,7 @@ import contextlib
 import grp
 import logging
 import os
+import re
 from collections.abc import Callable
 
 import msgspec
@@ -148,24 +149,36 @@ def tier_slots(
     return slots
 
 
+_DERIVED = re.compile(r"[ug]\d+\Z")  # the tenants of a uid or a gid, not of a uid range
+
+
 def cluster_tenant_problems(
     settings: Settings, gid_of: Callable[[str], int] | None = None
 ) -> list[str]:
     """Entries of ``mooncake.tenants`` that name no local tenant ``offloadd.server.tenancy``
     can make: a gid whose group is not in ``tenancy.shared_groups`` (its users are ``u<uid>``
-    tenants), or any entry while ``tenancy.share_across_uids`` makes every user ``*``."""
+    tenants), a range that is not one of ``tenancy.uid_ranges``, or any uid or gid entry
+    while ``tenancy.share_across_uids`` makes every user outside the ranges ``*``."""
     names = settings.mooncake.cluster_tenants()
-    if names and settings.tenancy.share_across_uids:
+    ranges = settings.tenancy.uid_ranges
+    unranged = {local: name for local, name in names.items() if _DERIVED.match(local)}
+    problems = [
+        f"{name}: range:{local} is not one of tenancy.uid_ranges: this entry names nobody"
+        for local, name in names.items()
+        if local not in unranged and local not in ranges
+    ]
+    if unranged and settings.tenancy.share_across_uids:
         return [
-            "tenancy.share_across_uids makes every local user one tenant, which no entry "
-            "names: the cluster tier takes no chunk"
+            *problems,
+            "tenancy.share_across_uids makes every local user one tenant, which no uid or gid "
+            "entry names: the cluster tier takes none of their chunks",
         ]
     lookup = gid_of or (lambda name: grp.getgrnam(name).gr_gid)
     shared = {lookup(name) for name in settings.tenancy.shared_groups}
-    return [
+    return problems + [
         f"{name}: gid:{local[1:]} is not one of tenancy.shared_groups, so no tenant is "
         f"{local} (its users are tenants by uid): this entry names nobody"
-        for local, name in names.items()
+        for local, name in unranged.items()
         if local.startswith("g") and int(local[1:]) not in shared
     ]
 

@@ -6,13 +6,16 @@ Pure logic, no I/O (group names are resolved once, when ``Tenancy`` is built). C
   (``SO_PEERCRED``: uid, gid, pid in the daemon's pid namespace). ``REMOTE`` stands for a
   peer on a ``tcp://`` control endpoint, which has no kernel identity (CURVE authenticates
   its key, not a user): such peers form one tenant of their own and register no regions.
-- ``Tenancy.tenant_of(peer)`` names the peer's tenant: ``u<uid>`` by default,
-  ``g<gid>`` when its primary group is one of ``tenancy.shared_groups``, ``*`` for every
-  local peer with ``tenancy.share_across_uids``, ``remote`` for ``REMOTE``. Engines,
+- ``Tenancy.tenant_of(peer)`` names the peer's tenant: the name of the
+  ``tenancy.uid_ranges`` range its uid lies in (first, whatever else is set), else ``*`` for
+  every local peer with ``tenancy.share_across_uids``, ``g<gid>`` when its primary group is
+  one of ``tenancy.shared_groups``, ``u<uid>`` by default; ``remote`` for ``REMOTE``. Engines,
   namespaces and what GetStats lists are per tenant (the registry hashes the tenant into
   the namespace, see ``offloadd.server.registry.namespace_of``); a session is only ever replaced
   by a peer of the same uid.
 - ``is_admin(peer)``: root and the daemon's own user see every engine in GetStats.
+- ``hello_problem(peer)``: why ``peer`` may not say Hello ("" when it may): with
+  ``tenancy.uid_ranges_only``, a uid in no range (root and the daemon's user included).
 - ``topic_problem(asked, derived)``: why a Hello's ``kv_events_topic`` is refused ("" when
   it is fine): with ``tenancy.client_topics = false`` only the daemon's own topic (or none).
 - ``visible_stats(stats, viewer)``: ``DaemonStats`` as ``viewer`` may see it: everything
@@ -24,6 +27,7 @@ Pure logic, no I/O (group names are resolved once, when ``Tenancy`` is built). C
 
 from __future__ import annotations
 
+import bisect
 import grp
 import os
 from collections.abc import Callable
@@ -58,11 +62,23 @@ class Tenancy:
         self._daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
         lookup = gid_of or (lambda name: grp.getgrnam(name).gr_gid)
         self._shared_gids = frozenset(lookup(name) for name in settings.shared_groups)
+        self._ranges = settings.uid_range_table()  # sorted, disjoint (settings check)
+        self._firsts = [first for first, _last, _name in self._ranges]
+
+    def range_of(self, uid: int) -> str:
+        """The ``tenancy.uid_ranges`` tenant ``uid`` lies in, or ""."""
+        index = bisect.bisect_right(self._firsts, uid) - 1
+        if index >= 0 and uid <= self._ranges[index][1]:
+            return self._ranges[index][2]
+        return ""
 
     def tenant_of(self, peer: Peer) -> str:
         """The tenant ``peer`` belongs to."""
         if peer.remote:
             return "remote"
+        ranged = self.range_of(peer.uid)
+        if ranged:
+            return ranged
         if self.settings.share_across_uids:
             return "*"
         if peer.gid in self._shared_gids:
@@ -77,6 +93,22 @@ class Tenancy:
     def is_admin(self, peer: Peer) -> bool:
         """Root or the daemon's user: may see every engine."""
         return not peer.remote and peer.uid in (0, self._daemon_uid)
+
+    def hello_problem(self, peer: Peer) -> str:
+        """Why ``peer`` may not open a session ("" if it may); see the module docstring."""
+        if peer.remote or not self.settings.uid_ranges_only or self.range_of(peer.uid):
+            return ""
+        who = (
+            " (root)"
+            if peer.uid == 0
+            else " (the daemon's own user)"
+            if peer.uid == self._daemon_uid
+            else ""
+        )
+        return (
+            f"uid {peer.uid}{who} is in none of tenancy.uid_ranges, and uid_ranges_only "
+            "admits only their engines: run the engine as a uid of its tenant's range"
+        )
 
     def viewer(self, peer: Peer) -> Viewer:
         """``peer`` as a reader of stats."""

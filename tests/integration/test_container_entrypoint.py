@@ -121,6 +121,9 @@ def container() -> Iterator[Container]:
         OFFLOADD_SERVER__COPY_ENGINE="cpu",
         OFFLOADD_CACHE__CAPACITY="64MiB",
         OFFLOADD_METRICS__ADDRESS=metrics,
+        # The demo's ranks run as this test's root, which the ConfigMap's tenancy refuses an
+        # engine session (only uids of a tenant's range have one: test_kube_identity.py).
+        OFFLOADD_TENANCY__UID_RANGES_ONLY="false",
     )
     # The image's PATH, with this checkout's offloadd where the image has its venv.
     env["PATH"] = image_env["PATH"].replace("/opt/offloadd/venv/bin", str(BIN))

@@ -101,17 +101,17 @@ METADATA = {
 
 
 def _metadata_problems(text: str) -> list[str]:
-    """What a METADATA or PKG-INFO lacks of ``METADATA``, project URLs, classifiers and
-    keywords."""
+    """What a METADATA or PKG-INFO lacks of ``METADATA``, classifiers and keywords, or has
+    that it should not: project URLs (the project has no public home; pyproject.toml)."""
     message = email.parser.Parser().parsestr(text)
     problems = [
         f"{field}: {message.get_all(field)} != {values}"
         for field, values in METADATA.items()
         if message.get_all(field) != values
     ]
-    urls = dict(url.split(", ", 1) for url in message.get_all("Project-URL") or [])
-    if not {"Homepage", "Source", "Issues", "Documentation", "Changelog"} <= set(urls):
-        problems.append(f"Project-URL: {sorted(urls)}")
+    # An index shows these as the project's links: none until there is a real one.
+    if message.get_all("Project-URL") or message.get("Home-page"):
+        problems.append(f"Project-URL: {message.get_all('Project-URL')}")
     classifiers = message.get_all("Classifier") or []
     if "Operating System :: POSIX :: Linux" not in classifiers or len(classifiers) < 5:
         problems.append(f"Classifier: {classifiers}")

@@ -22,8 +22,9 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 CONTAINERFILE = ROOT / "deploy" / "Containerfile"
 MANIFESTS = sorted(KUBERNETES.glob("*.yaml"))
-# The oldest Kubernetes the manifests are meant for, and the newest the schemas know.
-VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
+# The oldest Kubernetes the manifests are meant for (admissionregistration.k8s.io/v1's
+# ValidatingAdmissionPolicy), and the newest the schemas know.
+VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 
@@ -37,8 +38,12 @@ def _all() -> list[dict[str, Any]]:
     return [doc for path in MANIFESTS for doc in _documents(path)]
 
 
-def _one(kind: str) -> dict[str, Any]:
-    (found,) = [doc for doc in _all() if doc["kind"] == kind]
+def _one(kind: str, name: str = "") -> dict[str, Any]:
+    (found,) = [
+        doc
+        for doc in _all()
+        if doc["kind"] == kind and (not name or doc["metadata"]["name"] == name)
+    ]
     return found
 
 
@@ -48,7 +53,7 @@ def _daemon_container() -> dict[str, Any]:
 
 
 def _settings() -> dict[str, Any]:
-    return tomllib.loads(_one("ConfigMap")["data"]["offloadd.toml"])
+    return tomllib.loads(_one("ConfigMap", "offloadd-config")["data"]["offloadd.toml"])
 
 
 def _size(text: str) -> int:
@@ -60,7 +65,17 @@ def _size(text: str) -> int:
 
 def test_there_are_manifests() -> None:
     kinds = {doc["kind"] for doc in _all()}
-    assert kinds == {"Namespace", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor", "Pod"}
+    assert kinds == {
+        "Namespace",
+        "ConfigMap",
+        "DaemonSet",
+        "Service",
+        "ServiceMonitor",
+        "Pod",
+        "NetworkPolicy",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=[path.name for path in MANIFESTS])
@@ -185,10 +200,42 @@ def test_example_vllm_pod_uses_the_readme_config_and_the_daemons_socket() -> Non
     daemon_env = {item["name"]: item.get("value") for item in _daemon_container()["env"]}
     assert socket_dir == daemon_env["RUNTIME_DIRECTORY"]
     assert Path(endpoint).name == "offloadd.sock"
-    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in _one("Pod")["spec"]["volumes"]}
-    assert volumes[mounts[socket_dir]]["hostPath"]["path"] == socket_dir
-    assert volumes[mounts["/dev/shm"]]["hostPath"]["path"] == "/dev/shm"
+    assert volumes[mounts[socket_dir]["name"]]["hostPath"]["path"] == socket_dir
+    assert mounts[socket_dir]["readOnly"], "connecting to a socket needs no write access"
+    # The socket directory is the one node path: hostIPC brings the node's /dev/shm.
+    assert [v["hostPath"]["path"] for v in volumes.values() if "hostPath" in v] == [socket_dir]
+    assert _one("Pod")["spec"]["hostIPC"]
+
+
+def test_networkpolicy_admits_the_scraper_to_the_metrics_port_only() -> None:
+    policy = _one("NetworkPolicy")
+    spec = policy["spec"]
+    daemonset = _one("DaemonSet")
+    assert policy["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec["egress"] == []
+    (rule,) = spec["ingress"]
+    (port,) = rule["ports"]
+    (metrics_port,) = _daemon_container()["ports"]
+    assert port == {"port": metrics_port["name"], "protocol": "TCP"}
+    (source,) = rule["from"]
+    # One namespace AND one kind of pod in it (both selectors in one entry), not either.
+    assert set(source) == {"namespaceSelector", "podSelector"}
+    assert source["podSelector"]["matchLabels"] and source["namespaceSelector"]["matchLabels"]
+
+
+def test_a_node_label_stops_its_daemon_as_the_docs_say() -> None:
+    pod = _one("DaemonSet")["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    ((expression,),) = [term["matchExpressions"] for term in terms["nodeSelectorTerms"]]
+    label = f"{expression['key']}={expression['values'][0]}"
+    assert expression["operator"] == "NotIn" and expression["values"] == ["off"]
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert f"kubectl label node NODE {label}" in docs
+    assert f"kubectl label node NODE {expression['key']}-" in docs
 
 
 # --- promtool ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from offloadd.settings import (
     ServerSettings,
     Settings,
     SettingsError,
+    TenancySettings,
     configure_logging,
     load_settings,
     parse_address,
@@ -580,3 +581,42 @@ def test_cluster_tenants_name_local_tenants_by_uid_and_by_group(toml: Path) -> N
     assert Settings().mooncake.cluster_tenants() == {}
     # settings_toml writes the mapping back as an inline table.
     assert load_settings(write(toml, settings_toml(settings)), environ=NO_ENV) == settings
+
+
+def test_uid_ranges_name_tenants_and_are_checked(toml: Path) -> None:
+    text = '[tenancy]\nuid_ranges = { team-b = ["42000-42999"], team-a = ["41000-41999", "7-7"] }\n'
+    settings = load_settings(write(toml, text), environ=NO_ENV)
+    assert settings.tenancy.uid_range_table() == [
+        (7, 7, "team-a"),
+        (41000, 41999, "team-a"),
+        (42000, 42999, "team-b"),
+    ]
+    assert load_settings(write(toml, settings_toml(settings)), environ=NO_ENV) == settings
+    for ranges, problem in (
+        ('{ a = ["0-5"] }', "uid 0 is root"),
+        ('{ a = ["5-1"] }', "is not FIRST-LAST"),
+        ('{ a = ["1-4294967295"] }', "is not FIRST-LAST"),
+        ('{ a = ["10"] }', "is not FIRST-LAST"),
+        ("{ a = [] }", "tenant a: no range"),
+        ('{ u1000 = ["1-5"] }', "one offloadd gives by itself"),
+        ('{ remote = ["1-5"] }', "one offloadd gives by itself"),
+        ('{ "a@b" = ["1-5"] }', "expected 1-64 of"),
+        ('{ a = ["1-5"], b = ["5-9"] }', "uid 5 is in the ranges of both a and b"),
+    ):
+        with pytest.raises(SettingsError, match=f"^tenancy.uid_ranges: .*{re.escape(problem)}"):
+            load_settings(write(toml, f"[tenancy]\nuid_ranges = {ranges}\n"), environ=NO_ENV)
+
+
+def test_a_daemon_whose_own_uid_is_in_a_tenants_range_does_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 10001)  # the image's daemon user
+    ranged = Settings(tenancy=TenancySettings(uid_ranges={"team": ["10000-10999"]}))
+    (check,) = [c for c in preflight(ranged) if c.what == "tenancy.uid_ranges"]
+    assert check.problem == (
+        "the daemon's own uid 10001 is in tenant team's range 10000-10999: run the daemon as "
+        "a uid no tenant has"
+    )
+    other = Settings(tenancy=TenancySettings(uid_ranges={"team": ["41000-41999"]}))
+    assert [c.ok for c in preflight(other) if c.what == "tenancy.uid_ranges"] == [True]
+    assert not [c for c in preflight(Settings()) if c.what == "tenancy.uid_ranges"]

@@ -265,3 +265,12 @@ def test_cluster_names_that_can_never_apply_are_told() -> None:
     [problem] = cluster_tenant_problems(everyone, gid_of=groups.__getitem__)
     assert "share_across_uids" in problem
     assert cluster_tenant_problems(Settings()) == []
+    # A range names its tenant whatever share_across_uids says; an unknown range nobody.
+    ranged = Settings(
+        tenancy=TenancySettings(share_across_uids=True, uid_ranges={"gpu-a": ["41000-41999"]}),
+        mooncake=MooncakeSettings(tenants={"a": ["range:gpu-a"], "b": ["range:gpu-b"]}),
+    )
+    assert ranged.mooncake.cluster_tenants() == {"gpu-a": "a", "gpu-b": "b"}
+    assert cluster_tenant_problems(ranged) == [
+        "b: range:gpu-b is not one of tenancy.uid_ranges: this entry names nobody"
+    ]

@@ -65,6 +65,39 @@ def test_a_shared_group_counts_by_the_primary_gid() -> None:
     assert grouped.tenant_of(Peer(1003, 1003, 3)) == "u1003"
 
 
+def test_a_uid_range_names_its_tenant_before_every_other_rule() -> None:
+    ranges = {"team-a": ["41000-41999"], "team-b": ["42000-42099", "43000-43000"]}
+    ranged = tenancy(uid_ranges=ranges, shared_groups=("shared",), share_across_uids=False)
+    assert ranged.tenant_of(Peer(41000, 500, 1)) == "team-a" == ranged.tenant_of(Peer(41999, 7, 2))
+    assert (
+        ranged.tenant_of(Peer(42050, 42050, 3)) == "team-b" == ranged.tenant_of(Peer(43000, 1, 4))
+    )
+    assert ranged.tenant_of(Peer(42100, 42100, 5)) == "u42100"  # between two ranges
+    assert ranged.tenant_of(Peer(40999, 500, 6)) == "g500"  # outside: the other rules
+    assert ranged.tenant_of(REMOTE) == "remote"
+    everyone = tenancy(uid_ranges=ranges, share_across_uids=True)
+    assert everyone.tenant_of(Peer(41000, 1, 1)) == "team-a"
+    assert everyone.tenant_of(Peer(1000, 1, 1)) == "*"
+    assert [ranged.range_of(uid) for uid in (0, 999, 41000, 42099, 42100, 2**32 - 2)] == [
+        "", "", "team-a", "team-b", "", ""
+    ]  # fmt: skip
+
+
+def test_uid_ranges_only_admits_the_ranges_engines_alone() -> None:
+    ranges = {"team-a": ["41000-41999"]}
+    assert tenancy(uid_ranges=ranges).hello_problem(Peer(1000, 1000, 1)) == ""
+    strict = tenancy(uid_ranges=ranges, uid_ranges_only=True)
+    assert strict.hello_problem(Peer(41000, 10001, 1)) == ""
+    assert strict.hello_problem(REMOTE) == ""  # a tcp endpoint's peers: its own tenant
+    assert strict.hello_problem(Peer(1000, 1000, 1)).startswith(
+        "uid 1000 is in none of tenancy.uid_ranges"
+    )
+    assert strict.hello_problem(Peer(0, 0, 1)).startswith("uid 0 (root) is in none")
+    daemon = strict.hello_problem(Peer(999, 999, 1))
+    assert daemon.startswith("uid 999 (the daemon's own user) is in none")
+    assert strict.is_admin(Peer(999, 999, 1))  # still reads stats and lists the cache
+
+
 def test_root_and_the_daemons_user_are_admins() -> None:
     plain = tenancy()
     assert plain.is_admin(Peer(0, 0, 1)) and plain.is_admin(Peer(999, 999, 1))
