@@ -124,13 +124,14 @@ def comments() -> dict[str, str]:
             while line in by_line:  # the comment block right above the field
                 above.insert(0, by_line[line])
                 line -= 1
-            if not above and previous_end == field.lineno - 1:
-                above = shared
+            name = f"{classes[node.name]}.{field.target.id}"
+            if not above and previous_end == field.lineno - 1 and name not in MEANINGS:
+                above = shared  # (a field with a meaning of its own ends the sharing)
             shared, previous_end = above, field.end_lineno or field.lineno
             inline = after.get(previous_end, "")
             text = " ".join([*above, inline[:1].upper() + inline[1:]]).strip()
             if text:
-                found[f"{classes[node.name]}.{field.target.id}"] = text
+                found[name] = text
     return found
 
 
