@@ -427,6 +427,7 @@ def _measure(
     )
     times: dict[str, list[float]] = {k: [] for k in ("ds", "bs", "dl", "bl")}
     cpu: dict[str, float] = {k: 0.0 for k in times}
+    daemon_cpu = {"s": 0.0, "l": 0.0}  # the daemon's own share of cpu["ds"] and cpu["dl"]
     client_pid = os.getpid()
     with contextlib.closing(Ranks(endpoint, layout, memory)) as clients:
         # Warm-up: fault the daemon's mappings, check bytes end to end, warm the baseline.
@@ -441,9 +442,12 @@ def _measure(
                 key = direction[0]
                 for side in ("d", "b") if daemon_first else ("b", "d"):
                     if side == "d":
-                        before = server.cpu_seconds() + process_cpu_seconds(client_pid)
+                        daemon_before = server.cpu_seconds()
+                        before = daemon_before + process_cpu_seconds(client_pid)
                         times["d" + key].append(clients.run(direction))
-                        after = server.cpu_seconds() + process_cpu_seconds(client_pid)
+                        daemon_after = server.cpu_seconds()
+                        after = daemon_after + process_cpu_seconds(client_pid)
+                        daemon_cpu[key] += daemon_after - daemon_before
                     else:
                         before = time.thread_time()
                         times["b" + key].append(copy_moves(moves))
@@ -474,6 +478,7 @@ def _measure(
     gbps = layout.total_bytes / 1e9
     moved = gbps * reps
     results = []
+    chunks_moved = layout.chunks * reps  # keys: each of ranks shards of shard bytes
     for name, d, b in ((store_name, "ds", "bs"), (load_name, "dl", "bl")):
         value = gbps / median(times[d])
         base = gbps / median(times[b])
@@ -485,6 +490,10 @@ def _measure(
             # for a busy machine does not count, so this is the steadier overhead figure.
             "cpu_s_per_GB": cpu[d] / moved,
             "baseline_cpu_s_per_GB": cpu[b] / moved,
+            # The daemon's CPU per chunk (issue 43's figure at this geometry's chunk), and
+            # the baseline's copy of a chunk: what the bytes themselves cost.
+            "daemon_cpu_us_per_chunk": daemon_cpu[d[1]] / chunks_moved * 1e6,
+            "baseline_cpu_us_per_chunk": cpu[b] / chunks_moved * 1e6,
         }
         results.append(Result(name, value, "GB/s", base, paired, params | extra))
         ctx.progress(f"  {name}: {value:.2f} GB/s vs {base:.2f} GB/s ({paired:.2f})")
