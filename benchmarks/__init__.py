@@ -8,7 +8,7 @@ runner and table these reuse: the same flags, figures, ``--smoke`` verdicts and 
 ``python -m benchmarks [--quick | --smoke] [--json FILE] [--only NAME ...] [--profile DIR]``
 
 Groups (``--only`` takes a group name or a result-name pattern such as ``vllm_step_*``); each
-needs vLLM 0.33 installed and says so (skips) without it:
+needs vLLM 0.33 (``sglang``: SGLang 0.5.23) installed and says so (skips) without it:
 
 - ``vllm_step``: ``vllm_step_64`` / ``vllm_step_256``: worker ms per step, messages per rank
   per step, ``schedule()`` median and p99, the scheduler's messages inside ``schedule()``,
@@ -26,6 +26,12 @@ needs vLLM 0.33 installed and says so (skips) without it:
   vs an exact shared LRU of the same capacity over the same requests
   (``shared_cache_hit_rate``; goal: ratio >= 0.9) and the keys refused vs those offered
   (``shared_cache_refused``; goal: ratio <= 0.01) (``benchmarks.shared_cache``).
+
+- ``sglang``: ``sglang_set_64`` / ``sglang_get_64``: GB/s of one SGLang 0.5.23 HiCache L3
+  batch of 64 pages (``batch_set_v1`` / ``batch_get_v1`` on offloadd's backend, built by
+  SGLang's backend factory over its own ``shm`` host pool) vs the same page runs moved by
+  ``memmove`` in the process (no goal yet); skipped without SGLang
+  (``benchmarks.sglang_batch``).
 
 ``tests/integration/test_bench_smoke.py`` runs ``python -m benchmarks --smoke`` beside
 ``offloadd bench --smoke``.
@@ -54,6 +60,12 @@ def _vllm_trace(ctx: Context) -> list[Result]:
     return vllm_trace.run(ctx)
 
 
+def _sglang(ctx: Context) -> list[Result]:
+    from benchmarks import sglang_batch
+
+    return sglang_batch.run(ctx)
+
+
 def _shared_cache(ctx: Context) -> list[Result]:
     from benchmarks import shared_cache
 
@@ -69,6 +81,7 @@ GROUPS = (
         "the Mooncake trace through vLLM, vs its CPU spec",
     ),
     Group("shared_cache", ("shared_cache_*",), _shared_cache, "two DP engines on one arena"),
+    Group("sglang", ("sglang_*",), _sglang, "a 64-page SGLang HiCache L3 batch (needs SGLang)"),
 )
 
 

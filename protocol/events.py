@@ -36,8 +36,10 @@ import msgspec
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
-MEDIUM_DISK = "DISK"  # the daemon's disk tier below host memory
+MEDIUM_STORAGE = "STORAGE"  # a tier below host memory: the daemon's disk, or its cluster
+# vLLM 0.33's ``Locality`` of a tier relative to the publisher (``locality`` of an event).
+LOCALITY_LOCAL = "LOCAL"  # on the publishing node (the daemon's disk tier)
+LOCALITY_REMOTE = "REMOTE"  # elsewhere (the cluster tier)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the replay end marker (all 0xFF)."""

@@ -19,9 +19,10 @@ visible and journals their commits):
   engine, ``BlockRemoved`` to the others, the tiers drop the namespace too; returns the
   committed keys dropped. ``dropped(name, removed)``: an operator's clear (``ClearCache``):
   ``BlockRemoved`` to every engine of the namespace (their GPU caches are untouched).
-- ``tier_stored(namespace, keys, medium)`` / ``tier_removed(...)``: chunks a tier below the
-  arena now holds or dropped, as events with that tier's medium (``"DISK"``) to the engines
-  of the namespace that want events.
+- ``tier_stored(namespace, keys, medium, locality)`` / ``tier_removed(...)``: chunks a tier
+  below the arena now holds or dropped, as events with that tier's medium and locality
+  (``"STORAGE"``, ``"LOCAL"`` or ``"REMOTE"``) to the engines of the namespace that want
+  events.
 - ``engine_ready(engine)``: routers learn at once what the node already holds for it (at
   most ``snapshot_keys`` chunks, the most recently used; a warning says how many not).
 - ``derived_topic(model, engine_id, dp, tenant)``: the topic ``events.topic_template`` gives
@@ -142,15 +143,21 @@ class Announcer:
         for engine in self._event_engines(namespace):
             self.publish_to(engine, stored_events(keys, raw_hashes=self._raw_hashes(engine)))
 
-    def tier_stored(self, namespace: str, keys: list[bytes], medium: str) -> None:
-        """Chunks a tier below the arena now holds, announced with its ``medium``."""
-        self._tier_events(namespace, keys, medium, stored=True)
+    def tier_stored(
+        self, namespace: str, keys: list[bytes], medium: str, locality: str | None
+    ) -> None:
+        """Chunks a tier below the arena now holds, announced with its medium and locality."""
+        self._tier_events(namespace, keys, medium, locality, stored=True)
 
-    def tier_removed(self, namespace: str, keys: list[bytes], medium: str) -> None:
-        """Chunks a tier below the arena dropped, announced with its ``medium``."""
-        self._tier_events(namespace, keys, medium, stored=False)
+    def tier_removed(
+        self, namespace: str, keys: list[bytes], medium: str, locality: str | None
+    ) -> None:
+        """Chunks a tier below the arena dropped, announced with its medium and locality."""
+        self._tier_events(namespace, keys, medium, locality, stored=False)
 
-    def _tier_events(self, name: str, keys: list[bytes], medium: str, *, stored: bool) -> None:
+    def _tier_events(
+        self, name: str, keys: list[bytes], medium: str, locality: str | None, *, stored: bool
+    ) -> None:
         if self._events is None or not keys:
             return
         namespace = self.registry.namespace(name)
@@ -158,7 +165,10 @@ class Announcer:
             return  # no engine of that namespace is connected: nobody to tell
         make = stored_events if stored else removed_events
         for engine in self._event_engines(namespace):
-            self.publish_to(engine, make(keys, raw_hashes=self._raw_hashes(engine), medium=medium))
+            events = make(
+                keys, raw_hashes=self._raw_hashes(engine), medium=medium, locality=locality
+            )
+            self.publish_to(engine, events)
 
     def removed(self, entries: Sequence[Entry]) -> None:
         """Chunks evicted or removed: journaled before their extents can be reused, and

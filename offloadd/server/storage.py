@@ -42,7 +42,7 @@ from offloadd.tiers.base import Tier
 from offloadd.transfer.choice import choose_copy_engine
 from offloadd.transfer.engine import CopyEngine, CpuCopyEngine
 from offloadd.transfer.pinning import DEFAULT_PIECE as PIN_PIECE
-from protocol.events import MEDIUM_DISK
+from protocol.events import LOCALITY_LOCAL, LOCALITY_REMOTE, MEDIUM_STORAGE
 
 __all__ = [
     "PIN_PIECE",
@@ -140,12 +140,28 @@ def tier_slots(
 
         disk = DiskTier.from_settings(settings.disk)
         # Its index is in memory: a lookup asks it on the loop.
-        slots.append(TierSlot(disk, settings.disk.queue_bytes, inline=True, medium=MEDIUM_DISK))
+        slots.append(
+            TierSlot(
+                disk,
+                settings.disk.queue_bytes,
+                inline=True,
+                medium=MEDIUM_STORAGE,
+                locality=LOCALITY_LOCAL,
+            )
+        )
     if settings.mooncake.master:
         cluster = _open_cluster(settings, arena, tenant_of)
         if cluster is not None:
             timeout = settings.mooncake.lookup_timeout
-            slots.append(TierSlot(cluster, settings.mooncake.queue_bytes, lookup_timeout=timeout))
+            slots.append(
+                TierSlot(
+                    cluster,
+                    settings.mooncake.queue_bytes,
+                    lookup_timeout=timeout,
+                    medium=MEDIUM_STORAGE,
+                    locality=LOCALITY_REMOTE,
+                )
+            )
     return slots
 
 

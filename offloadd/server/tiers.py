@@ -32,8 +32,9 @@ Contract of ``Tiers`` (the event loop's thread only):
   (sealed, journaled, then announced: mirrors, CPU events, the other tiers) and drops the
   others, which were never visible. No room in the arena: the key and every later key are
   not promoted (misses).
-- Events: a tier with a ``medium`` (the disk: ``"DISK"``) has its stores and evictions
-  announced to the engines that want events (``Announcer.tier_stored``/``tier_removed``).
+- Events: a tier with a ``medium`` (vLLM 0.33's ``"STORAGE"``, with a ``locality``: the
+  disk ``"LOCAL"``, the cluster ``"REMOTE"``) has its stores and evictions announced to the
+  engines that want events (``Announcer.tier_stored``/``tier_removed``).
 - ``stats()``: one ``TierState`` per tier. ``drain(grace)`` waits for the calls in flight,
   then closes the tiers; True when all ended (the arena may be unmapped then).
 """
@@ -81,6 +82,7 @@ class TierSlot:
     inline: bool = False  # contains may be called on the loop (cheap, thread-safe)
     lookup_timeout: float = 0.05  # seconds a lookup waits for a thread tier's contains
     medium: str = ""  # announce its stores and evictions with this medium ("" : none)
+    locality: str | None = None  # ... and this locality
 
 
 class _Worker:
@@ -310,12 +312,12 @@ class Tiers:
                 if ok and not demotion.entry.dead:
                     by_namespace.setdefault(demotion.namespace, []).append(demotion.entry.key)
             for name, keys in by_namespace.items():
-                self._announce.tier_stored(name, keys, medium)
+                self._announce.tier_stored(name, keys, medium, slot.config.locality)
             gone: dict[str, list[bytes]] = {}
             for name, key in evicted:
                 gone.setdefault(name, []).append(key)
             for name, keys in gone.items():
-                self._announce.tier_removed(name, keys, medium)
+                self._announce.tier_removed(name, keys, medium, slot.config.locality)
         self._next_put(slot)
 
     def _release_demotions(self, slot: _Slot, demotions: list[_Demotion]) -> None:

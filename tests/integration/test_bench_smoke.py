@@ -6,15 +6,16 @@ daemon (a new bound, a new rule for Hellos) used to stay broken until someone ra
 bench. The first test runs each command as a user does, in a subprocess from this checkout
 (``offloadd bench``: what a node runs, shipped in the wheel; ``python -m benchmarks``: the
 development benchmarks that drive vLLM's scheduler and workers through ``tests/vllm``'s
-harness, from a checkout), and reads the line it prints per group on stderr (``smoke:
-<group>: ran N rows in Ts``, or ``skipped in Ts: why``, or ``FAILED in Ts: why``) and the
-rows it writes to ``--json``. Where vLLM is installed, the groups that need it (``vllm``,
-``vllm_step``, ``vllm_trace``, ``shared_cache``) must run, not skip; where mooncake is, the
-cluster tier's group must. The two take about 100 s in all on the two-core VM shared with
-other work (45 and 55 s), most of it importing vLLM (once in each) and starting and stopping
-daemons and mooncake clients. The other tests check the verdicts on stand-in groups (a
-failure is named, a silent empty group is one), ``--help``, and that the command line
-imports no benchmark to start.
+harness, and SGLang's HiCache batch, from a checkout), and reads the line it prints per
+group on stderr (``smoke: <group>: ran N rows in Ts``, or ``skipped in Ts: why``, or
+``FAILED in Ts: why``) and the rows it writes to ``--json``. Where vLLM is installed, the
+groups that need it (``vllm``, ``vllm_step``, ``vllm_trace``, ``shared_cache``) must run, not
+skip; where SGLang is, ``sglang`` must; where mooncake is, the cluster tier's group must.
+The two take about 105 s in all on the two-core VM shared with other work (45 and 60 s),
+most of it importing vLLM and SGLang (once in each) and starting and stopping daemons and
+mooncake clients. The other tests check the verdicts on stand-in groups (a failure is
+named, a silent empty group is one), ``--help``, and that the command line imports no
+benchmark to start.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tests.mooncake_master import mooncake_problem
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^smoke: (?P<group>\w+): (?P<status>ran|skipped|FAILED) (?P<rest>.*)$")
 NEEDS_VLLM = {"vllm", "vllm_step", "vllm_trace", "shared_cache"}
+NEEDS_SGLANG = {"sglang"}
 # Each smoke: the command (after ``python``) and the groups it runs.
 SMOKES = {
     "offloadd bench": (["-m", "offloadd", "bench"], GROUPS),
@@ -51,9 +53,11 @@ SMOKES = {
 
 def _must_run(groups: Sequence[Group]) -> set[str]:
     """The groups that may not skip here: everything they need is installed."""
-    must = {g.name for g in groups} - NEEDS_VLLM - {"mooncake"}
+    must = {g.name for g in groups} - NEEDS_VLLM - NEEDS_SGLANG - {"mooncake"}
     if importlib.util.find_spec("vllm") is not None:
         must |= NEEDS_VLLM
+    if importlib.util.find_spec("sglang") is not None:
+        must |= NEEDS_SGLANG
     if not mooncake_problem():
         must.add("mooncake")
     return must
@@ -62,7 +66,9 @@ def _must_run(groups: Sequence[Group]) -> set[str]:
 def test_the_two_smokes_cover_distinct_groups() -> None:
     names = [g.name for g in GROUPS] + [g.name for g in benchmarks.GROUPS]
     assert len(names) == len(set(names))
-    assert {"vllm_step", "vllm_trace", "shared_cache"} == {g.name for g in benchmarks.GROUPS}
+    assert {"vllm_step", "vllm_trace", "shared_cache", "sglang"} == {
+        g.name for g in benchmarks.GROUPS
+    }
 
 
 @pytest.mark.timeout(300)

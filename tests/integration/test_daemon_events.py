@@ -331,7 +331,7 @@ def test_without_events_the_endpoints_are_empty(ranks: list[Rank]) -> None:
 
 
 @pytest.mark.asyncio
-async def test_chunks_on_the_disk_tier_are_announced_with_medium_disk(
+async def test_chunks_on_the_disk_tier_are_announced_as_local_storage(
     daemon_factory: object, ranks: list[Rank], tmp_path: object
 ) -> None:
     chunk = BPC * 4096 * 3
@@ -347,22 +347,24 @@ async def test_chunks_on_the_disk_tier_are_announced_with_medium_disk(
         keys = chain_keys(6)
         await asyncio.to_thread(_store, a, keys, [0, 1, 2, 3], 1)
 
-        def on(kind: type, medium: str) -> list[int | bytes]:
+        def on(kind: type, medium: str, locality: str | None = None) -> list[int | bytes]:
             return [
                 h
                 for e in stream.events(TOPIC_A, kind)
-                if e.medium == medium
+                if (e.medium, e.locality) == (medium, locality)
                 for h in e.block_hashes
             ]
 
-        # Written through to the disk: the same hashes, once on CPU and once on DISK.
-        await stream.until(lambda: len(on(BlockStored, "DISK")) == 4)
-        assert on(BlockStored, "DISK") == on(BlockStored, "CPU") == _hashes(keys[:4])
+        # Written through to the disk: the same hashes, once on CPU and once on local
+        # STORAGE (vLLM 0.33's names for a tier below host memory on this node).
+        local = ("STORAGE", "LOCAL")
+        await stream.until(lambda: len(on(BlockStored, *local)) == 4)
+        assert on(BlockStored, *local) == on(BlockStored, "CPU") == _hashes(keys[:4])
         # The disk holds 4 chunks: two more evict its two oldest, announced as removed there.
         await asyncio.to_thread(_store, a, keys, [4, 5], 2)
-        await stream.until(lambda: len(on(BlockStored, "DISK")) == 6)
-        await stream.until(lambda: len(on(BlockRemoved, "DISK")) == 2)
-        assert on(BlockRemoved, "DISK") == _hashes(keys[:2])
+        await stream.until(lambda: len(on(BlockStored, *local)) == 6)
+        await stream.until(lambda: len(on(BlockRemoved, *local)) == 2)
+        assert on(BlockRemoved, *local) == _hashes(keys[:2])
         assert on(BlockRemoved, "CPU") == []  # the arena kept them all
     finally:
         task.cancel()

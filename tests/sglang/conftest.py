@@ -1,14 +1,21 @@
 """`make test` (what CI runs) installs SGLang and sets OFFLOADD_REQUIRE_SGLANG to the version
 it pinned: there a missing or other SGLang fails the run instead of skipping the HiCache
 backend's tests, which would pass without having run them (as OFFLOADD_REQUIRE_VLLM does for
-tests/vllm)."""
+tests/vllm). ``serve``: an ``offloadd serve`` process on a private endpoint and arena, not
+started."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
 
 import pytest
+
+from tests.integration.harness import ServeProcess
 
 _REQUIRED = os.environ.get("OFFLOADD_REQUIRE_SGLANG", "")
 if _REQUIRED:
@@ -21,3 +28,12 @@ if _REQUIRED:
             f"OFFLOADD_REQUIRE_SGLANG={_REQUIRED}: the SGLang backend tests need SGLang "
             f"{_REQUIRED}, found {_found} (scripts/install-sglang.sh installs it)"
         )
+
+
+@pytest.fixture
+def serve() -> Iterator[ServeProcess]:
+    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
+    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
+    yield daemon
+    daemon.cleanup()
+    shutil.rmtree(workdir, ignore_errors=True)

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,15 +35,6 @@ pytestmark = [
 ]
 
 BLOCK = 16
-
-
-@pytest.fixture
-def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_a_vllm_and_an_sglang_engine_share_one_daemon(tmp_path: Path, serve: ServeProcess) -> None:

@@ -2,22 +2,19 @@
 
 Each engine is its own process (``tests/sglang/hicache_engine.py``) with SGLang's own device
 and host pools, its backend factory loading offloadd through ``dynamic``, and its page keys.
-Not driven here: SGLang's ``UnifiedRadixCache`` and ``HybridCacheController`` (the engine
-process calls the storage interface as the controller's zero-copy path does).
+The engine process calls the storage interface as the controller's zero-copy path does, so
+both host-pool allocators are covered; ``test_hicache_tree.py`` has SGLang's own tree and
+controller make the calls (and restart the daemon between engines).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from tests.integration.harness import ServeProcess
-from tests.sglang.engines import PAGES, engine
+from tests.sglang.engines import PAGES, engine, finish, start
 
 pytestmark = [
     pytest.mark.skipif(
@@ -28,42 +25,22 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
 def test_engine_b_loads_engine_a_prefix_byte_exact(serve: ServeProcess) -> None:
     serve.start()
     a = engine("set", serve.endpoint)
     assert a == {"zero_copy": True, "set": [True] * PAGES}
-    b = engine("get", serve.endpoint)
-    assert b == {"zero_copy": True, "exists": PAGES, "get": [True] * PAGES, "exact": [True] * PAGES}
-    # A private host pool (no shm allocator) stages each page once, and shares the namespace.
-    c = engine("get", serve.endpoint, allocator="default")
-    assert c == {
-        "zero_copy": False,
-        "exists": PAGES,
-        "get": [True] * PAGES,
-        "exact": [True] * PAGES,
-    }
-
-
-def test_engine_b_hits_after_a_warm_restart(serve: ServeProcess) -> None:
-    serve.start()
-    assert engine("set", serve.endpoint)["set"] == [True] * PAGES
-    serve.stop()
-    serve.start()
-    b = engine("get", serve.endpoint)
-    assert b["exists"] == PAGES and b["exact"] == [True] * PAGES
+    # B with a shared host pool, and C with a private one (no shm allocator), which stages
+    # each page once and shares the namespace; independent, so they run at once.
+    b = start("tests.sglang.hicache_engine", "get", serve.endpoint, 5.0, "--allocator", "shm")
+    c = start("tests.sglang.hicache_engine", "get", serve.endpoint, 5.0, "--allocator", "default")
+    loaded = {"exists": PAGES, "get": [True] * PAGES, "exact": [True] * PAGES}
+    assert finish(b) == {"zero_copy": True, **loaded}
+    assert finish(c) == {"zero_copy": False, **loaded}
 
 
 def test_no_daemon_means_misses_and_skipped_writes(serve: ServeProcess) -> None:
-    a = engine("set", serve.endpoint, timeout=0.5)
-    assert a["set"] == [False] * PAGES
-    b = engine("get", serve.endpoint, timeout=0.5)
-    assert b["exists"] == 0 and b["get"] == [False] * PAGES
+    a = start("tests.sglang.hicache_engine", "set", serve.endpoint, 0.5, "--allocator", "shm")
+    b = start("tests.sglang.hicache_engine", "get", serve.endpoint, 0.5, "--allocator", "shm")
+    assert finish(a)["set"] == [False] * PAGES
+    got = finish(b)
+    assert got["exists"] == 0 and got["get"] == [False] * PAGES

@@ -21,10 +21,18 @@ import msgspec
 import pytest
 
 from offloadd.cache.arena import Arena
+from offloadd.server import storage
 from offloadd.server import tiers as coordinator
 from offloadd.server.storage import cluster_tenant_problems, tier_slots
 from offloadd.settings import DiskSettings, MooncakeSettings, Settings, TenancySettings
-from protocol.events import MEDIUM_CPU, MEDIUM_DISK, BlockStored
+from protocol.events import (
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockStored,
+)
+from tests.fakes import DictTier
 from tests.unit.tier_rig import ARENA, CHUNK, events, keys_named, make_rig, until
 
 
@@ -47,7 +55,8 @@ def test_committed_chunks_are_written_through_and_their_readers_released(arena: 
             assert rig.tier.chunks[(rig.namespace.name, key)] == rig.arena_bytes(key)
             entry = rig.cache.get(rig.namespace.name, key)
             assert entry is not None and entry.readers == 0
-        assert len(events(rig, BlockStored, MEDIUM_DISK)) == 3
+        # Announced as vLLM 0.33 announces a local storage tier's chunks.
+        assert len(events(rig, BlockStored, MEDIUM_STORAGE, LOCALITY_LOCAL)) == 3
         assert rig.tiers.stats()[0].queued_bytes == 0
         assert await rig.tiers.drain(5.0) and rig.tier.closed
 
@@ -104,9 +113,9 @@ def test_a_lookup_promotes_the_prefix_found_below_and_a_later_lookup_hits(arena:
         for key in keys[:3]:
             assert rig.arena_bytes(key) == expected[key]
         assert rig.tier.gets == [keys[1:3]]  # one batched get
-        # CPU events for the 4 stored and the 2 promoted chunks, DISK ones for the 4 stored.
+        # CPU events for the 4 stored and the 2 promoted chunks, STORAGE ones for the 4 stored.
         assert len(events(rig, BlockStored, MEDIUM_CPU)) == 6
-        assert len(events(rig, BlockStored, MEDIUM_DISK)) == 4
+        assert len(events(rig, BlockStored, MEDIUM_STORAGE, LOCALITY_LOCAL)) == 4
         # Not written back to the tier they came from.
         assert sum(len(put) for put in rig.tier.puts) == 4
         stats = rig.tiers.stats()[0]
@@ -182,6 +191,9 @@ def test_a_thread_tier_answers_later_or_counts_a_miss_after_its_timeout(arena: A
         keys = keys_named(b"a", b"b")
         rig.store(keys)
         await until(lambda: rig.tiers.stats()[0].demotions == 2)
+        # The cluster's chunks are announced as on remote storage.
+        assert len(events(rig, BlockStored, MEDIUM_STORAGE, LOCALITY_REMOTE)) == 2
+        assert events(rig, BlockStored, MEDIUM_STORAGE, LOCALITY_LOCAL) == []
         rig.evict(keys)
         answered: list[list[int]] = []
         assert rig.tiers.probe(rig.namespace, keys, 0, answered.append) is None
@@ -203,7 +215,10 @@ def test_a_thread_tier_answers_later_or_counts_a_miss_after_its_timeout(arena: A
 
 
 def test_settings_turn_tiers_on_and_a_cluster_that_cannot_open_stays_off(
-    arena: Arena, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    arena: Arena,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert tier_slots(Settings(), arena) == []  # off by default
     settings = Settings(
@@ -212,11 +227,17 @@ def test_settings_turn_tiers_on_and_a_cluster_that_cannot_open_stays_off(
     )
     slots = tier_slots(settings, arena)
     try:
-        assert [(s.tier.name, s.inline, s.medium) for s in slots] == [("disk", True, "DISK")]
+        assert [(s.tier.name, s.inline, s.medium, s.locality) for s in slots] == [
+            ("disk", True, "STORAGE", "LOCAL")
+        ]
         assert "cluster tier OFF" in caplog.text  # the node serves on without it
     finally:
         for slot in slots:
             slot.tier.close()
+    # A cluster that opens is announced as remote storage (vLLM 0.33's names).
+    monkeypatch.setattr(storage, "_open_cluster", lambda *args: DictTier())
+    cluster = tier_slots(Settings(mooncake=MooncakeSettings(master="127.0.0.1:1")), arena)
+    assert [(s.inline, s.medium, s.locality) for s in cluster] == [(False, "STORAGE", "REMOTE")]
 
 
 def test_a_lookups_contains_goes_before_queued_writes() -> None:

@@ -20,7 +20,7 @@ from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Namespace, Registry
 from offloadd.server.tiers import Tiers, TierSlot
 from offloadd.settings import EventSettings
-from protocol.events import MEDIUM_DISK
+from protocol.events import LOCALITY_LOCAL, LOCALITY_REMOTE, MEDIUM_STORAGE
 from protocol.messages import KeysChanged, Reply
 from tests.fakes import DictTier, FakePublishers
 from tests.helpers import config, hello, ready
@@ -114,7 +114,8 @@ def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
         queue_bytes,
         inline=inline,
         lookup_timeout=timeout,
-        medium=MEDIUM_DISK if inline else "",
+        medium=MEDIUM_STORAGE,  # as the disk (inline, local) and the cluster (remote)
+        locality=LOCALITY_LOCAL if inline else LOCALITY_REMOTE,
     )
     committer = Committer(cache, announce, journal=journal)
     tiers = Tiers([slot], cache, arena, announce, committer, capacity=ARENA)
@@ -131,10 +132,12 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.002)
 
 
-def events(rig: Rig, kind: type, medium: str) -> list[object]:
+def events(rig: Rig, kind: type, medium: str, locality: str | None = None) -> list[object]:
+    """The events of ``kind`` published with ``medium`` and ``locality``."""
     return [
         event
         for _topic, _dp, batch in rig.publishers.batches
         for event in batch.events
-        if isinstance(event, kind) and getattr(event, "medium", None) == medium
+        if isinstance(event, kind)
+        and (getattr(event, "medium", None), getattr(event, "locality", None)) == (medium, locality)
     ]
