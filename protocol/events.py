@@ -90,6 +90,7 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None  # vLLM 0.33; the daemon sends none
 
 
 class BlockRemoved(KVCacheEvent):
@@ -138,6 +139,7 @@ class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):

@@ -902,6 +902,7 @@ async def test_cli_events_json(
             "locality": None,
             "ownership": None,
             "session_id": None,
+            "lookahead_token_ids": None,
         }
         assert lines[1]["replayed"] is True
         assert lines[-1]["replayed"] is False

@@ -88,6 +88,7 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -178,6 +179,7 @@ ALL_FIELDS_STORED: dict[str, Any] = {
     "locality": "LOCAL",
     "ownership": "offloadd",
     "session_id": "req-1",
+    "lookahead_token_ids": [[1, 2], [3]],
 }
 ALL_FIELDS_REMOVED: dict[str, Any] = {
     "block_hashes": [3, b"\xff" * 16],
@@ -236,6 +238,18 @@ def test_declarations_match_vllm(name: str) -> None:
     their_fields = msgspec.structs.fields(theirs)
     assert [(f.name, f.default, f.type) for f in mine_fields] == [
         (f.name, f.default, f.type) for f in their_fields
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+)
+def test_declarations_match_the_installed_vllm(name: str) -> None:
+    """The copy above is checked against vLLM 0.33 itself where it is installed (CI)."""
+    installed = pytest.importorskip("vllm.distributed.kv_events")
+    mine, theirs = getattr(ours, name), getattr(installed, name)
+    assert [(f.name, f.default, f.type) for f in msgspec.structs.fields(mine)] == [
+        (f.name, f.default, f.type) for f in msgspec.structs.fields(theirs)
     ]
 
 
@@ -415,7 +429,7 @@ def test_vllm_0_23_payload_decodes() -> None:
         None,
         "CPU",
         None,
-        *[None] * 7,
+        *[None] * 8,
     ]
     assert decode_batch(payload) == _both(ours)[0]
 

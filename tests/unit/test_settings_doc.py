@@ -47,7 +47,6 @@ def test_check_fails_on_a_stale_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert settings_doc.main(["--check", "--output", str(stale)]) == 0
 
 
-
 def test_a_setting_with_a_meaning_of_its_own_does_not_take_its_neighbours_comment() -> None:
     # A comment block above two adjacent fields is about both, and stops at a field with an
     # entry in MEANINGS (once, 19 limits all read reservation_renewals' comment); MEANINGS
