@@ -179,7 +179,8 @@ def test_benchmarks_help_lists_its_groups(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m benchmarks") and "--smoke" in out
     listed = out.split("groups (for --only):", 1)[1].split()
-    assert [g.name for g in benchmarks.GROUPS] == [n for n in listed if n in NEEDS_VLLM]
+    wanted = NEEDS_VLLM | NEEDS_SGLANG
+    assert [g.name for g in benchmarks.GROUPS] == [n for n in listed if n in wanted]
 
 
 def test_the_command_line_imports_no_benchmark_to_start() -> None:
