@@ -2010,20 +2010,21 @@ def test_a_tenant_filling_the_waiting_stores_never_drops_anothers(
 # ---------------------------------------------------------------- round three: memory, turns
 
 
-def _serve_in_shared_dir(shared_dir: str, **env: str) -> ServeProcess:
+def _serve_in_shared_dir(shared_dir: str, log_level: str = "WARNING", **env: str) -> ServeProcess:
     """``offloadd serve`` (root) in its own process, its sockets for SHARED_GROUP; events,
-    replay and metrics beside the control socket; ``env`` added to its environment."""
+    replay and metrics beside the control socket; its log in ``log_path``; ``env`` added to
+    its environment."""
     config = os.path.join(shared_dir, "offloadd.toml")
     with open(config, "w") as handle:
         handle.write(f'[server]\nsocket_group = "{SHARED_GROUP}"\n')
     serve = ServeProcess(
         shared_dir, f"/dev/shm/od-test-{uuid.uuid4().hex[:12]}.arena", persist=False,
-        config=config, beside=True,
+        config=config, beside=True, log_level=log_level,
     )  # fmt: skip
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        return serve.start()
+        return serve.start(log=True)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -2215,3 +2216,62 @@ def test_a_sessionless_flood_of_step_messages_keeps_the_loop_turning(
     assert max(gaps) < 1.0, sorted(gaps)[-5:]
     assert set(health) == {"200"}, {code: health.count(code) for code in set(health)}
     print(f"\n{len(gaps)} watchdog gaps during the flood: longest {max(gaps) * 1e3:.0f} ms")
+
+
+_HELLO_CHURN = """
+import json, os, sys, uuid, zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.messages import Bye, Hello, Welcome, decode_reply, encode
+from tests.integration.configs import make_config
+endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
+cycles = int(sys.argv[5])
+os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
+ctx = zmq.Context()
+welcomed = 0
+for index in range(cycles):  # each Hello and each Bye a line in the daemon's log
+    identity = uuid.uuid4().bytes
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    token = register(endpoint, identity, []).token
+    config = make_config(engine_id=f"churn-{index % 8}", tp=1)
+    sock.send(encode(Hello(1, PROTOCOL_VERSION, "scheduler", config, token=token)))
+    assert sock.poll(30_000), "no Welcome"
+    welcomed += isinstance(decode_reply(sock.recv()), Welcome)
+    sock.send(encode(Bye(2)))
+    assert sock.poll(30_000), "no answer to Bye"
+    sock.recv()
+    sock.close()
+print(json.dumps({"welcomed": welcomed}), flush=True)
+"""
+
+
+def test_one_users_log_lines_are_limited_and_anothers_still_logged(
+    users: dict[str, User], shared_dir: str
+) -> None:
+    serve = _serve_in_shared_dir(shared_dir, log_level="INFO")
+    try:
+        a, b = users["odtrust-a"], users["odtrust-b"]
+        shared = grp.getgrnam(SHARED_GROUP).gr_gid
+        cycles = 400
+        command = [sys.executable, "-c", _HELLO_CHURN, serve.endpoint, str(b.uid)]
+        command += [str(b.gid), str(shared), str(cycles)]
+        churn = subprocess.run(
+            command, env=_ATTACK_ENV, cwd="/tmp", capture_output=True, text=True,
+            timeout=300, check=False,
+        )  # fmt: skip
+        assert churn.returncode == 0, churn.stderr
+        assert json.loads(churn.stdout.strip().splitlines()[-1]) == {"welcomed": cycles}
+        victim = run_as(a, serve.endpoint, "--engine", "victim", "--store", "mine")
+        assert victim.get("connected") and victim["stored"] == 4, victim
+        log = serve.log()
+    finally:
+        serve.stop()
+    # B's 800 lifecycle lines (a Hello and a Bye each cycle): its burst (64) and about one a
+    # second after it went out, the rest held back and counted; A's lines all went out.
+    churned = [line for line in log.splitlines() if "engine churn-" in line]
+    assert 64 <= len(churned) < 64 + 30, len(churned)
+    assert f"uid {a.uid}" in log and "engine victim dp 0 rank 0 connected" in log
+    print(f"\n{len(churned)} of {2 * cycles} lines of uid {b.uid} logged")
