@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 32  # control requests handled back to back before the loop runs other callbacks
 _TURN = 0.005  # seconds of requests handled back to back, at most, before the same
+_CONTROL_RUN = 0.001  # seconds of control items in a row, at most, before a bulk item
 _QUEUED = 256  # requests read ahead into the lanes; above, zmq's queues hold the rest
 _QUEUED_FRAMES = 4  # ... or this many server.max_frame_bytes of their frames
 # Complete frames libzmq queues per connection before it stops reading it (its default,
@@ -205,6 +206,7 @@ class ControlSocket:
         fd = int(sock.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
         ran, began = 0, time.perf_counter()
+        control_run = began  # when the control items run since the last bulk one began
         try:
             while True:
                 self._read(sock)
@@ -225,7 +227,13 @@ class ControlSocket:
                 finally:
                     self._running = None
                 ran += 1
-                if bulk or ran >= _BATCH or time.perf_counter() - began > _TURN:
+                now = time.perf_counter()
+                if bulk:
+                    control_run = now
+                elif now - control_run > _CONTROL_RUN:
+                    lanes.bulk_next()  # another tenant's store waits one ms of them at most
+                    control_run = now
+                if bulk or ran >= _BATCH or now - began > _TURN:
                     await asyncio.sleep(0)
                     ran, began = 0, time.perf_counter()
         finally:

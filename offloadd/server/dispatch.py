@@ -31,9 +31,11 @@ session is looked up, and none of its nested lookups or jobs is handled, so no m
 more work than the bounds allow, from a peer with a session or without.
 
 No session, no decoding: ``unregistered(identity, frame)`` answers a frame whose request needs
-a session its sender does not have, reading only its tag, ids and counts
-(``offloadd.server.peek``): ``TOO_LARGE`` beyond the bounds, else ``NOT_REGISTERED`` for it
-and for each nested lookup (in quanta), as the decoded request would get.
+a session its sender does not have, reading only its tag, id and counts
+(``offloadd.server.peek``): ``TOO_LARGE`` beyond the bounds, else one ``NOT_REGISTERED``. A
+step message is refused whole then, its nested lookups unanswered: the sender must say Hello
+and send them again (the clients forget what they awaited of a lost session), and a flood of
+them from peers that never said Hello costs the daemon one answer a message.
 
 A handler's ``Refused`` is answered with an ``Error`` carrying its code, whatever the mode.
 Session rules: ``REQUIRED`` handlers get ``(state, request)`` and the session's last_seen is
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from offloadd.server.checks import Refused
-from offloadd.server.peek import StepCounts, peek
+from offloadd.server.peek import Peek, peek
 from offloadd.server.state import Accepted, SessionState
 from protocol.errors import ErrorCode
 from protocol.messages import (
@@ -211,7 +213,7 @@ class Dispatcher:
         replies: Replies,
         *,
         session_of: Callable[[str], SessionState | None],
-        bounds: Callable[[Request | StepCounts], str] = lambda _request: "",
+        bounds: Callable[[Request | Peek], str] = lambda _request: "",
     ) -> None:
         differ = set(handlers) ^ set(TABLE)
         if differ:
@@ -265,21 +267,14 @@ class Dispatcher:
         rule = _BY_TAG.get(peeked.type)
         if rule is None or rule.session is not Session.REQUIRED:
             return False
-        problem = self._bounds(peeked.counts) if peeked.counts is not None else ""
+        problem = self._bounds(peeked)
         if problem:
             self._replies.protocol_error(identity, peeked.request_id, ErrorCode.TOO_LARGE, problem)
             return True
-        self._not_registered(identity, [peeked.request_id, *peeked.nested], 0)
+        self._replies.protocol_error(
+            identity, peeked.request_id, ErrorCode.NOT_REGISTERED, _SAY_HELLO
+        )
         return True
-
-    def _not_registered(self, identity: bytes, request_ids: list[int], start: int) -> None:
-        end = min(len(request_ids), start + QUANTUM_LOOKUPS)
-        for request_id in request_ids[start:end]:
-            self._replies.protocol_error(identity, request_id, ErrorCode.NOT_REGISTERED, _SAY_HELLO)
-        if end < len(request_ids):
-            self._replies.run_next(
-                identity, lambda: self._not_registered(identity, request_ids, end)
-            )
 
     def _dispatch(
         self, identity: bytes, request: Request, rule: Rule, handler: Callable[..., object]

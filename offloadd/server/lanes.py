@@ -26,9 +26,10 @@ Contract of ``Lanes`` (the event loop's thread only; pure, no sockets):
 - ``pop()``: ``(item, bulk)``, the next item and whether it came from the bulk lane, or None
   when both lanes are empty; an item is a ``(peer, frames)`` tuple or a callable. Control
   first, but after ``burst`` control items in a row one bulk item goes (a peer flooding
-  Lookups slows the stores, never stops them). Within a lane, tenants with items queued take
-  turns (deficit round robin, each item costing one): a tenant's turn serves up to its weight
-  of items in arrival order, then the next tenant's begins.
+  Lookups slows the stores, never stops them), and so after ``bulk_next()`` (the reader ran
+  control items for a millisecond). Within a lane, tenants with items queued take turns
+  (deficit round robin, each item costing one): a tenant's turn serves up to its weight of
+  items in arrival order, then the next tenant's begins.
 - ``requests`` and ``bytes``: requests queued in both lanes and their frames' bytes (the
   reader stops reading the socket above a bound on each, so zmq's queues push back);
   ``len()``: every item queued.
@@ -170,6 +171,10 @@ class Lanes:
         """Queue ``work`` in ``tenant``'s bulk lane."""
         self._items += 1
         self._bulk.add(tenant, work)
+
+    def bulk_next(self) -> None:
+        """Let the next pop serve the bulk lane, as after ``burst`` control items."""
+        self._run = self._burst
 
     def pop(self) -> tuple[Item, bool] | None:
         """The next item to run and whether it is bulk, or None; see the module docstring."""

@@ -37,7 +37,7 @@ import mmap
 from collections.abc import Sequence
 from typing import TypedDict
 
-from offloadd.server.peek import StepCounts, step_counts
+from offloadd.server.peek import Peek, step_counts
 from offloadd.settings import LimitsSettings, physical_memory
 from protocol.handles import KVRegion
 from protocol.messages import Request
@@ -107,13 +107,17 @@ class Limits:
             f"limits.mapped_bytes_per_uid ({self.mapped_bytes})"
         )
 
-    def message_problem(self, request: Request | StepCounts) -> str:
+    def message_problem(self, request: Request | Peek) -> str:
         """Why ``request`` is refused for its size alone ("" when it is within bounds); a
-        frame not decoded gives its counts (``offloadd.server.peek``)."""
-        counts = request if isinstance(request, StepCounts) else step_counts(request)
+        frame not decoded is judged on its counts (``offloadd.server.peek``), its keys counted
+        only when it is long enough to hold too many (2 bytes a key at least)."""
+        settings = self.settings
+        if isinstance(request, Peek):
+            counts = request.counts(keys=len(request.frame) // 2 > settings.keys_per_message)
+        else:
+            counts = step_counts(request)
         if counts is None:
             return ""
-        settings = self.settings
         if counts.lookups > settings.lookups_per_message:
             return (
                 f"{counts.lookups} lookups in one message: more than "

@@ -2120,20 +2120,30 @@ def test_frames_before_any_hello_leave_the_daemons_memory_within_its_bound(
 
 
 _STEP_FLOOD = """
-import json, os, sys, zmq
-from protocol.messages import Lookup, Reserve, encode
+import json, os, sys, uuid, zmq
+from offloadd.peer import register
+from protocol import PROTOCOL_VERSION
+from protocol.messages import Hello, Lookup, Reserve, Welcome, decode_reply, encode
+from tests.integration.configs import make_config
 endpoint, uid, gid, groups = sys.argv[1], *map(int, sys.argv[2:5])
-big, small = int(sys.argv[5]), int(sys.argv[6])
+big, small, sessions = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7] == "sessions"
 os.setgroups([groups]); os.setgid(gid); os.setuid(uid)
 ctx = zmq.Context()
 socks = []
-for _ in range(4):  # no registration, no Hello: the daemon knows nothing of them
+for index in range(4):  # without a session (the daemon knows nothing of them), or with one
+    identity = uuid.uuid4().bytes
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 1)  # answers unread: the daemon drops them
     sock.connect(endpoint)
     socks.append(sock)
+    if sessions:  # a scheduler whose engine waits for its rank: each lookup is refused
+        token = register(endpoint, identity, []).token
+        config = make_config(engine_id=f"flood-{index}", tp=1)
+        sock.send(encode(Hello(1, PROTOCOL_VERSION, "scheduler", config, token=token)))
+        assert sock.poll(30_000) and isinstance(decode_reply(sock.recv()), Welcome)
 # Within every bound: 4,096 lookups of 256 keys each (1,048,576 keys, a 14 MiB frame), and
 # 4,096 lookups of no key (243 KiB, read as a control request).
 wide = encode(Reserve(5, [], lookups=[Lookup(100 + i, [bytes(12)] * 256) for i in range(4096)]))
@@ -2145,8 +2155,9 @@ sys.stdin.read()
 """
 
 
-def test_a_sessionless_flood_of_step_messages_keeps_the_loop_turning(
-    users: dict[str, User], shared_dir: str
+@pytest.mark.parametrize("flood", ["sessionless", "sessions"])
+def test_a_flood_of_step_messages_keeps_the_loop_turning(
+    users: dict[str, User], shared_dir: str, flood: str
 ) -> None:
     # systemd's watchdog protocol: the daemon pings from its event loop every half interval,
     # so the gaps between pings are its loop's longest turns (plus the 50 ms interval).
@@ -2183,7 +2194,7 @@ def test_a_sessionless_flood_of_step_messages_keeps_the_loop_turning(
             _until(lambda: len(pings) > 3, "the watchdog's first pings")
             began = time.monotonic()
             command = [sys.executable, "-c", _STEP_FLOOD, serve.endpoint, str(b.uid)]
-            command += [str(b.gid), str(shared), str(big), str(small)]
+            command += [str(b.gid), str(shared), str(big), str(small), flood]
             attacker = subprocess.Popen(
                 command, env=_ATTACK_ENV, cwd="/tmp", text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -2195,9 +2206,12 @@ def test_a_sessionless_flood_of_step_messages_keeps_the_loop_turning(
                 # The victim is served while the flood is handled.
                 victim = run_as(a, serve.endpoint, "--engine", "victim", "--store", "mine")
                 assert victim.get("connected") and victim["stored"] == 4, victim
-                # Every message and every one of its lookups answered NOT_REGISTERED (a
-                # count the daemon keeps), the flood handled whole before the clock stops.
-                expected = errors + (big + small) * 4097
+                # Every message refused (a count the daemon keeps), the flood handled whole
+                # before the clock stops: without a session, one NOT_REGISTERED a message,
+                # its lookups unread; with one, each of its 4,096 lookups answered too
+                # (ENGINE_NOT_READY), in quanta.
+                answers = 1 if flood == "sessionless" else 4097
+                expected = errors + (big + small) * answers
                 _until(lambda: admin.stats().protocol_errors >= expected, "the flood's end", 120)
                 ended = time.monotonic()
             finally:
@@ -2215,7 +2229,7 @@ def test_a_sessionless_flood_of_step_messages_keeps_the_loop_turning(
     # per frame held the loop 2.3 s at a time before, and 5 s per frame in the review.
     assert max(gaps) < 1.0, sorted(gaps)[-5:]
     assert set(health) == {"200"}, {code: health.count(code) for code in set(health)}
-    print(f"\n{len(gaps)} watchdog gaps during the flood: longest {max(gaps) * 1e3:.0f} ms")
+    print(f"\n{flood}: {len(gaps)} watchdog gaps in the flood, longest {max(gaps) * 1e3:.0f} ms")
 
 
 _HELLO_CHURN = """

@@ -305,18 +305,25 @@ def test_a_frame_needing_a_session_its_sender_lacks_is_refused_without_decoding(
     )
     probes = [Lookup(100 + i, [b"k"] * 3) for i in range(QUANTUM_LOOKUPS + 10)]
     assert dispatch.unregistered(PEER, encode(Reserve(7, [b"a"], lookups=probes)))
-    hello_first = (ErrorCode.NOT_REGISTERED, "say Hello first")
-    # The carrier and the first quantum of its lookups now, the rest on a later turn.
-    assert recorder.errors == [(7, *hello_first)] + [
-        (100 + i, *hello_first) for i in range(QUANTUM_LOOKUPS - 1)
-    ]
-    assert recorder.turns() == 1
-    assert recorder.errors == [(7, *hello_first)] + [(p.request_id, *hello_first) for p in probes]
+    # Refused whole, one answer: its lookups are the sender's to send again after a Hello.
+    assert recorder.errors == [(7, ErrorCode.NOT_REGISTERED, "say Hello first")]
+    assert not recorder.later
     # Beyond a bound: the same one TOO_LARGE as the decoded message gets.
     too_many = UpdateHolds(9, lookups=[Lookup(i, []) for i in range(201)])
     recorder.errors.clear()
     assert dispatch.unregistered(PEER, encode(too_many))
     assert recorder.errors == [(9, ErrorCode.TOO_LARGE, limits.message_problem(too_many))]
+    # Keys beyond their bound, in a frame long enough to hold that many: counted, refused.
+    few = Dispatcher(
+        table,
+        recorder,
+        session_of=lambda _sid: None,
+        bounds=Limits(LimitsSettings(keys_per_message=10)).message_problem,
+    )
+    recorder.errors.clear()
+    assert few.unregistered(PEER, encode(Reserve(11, [b"k"] * 11)))
+    assert [(rid, code) for rid, code, _ in recorder.errors] == [(11, ErrorCode.TOO_LARGE)]
+    assert "limits.keys_per_message = 10" in recorder.errors[0][2]
     # What needs no session, or is not a request at all, is decoded as before.
     for frame in (encode(GetStats(1)), encode(Ping(2)), encode(make_hello()), b"\xc1junk"):
         assert not dispatch.unregistered(PEER, frame)
@@ -338,6 +345,9 @@ def test_a_frame_needing_a_session_its_sender_lacks_is_refused_without_decoding(
 )
 def test_a_peeked_frame_counts_what_its_decoded_request_does(request_: Request) -> None:
     peeked = peek(encode(request_))
-    assert peeked is not None and peeked.counts == step_counts(request_)
-    if isinstance(request_, Reserve | UpdateHolds):
-        assert peeked.nested == [lookup.request_id for lookup in request_.lookups]
+    assert peeked is not None and peeked.counts(keys=True) == step_counts(request_)
+    # Its keys are counted only when asked (the frame may hold more than the bound).
+    counts = peeked.counts(keys=False)
+    assert counts is not None and counts.keys == 0
+    stats = peek(encode(GetStats(1)))
+    assert stats is not None and stats.counts(keys=True) is None

@@ -195,3 +195,14 @@ def test_the_bytes_read_ahead_are_counted_until_each_request_is_popped() -> None
     assert lanes.bytes == 1000
     drain(lanes)
     assert lanes.bytes == 0
+
+
+def test_bulk_goes_next_once_the_control_items_took_a_turns_time() -> None:
+    lanes = Lanes(burst=32)
+    for index in range(10):
+        lanes.add(b"flood", [f"step-{index}".encode()], urgent=True)
+    lanes.add(b"victim", [b"store"], urgent=False)
+    assert lanes.pop() == ((b"flood", [b"step-0"]), False)
+    lanes.bulk_next()  # the reader's turn ran out of time on control items
+    assert lanes.pop() == ((b"victim", [b"store"]), True)
+    assert lanes.pop() == ((b"flood", [b"step-1"]), False)
