@@ -16,12 +16,13 @@
   ``[identity, b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``,
   then the end marker ``[identity, b"", b"", END_SEQ, b""]`` (vLLM >= 0.26). Anything
   else is counted in ``invalid_replay_requests``, logged (rate-limited) and ignored.
-  A replay is streamed, never copied whole: each subscriber has one replay at a time (a
-  new request replaces it), fed at most ``REPLAY_WINDOW`` batches ahead of what libzmq
-  has written to it, each sent without a copy of its payload (the buffer's own bytes); it
-  reads the buffer as it goes (a batch dropped meanwhile is skipped, as a gap) and ends at
-  the last batch buffered when it was asked for. One whose subscriber reads nothing for
-  ``REPLAY_STALL`` seconds is cut short.
+  A replay is streamed, never copied whole: a subscriber's requests are answered one at a
+  time, in order (at most ``REPLAY_WAITING`` wait; more are ignored), each fed at most
+  ``REPLAY_WINDOW`` batches ahead of what libzmq has written to it, each batch sent without
+  a copy of its payload (the buffer's own bytes); it reads the buffer as it goes (a batch
+  dropped meanwhile is skipped, as a gap) and ends at the last batch buffered when it was
+  asked for. One whose subscriber reads nothing for ``REPLAY_STALL`` seconds is cut short,
+  and that subscriber's waiting requests dropped.
 * ``close()`` sends what is still queued (bounded by a timeout), then closes the sockets
   with linger 0 and removes the ipc socket files it bound (libzmq leaves them). A
   subscriber that sees ``seq`` go backwards knows the publisher restarted; nothing else on
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -76,6 +76,7 @@ Watch = Callable[[zmq.Socket[Any], str], None]
 _YIELD_EVERY = 64  # batches sent (or replayed) between yields to the event loop
 REPLAY_WINDOW = 64  # batches queued to one replaying subscriber at most (its SNDHWM)
 REPLAY_STALL = 10.0  # seconds a replay waits for its subscriber to read, then ends
+REPLAY_WAITING = 64  # a subscriber's replay requests waiting behind the one being sent
 
 
 class EventBindError(Exception):
@@ -157,7 +158,8 @@ class EventPublisher:
         self._warn_send = LogLimiter(logger)
         self._warn_replay = LogLimiter(logger)
         self._watch = watch
-        self._replays: dict[bytes, asyncio.Task[None]] = {}  # one per subscriber identity
+        self._replays: dict[bytes, deque[int]] = {}  # each subscriber's starts, in order
+        self._replay_tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         """Bind the PUB socket and, when a replay endpoint is set, the replay ROUTER."""
@@ -395,24 +397,43 @@ class EventPublisher:
                     )
                     continue
                 identity = frames[0]
-                previous = self._replays.pop(identity, None)
-                if previous is not None:
-                    previous.cancel()
-                task = asyncio.create_task(self._stream_replay(replay, identity, start))
-                self._replays[identity] = task
-                task.add_done_callback(functools.partial(self._replay_ended, identity))
+                waiting = self._replays.get(identity)
+                if waiting is None:
+                    waiting = self._replays[identity] = deque([start])
+                    task = asyncio.create_task(self._serve_subscriber(replay, identity, waiting))
+                    self._replay_tasks.add(task)
+                    task.add_done_callback(self._replay_tasks.discard)
+                elif len(waiting) <= REPLAY_WAITING:
+                    waiting.append(start)
+                else:
+                    self._warn_replay(
+                        logging.WARNING,
+                        "replay request ignored: %d of that subscriber's wait already",
+                        len(waiting) - 1,
+                    )
         finally:
-            tasks = list(self._replays.values())
+            tasks = list(self._replay_tasks)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _replay_ended(self, identity: bytes, task: asyncio.Task[None]) -> None:
-        if self._replays.get(identity) is task:
-            del self._replays[identity]
+    async def _serve_subscriber(
+        self, replay: zmq.asyncio.Socket, identity: bytes, waiting: deque[int]
+    ) -> None:
+        """Answer one subscriber's replay requests in order, until none waits."""
+        try:
+            while waiting:
+                if not await self._stream_replay(replay, identity, waiting[0]):
+                    waiting.clear()  # it does not read: what it asked for more goes too
+                    break
+                waiting.popleft()
+        finally:
+            if self._replays.get(identity) is waiting:
+                del self._replays[identity]
 
-    async def _stream_replay(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
-        """Send the buffered batches from ``start`` as the subscriber takes them."""
+    async def _stream_replay(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> bool:
+        """Send the buffered batches from ``start`` as the subscriber takes them; False when
+        it was cut short."""
         try:
             stop = self.next_seq  # what is buffered now; later batches go out live
             seq, sent = start, 0
@@ -431,10 +452,12 @@ class EventPublisher:
                     await asyncio.sleep(0)
             await self._send_replayed(replay, (identity, b"", b"", END_SEQ, b""), start)
             logger.debug("replay from %d: %d batches", start, sent)
+            return True
         except _ReplayCut as cut:
             self._warn_replay(logging.WARNING, "replay from %d cut short: %s", start, cut)
         except Exception:  # replay is a courtesy: it must never take publishing down
             self._warn_replay(logging.ERROR, "replay from %d failed", start, exc_info=True)
+        return False
 
     async def _send_replayed(
         self, replay: zmq.asyncio.Socket, frames: tuple[bytes, ...], start: int
