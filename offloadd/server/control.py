@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 32  # control requests handled back to back before the loop runs other callbacks
 _TURN = 0.005  # seconds of requests handled back to back, at most, before the same
-_CONTROL_RUN = 0.001  # seconds of control items in a row, at most, before a bulk item
+_CONTROL_RUN = 0.001  # seconds of control items between two bulk items, at most
 _QUEUED = 256  # requests read ahead into the lanes; above, zmq's queues hold the rest
 _QUEUED_FRAMES = 4  # ... or this many server.max_frame_bytes of their frames
 # Complete frames libzmq queues per connection before it stops reading it (its default,
@@ -206,7 +206,7 @@ class ControlSocket:
         fd = int(sock.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
         ran, began = 0, time.perf_counter()
-        control_run = began  # when the control items run since the last bulk one began
+        control = 0.0  # seconds of control items run since the last bulk one
         try:
             while True:
                 self._read(sock)
@@ -218,6 +218,7 @@ class ControlSocket:
                         began = time.perf_counter()
                     continue
                 item, bulk = popped
+                started = time.perf_counter()
                 if isinstance(item, tuple):
                     self._running = (item[0], bulk)
                 elif isinstance(item, Next):
@@ -229,10 +230,12 @@ class ControlSocket:
                 ran += 1
                 now = time.perf_counter()
                 if bulk:
-                    control_run = now
-                elif now - control_run > _CONTROL_RUN:
-                    lanes.bulk_next()  # another tenant's store waits one ms of them at most
-                    control_run = now
+                    control = 0.0
+                else:
+                    control += now - started
+                    if control > _CONTROL_RUN:
+                        lanes.bulk_next()  # another tenant's store waits one ms of them at most
+                        control = 0.0
                 if bulk or ran >= _BATCH or now - began > _TURN:
                     await asyncio.sleep(0)
                     ran, began = 0, time.perf_counter()
