@@ -62,7 +62,6 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 32  # control requests handled back to back before the loop runs other callbacks
 _TURN = 0.005  # seconds of requests handled back to back, at most, before the same
-_CONTROL_RUN = 0.001  # seconds of control items between two bulk items, at most
 _QUEUED = 256  # requests read ahead into the lanes; above, zmq's queues hold the rest
 _QUEUED_FRAMES = 4  # ... or this many server.max_frame_bytes of their frames
 # Complete frames libzmq queues per connection before it stops reading it (its default,
@@ -206,7 +205,6 @@ class ControlSocket:
         fd = int(sock.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
         ran, began = 0, time.perf_counter()
-        control = 0.0  # seconds of control items run since the last bulk one
         try:
             while True:
                 self._read(sock)
@@ -218,7 +216,6 @@ class ControlSocket:
                         began = time.perf_counter()
                     continue
                 item, bulk = popped
-                started = time.perf_counter()
                 if isinstance(item, tuple):
                     self._running = (item[0], bulk)
                 elif isinstance(item, Next):
@@ -228,15 +225,7 @@ class ControlSocket:
                 finally:
                     self._running = None
                 ran += 1
-                now = time.perf_counter()
-                if bulk:
-                    control = 0.0
-                else:
-                    control += now - started
-                    if control > _CONTROL_RUN:
-                        lanes.bulk_next()  # another tenant's store waits one ms of them at most
-                        control = 0.0
-                if bulk or ran >= _BATCH or now - began > _TURN:
+                if bulk or ran >= _BATCH or time.perf_counter() - began > _TURN:
                     await asyncio.sleep(0)
                     ran, began = 0, time.perf_counter()
         finally:

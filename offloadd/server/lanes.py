@@ -26,10 +26,12 @@ Contract of ``Lanes`` (the event loop's thread only; pure, no sockets):
 - ``pop()``: ``(item, bulk)``, the next item and whether it came from the bulk lane, or None
   when both lanes are empty; an item is a ``(peer, frames)`` tuple or a callable. Control
   first, but after ``burst`` control items in a row one bulk item goes (a peer flooding
-  Lookups slows the stores, never stops them), and so after ``bulk_next()`` (the reader ran
-  control items for a millisecond). Within a lane, tenants with items queued take turns
-  (deficit round robin, each item costing one): a tenant's turn serves up to its weight of
-  items in arrival order, then the next tenant's begins.
+  Lookups slows the stores, never stops them). Control items are counted by their size, so
+  that a flood of large ones lets bulk through as often as one of small ones would: a request
+  counts one per ``UNIT`` bytes of its frame (one at least), the rest of a request cut into
+  quanta ``QUANTUM_ITEMS``. Within a lane, tenants with items queued take turns (deficit
+  round robin, each item costing one): a tenant's turn serves up to its weight of items in
+  arrival order, then the next tenant's begins.
 - ``requests`` and ``bytes``: requests queued in both lanes and their frames' bytes (the
   reader stops reading the socket above a bound on each, so zmq's queues push back);
   ``len()``: every item queued.
@@ -54,6 +56,11 @@ __all__ = ["URGENT", "Lanes", "Next"]
 URGENT = frozenset({"lookup", "reserve", "holds", "ack", "release", "wait", "ping"})
 
 Request = tuple[bytes, list[bytes]]
+# How much of ``burst`` a control item uses: a request one per UNIT bytes of its frame (a
+# Lookup of a prompt's keys is one), the rest of a request cut into quanta QUANTUM_ITEMS (a
+# quantum answers 64 lookups).
+UNIT = 16 << 10
+QUANTUM_ITEMS = 16
 
 
 @dataclass(slots=True)
@@ -132,7 +139,7 @@ class Lanes:
         self._control = _Lane()
         self._bulk = _Lane()
         self._peers: dict[bytes, _Peer] = {}  # those with requests queued
-        self._run = 0  # control items popped since the last bulk item
+        self._run = 0  # control items (by their size) popped since the last bulk item
         self._items = 0
         self.requests = 0
         self.bytes = 0
@@ -172,15 +179,14 @@ class Lanes:
         self._items += 1
         self._bulk.add(tenant, work)
 
-    def bulk_next(self) -> None:
-        """Let the next pop serve the bulk lane, as after ``burst`` control items."""
-        self._run = self._burst
-
     def pop(self) -> tuple[Item, bool] | None:
         """The next item to run and whether it is bulk, or None; see the module docstring."""
         if self._control and (self._run < self._burst or not self._bulk):
-            self._run += 1
             item = self._control.pop(self._weight_of)
+            if isinstance(item, tuple):
+                self._run += 1 + sum(map(len, item[1])) // UNIT
+            else:
+                self._run += QUANTUM_ITEMS
             bulk = False
         else:
             self._run = 0

@@ -3,7 +3,7 @@ tenants served in turn within each lane."""
 
 from __future__ import annotations
 
-from offloadd.server.lanes import Lanes, Next
+from offloadd.server.lanes import QUANTUM_ITEMS, UNIT, Lanes, Next
 
 
 def drain(lanes: Lanes) -> list[object]:
@@ -197,12 +197,22 @@ def test_the_bytes_read_ahead_are_counted_until_each_request_is_popped() -> None
     assert lanes.bytes == 0
 
 
-def test_bulk_goes_next_once_the_control_items_took_a_turns_time() -> None:
+def test_large_control_items_let_bulk_through_sooner() -> None:
     lanes = Lanes(burst=32)
-    for index in range(10):
-        lanes.add(b"flood", [f"step-{index}".encode()], urgent=True)
+    big = [b"x" * (16 * UNIT)]  # a step message of 256 KiB counts 17 small ones
+    for _ in range(10):
+        lanes.add(b"flood", big, urgent=True)
     lanes.add(b"victim", [b"store"], urgent=False)
-    assert lanes.pop() == ((b"flood", [b"step-0"]), False)
-    lanes.bulk_next()  # the reader's turn ran out of time on control items
-    assert lanes.pop() == ((b"victim", [b"store"]), True)
-    assert lanes.pop() == ((b"flood", [b"step-1"]), False)
+    popped = [lanes.pop() for _ in range(3)]
+    assert [bulk for _item, bulk in filter(None, popped)] == [False, False, True]
+
+    def rest() -> None:
+        pass
+
+    lanes = Lanes(burst=32)
+    for _ in range(4):
+        lanes.add_next(b"flood", rest, bulk=False)  # quanta count QUANTUM_ITEMS each
+    lanes.add(b"victim", [b"store"], urgent=False)
+    order = [bulk for _item, bulk in filter(None, (lanes.pop() for _ in range(5)))]
+    assert order == [False, False, True, False, False]
+    assert QUANTUM_ITEMS * 2 >= 32
