@@ -4,15 +4,17 @@ round trips on the same daemon with no flood, blocks of each in turn, in one run
 
 The flood: a subprocess (``_servers`` ``flooder``) with 4 sockets that never register nor
 say Hello, each sending step messages of 4,096 empty Lookups (``limits.lookups_per_message``,
-the most a message may carry: 4,097 answers each) as fast as the daemon reads them, their
-answers unread. It runs as the benchmark's own user: peers the daemon knows nothing of are
-a tenant of their own in its lanes (they share one turn), so no second Unix user is needed.
-The victim: a rank of another engine (``OffloadClient``, blocking) storing one chunk and
-waiting for its ``JobDone``, and its scheduler looking up 16 cached chunks. Before the fix a
-message of 4,096 lookups held the loop for one long turn (70 ms here, 2.3 s for 32 of them
-read back to back); now its answers go in quanta of 64, each a turn of the flood's tenant.
-After each flood block the daemon's backlog drains (its protocol-error count stops moving)
-before an idle block is timed.
+the most a message may carry) as fast as the daemon reads them, their answers unread. It runs
+as the benchmark's own user: peers the daemon knows nothing of are a tenant of their own in
+its lanes (they share one turn), so no second Unix user is needed. The victim: a rank of
+another engine (``OffloadClient``, blocking) storing one chunk and waiting for its
+``JobDone``, and its scheduler looking up 16 cached chunks. Before the fix each such message
+was decoded and got 4,097 answers in one turn of the loop (70 ms here), and libzmq queued
+1,000 of them per connection: the backlog did not drain within a minute. Now each is peeked
+and refused once (``offloadd.server.peek``), and counts for its size in the lanes. After each
+flood block the daemon's backlog drains (its protocol-error count stops moving) before an
+idle block is timed. The goal bounds the delay (the flooder takes a core of a small machine),
+it does not promise isolation.
 """
 
 from __future__ import annotations
