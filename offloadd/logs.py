@@ -9,7 +9,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import IO
 
@@ -103,6 +104,58 @@ class LogLimiter:
         self._last = now
         self._suppressed = 0
         self._log.log(level, msg, *args, exc_info=exc_info)
+
+
+class PerUidLog:
+    """Lines a client's requests cause, limited per uid: each uid may have ``burst`` lines
+    logged back to back, then one more per ``interval`` seconds (a token bucket each), so
+    one user's flood neither fills the journal nor hides another user's lines. The lines
+    held back are counted and their number said with that uid's next line. At most
+    ``uids`` uids are remembered, the least recently heard from forgotten first."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        *,
+        burst: int = 64,
+        interval: float = 1.0,
+        uids: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = log
+        self._burst = burst
+        self._interval = interval
+        self._most = uids
+        self._clock = clock
+        self._buckets: OrderedDict[int, list[float]] = OrderedDict()  # uid: [tokens, at, held]
+
+    def __call__(
+        self, uid: int, level: int, msg: str, *args: object, exc_info: bool = False
+    ) -> bool:
+        """Log ``msg % args`` at ``level`` for ``uid`` unless its lines are held back (then
+        False, and it is counted)."""
+        if not self._log.isEnabledFor(level):
+            return False
+        now = self._clock()
+        bucket = self._buckets.pop(uid, None)
+        if bucket is None:
+            bucket = [float(self._burst), now, 0.0]
+            while len(self._buckets) >= self._most:
+                self._buckets.popitem(last=False)
+        self._buckets[uid] = bucket
+        tokens = min(float(self._burst), bucket[0] + (now - bucket[1]) / self._interval)
+        bucket[1] = now
+        if tokens < 1.0:
+            bucket[0] = tokens
+            bucket[2] += 1
+            return False
+        bucket[0] = tokens - 1.0
+        if bucket[2]:
+            msg += " (%d more lines of uid %d held back)"
+            args = (*args, int(bucket[2]), uid)
+            bucket[2] = 0
+        self._log.log(level, msg, *args, exc_info=exc_info)
+        return True
 
 
 def install_log_handler(

@@ -36,7 +36,8 @@ MEANINGS: dict[str, str] = {
     "server.endpoint": 'The control endpoint (ipc:// or tcp://). "": the default socket in '
     "the runtime directory ($RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/offloadd, "
     "/tmp/offloadd-<uid>).",
-    "server.max_frame_bytes": "The largest request frame; a larger one is refused.",
+    "server.max_frame_bytes": "The largest request frame: one up to 64 KiB larger is refused "
+    "(TOO_LARGE), a larger one ends its connection before it is read.",
     "server.shm_dirs": "Directories the ranks' shared-memory KV files live in; the journal may "
     "not be there.",
     "server.drain_seconds": "On SIGTERM, how long copies in flight may run before the daemon "

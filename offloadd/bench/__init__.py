@@ -54,6 +54,9 @@ Groups (``--only`` takes a group name or a result-name pattern such as ``shm_*_1
 - ``sharing``: arena bytes per cached token of an MLA engine (latent replicated on every TP
   rank, stored once) at TP=1/2/4/8 vs one copy of the latent (``mla_bytes_per_token_tp<N>``;
   goal: 1.0, flat).
+- ``flood``: a victim's store and lookup round trips while 4 sockets with no session flood
+  the daemon with step messages of 4,096 lookups vs the same round trips with no flood, in
+  turn (``victim_store_under_flood``, ``victim_lookup_under_flood``).
 
 The development benchmarks that drive vLLM's real scheduler and workers through the test
 harness (``vllm_step``, ``vllm_trace``, ``shared_cache``) are not here: the wheel carries no
@@ -175,6 +178,12 @@ def _sharing(ctx: Context) -> list[Result]:
     return sharing.run(ctx)
 
 
+def _flood(ctx: Context) -> list[Result]:
+    from offloadd.bench import flood
+
+    return flood.run(ctx)
+
+
 def _tiers(ctx: Context) -> list[Result]:
     from offloadd.bench import tiers
 
@@ -218,6 +227,7 @@ GROUPS = (
     Group("mooncake", ("mooncake_*",), _mooncake, "the cluster tier (needs the mooncake extra)"),
     Group("tiers", ("tiers_*",), _tiers, "hit rate with a disk tier vs the arena alone"),
     Group("sharing", ("mla_bytes_per_token_*",), _sharing, "MLA arena bytes per token by TP"),
+    Group("flood", ("victim_*_under_flood",), _flood, "a victim's round trips under a flood"),
 )
 
 

@@ -11,6 +11,9 @@ SIGTERM or when stdin closes.
 - ``storer``: a rank (``AsyncOffloadClient``) that, between ``go`` and ``stop``, keeps
   ``depth`` stores of ``blocks`` blocks each in flight, back to back, fresh keys every job;
   ``stop`` waits for those in flight and answers ``jobs bytes`` stored since ``go``.
+- ``flooder``: ``sockets`` DEALERs with no registration and no session that, between ``go``
+  and ``stop``, send step messages of ``lookups`` empty Lookups as fast as the daemon reads
+  them, their answers unread; ``stop`` answers how many were sent since ``go``.
 """
 
 from __future__ import annotations
@@ -245,12 +248,58 @@ async def _storer(args: dict[str, Any]) -> None:
         await client.close()
 
 
+async def _flooder(args: dict[str, Any]) -> None:
+    from protocol.messages import Lookup, Reserve, encode
+
+    ctx = zmq.asyncio.Context()
+    socks = []
+    for _ in range(args["sockets"]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # a send waits for the daemon to read
+        sock.setsockopt(zmq.RCVHWM, 1)  # answers unread: the daemon drops them
+        sock.connect(args["endpoint"])
+        socks.append(sock)
+    frame = encode(Reserve(1, [], lookups=[Lookup(2 + i, []) for i in range(args["lookups"])]))
+    state = {"sent": 0}
+    running: list[asyncio.Task[None]] = []
+
+    async def flood(sock: zmq.asyncio.Socket) -> None:
+        while True:
+            await sock.send(frame)
+            state["sent"] += 1
+
+    async def handle(words: list[str]) -> str:
+        match words:
+            case ["go"]:
+                state["sent"] = 0
+                running[:] = [asyncio.create_task(flood(sock)) for sock in socks]
+                return "ok"
+            case ["stop"]:
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+                running.clear()
+                return str(state["sent"])
+        return "?"
+
+    try:
+        await _serve_commands(handle, [])
+    finally:
+        for task in running:
+            task.cancel()
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+
+
 _MODES: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = {
     "daemon": _daemon,
     "echo": _echo,
     "publisher": _publisher,
     "rawpub": _rawpub,
     "storer": _storer,
+    "flooder": _flooder,
 }
 
 

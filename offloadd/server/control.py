@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -46,7 +47,7 @@ import zmq.asyncio
 from offloadd.endpoint import ipc_path, restrict_socket
 from offloadd.safety import printable
 from offloadd.server.gate import RequestGate
-from offloadd.server.lanes import URGENT, Lanes
+from offloadd.server.lanes import URGENT, Lanes, Next
 from offloadd.server.metrics import Counters, Metrics
 from offloadd.settings import Settings
 from protocol.errors import ErrorCode
@@ -60,7 +61,16 @@ __all__ = ["ControlSocket"]
 logger = logging.getLogger(__name__)
 
 _BATCH = 32  # control requests handled back to back before the loop runs other callbacks
+_TURN = 0.005  # seconds of requests handled back to back, at most, before the same
 _QUEUED = 256  # requests read ahead into the lanes; above, zmq's queues hold the rest
+_QUEUED_FRAMES = 4  # ... or this many server.max_frame_bytes of their frames
+# Complete frames libzmq queues per connection before it stops reading it (its default,
+# 1,000, let one connection park 1,000 frames of max_frame_bytes); at 16 the socket reads
+# as fast as at 1,000 (the reader keeps its pipes near empty anyway).
+RCVHWM = 16
+# A frame this much over max_frame_bytes is still read and answered TOO_LARGE, so a client
+# that oversteps learns why; a larger one ends its connection before libzmq reads it.
+FRAME_SLACK = 64 << 10
 
 
 class _Kind(msgspec.Struct):
@@ -91,6 +101,7 @@ class ControlSocket:
         gate: RequestGate,
         *,
         dispatch: Callable[[bytes, Request], None],
+        unregistered: Callable[[bytes, bytes], bool] = lambda _identity, _frame: False,
         metrics: Metrics,
         counters: Counters,
         tenant_of: Callable[[bytes], str] = lambda _identity: "",
@@ -99,6 +110,8 @@ class ControlSocket:
         self.endpoint = endpoint
         self._gate = gate
         self._dispatch = dispatch
+        self._unregistered = unregistered
+        self._running: tuple[bytes, bool] | None = None  # (peer, bulk) of the item running
         self.metrics = metrics
         self.counters = counters
         self._sock: zmq.Socket[bytes] | None = None  # blocking calls never block: see send
@@ -122,8 +135,8 @@ class ControlSocket:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            # Hard cap far above any sane request; oversized-but-plausible frames get an Error.
-            sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes * 4)
+            sock.setsockopt(zmq.MAXMSGSIZE, server.max_frame_bytes + FRAME_SLACK)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
             if server.curve_secret_key_file:
                 self._start_curve(ctx, sock)
             if watch is not None:
@@ -191,7 +204,7 @@ class ControlSocket:
         readable = self._readable = asyncio.Event()
         fd = int(sock.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
-        ran = 0
+        ran, began = 0, time.perf_counter()
         try:
             while True:
                 self._read(sock)
@@ -200,20 +213,29 @@ class ControlSocket:
                     readable.clear()
                     if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         await readable.wait()
+                        began = time.perf_counter()
                     continue
                 item, bulk = popped
-                self._run(item)
+                if isinstance(item, tuple):
+                    self._running = (item[0], bulk)
+                elif isinstance(item, Next):
+                    self._running = (item.peer, bulk)
+                try:
+                    self._run(item)
+                finally:
+                    self._running = None
                 ran += 1
-                if bulk or ran >= _BATCH:
-                    ran = 0
+                if bulk or ran >= _BATCH or time.perf_counter() - began > _TURN:
                     await asyncio.sleep(0)
+                    ran, began = 0, time.perf_counter()
         finally:
             self._readable = None
+            self._running = None
             loop.remove_reader(fd)
             # A copy's end still finishes its job; the requests not handled are dropped, as
             # those never read are.
             while (popped := lanes.pop()) is not None:
-                if not isinstance(popped[0], tuple):
+                if not isinstance(popped[0], tuple | Next):
                     loop.call_soon(popped[0])
             self._lanes = Lanes(_BATCH, self._tenant_of)
 
@@ -237,10 +259,23 @@ class ControlSocket:
         self._lanes.add_work(work, tenant)
         readable.set()
 
+    def run_next(self, identity: bytes, work: Callable[[], object]) -> None:
+        """Run ``work``, the rest of the request of ``identity`` running now, on a later turn
+        of the loop before ``identity``'s next request, in that request's lane; at once (to
+        its end) when it is not the receive loop's item running (a Hello's held frames)."""
+        running = self._running
+        if running is None or running[0] != identity:
+            work()
+            return
+        self._lanes.add_next(identity, work, running[1])
+
     def _read(self, sock: zmq.Socket[bytes]) -> None:
         lanes = self._lanes
         limit = self.settings.limits.hello_bytes
-        while lanes.requests < _QUEUED:
+        frame = self.settings.server.max_frame_bytes
+        # Read ahead up to the bounds, copying about one frame's worth per call (a turn).
+        most = min(_QUEUED_FRAMES * frame, lanes.bytes + frame)
+        while lanes.requests < _QUEUED and lanes.bytes < most:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -321,6 +356,8 @@ class ControlSocket:
                     f"{self.settings.limits.hello_bytes}",
                 )
                 return
+        if self._unregistered(identity, frame):
+            return
         try:
             request = decode_request(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

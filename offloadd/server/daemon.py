@@ -141,6 +141,7 @@ class Daemon:
             self.endpoint,
             self._gate,
             dispatch=lambda identity, request: self._require_parts().dispatch(identity, request),
+            unregistered=lambda p, f: self._require_parts().dispatch.unregistered(p, f),
             metrics=self.metrics,
             counters=self.counters,
             tenant_of=lambda peer: self._parts.sessions.tenant_of(peer) if self._parts else "",

@@ -19,12 +19,23 @@ answered and whether it needs a session:
 
 Nested requests: a scheduler's step message (``Reserve``, ``UpdateHolds``) carries the step's
 tier probes in ``lookups``; each is dispatched as if it arrived alone right after its carrier
-(its own rule, reply and errors), whether or not the carrier was refused.
+(its own rule, reply and errors), whether or not the carrier was refused. They run in quanta
+(``QUANTUM_LOOKUPS`` lookups or ``QUANTUM_KEYS`` keys, whichever comes first): each quantum
+after the first is handed to ``Replies.run_next``, which runs it on a later turn of the loop,
+before any later request of the same peer, so a message of 4,096 lookups holds the loop for
+a quantum at a time, not for all of them.
 
 Size first: ``bounds(request)`` (``Limits.message_problem``) says why a request is too large
 for its size alone (lookups, jobs, keys); such a request is refused ``TOO_LARGE`` before its
 session is looked up, and none of its nested lookups or jobs is handled, so no message costs
 more work than the bounds allow, from a peer with a session or without.
+
+No session, no decoding: ``unregistered(identity, frame)`` answers a frame whose request needs
+a session its sender does not have, reading only its tag, id and counts
+(``offloadd.server.peek``): ``TOO_LARGE`` beyond the bounds, else one ``NOT_REGISTERED``. A
+step message is refused whole then, its nested lookups unanswered: the sender must say Hello
+and send them again (the clients forget what they awaited of a lost session), and a flood of
+them from peers that never said Hello costs the daemon one answer a message.
 
 A handler's ``Refused`` is answered with an ``Error`` carrying its code, whatever the mode.
 Session rules: ``REQUIRED`` handlers get ``(state, request)`` and the session's last_seen is
@@ -44,6 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from offloadd.server.checks import Refused
+from offloadd.server.peek import Peek, peek
 from offloadd.server.state import Accepted, SessionState
 from protocol.errors import ErrorCode
 from protocol.messages import (
@@ -78,6 +90,10 @@ if TYPE_CHECKING:
 __all__ = ["TABLE", "Accepted", "Dispatcher", "Mode", "Replies", "Rule", "Session", "handlers"]
 
 logger = logging.getLogger(__name__)
+
+# A quantum of a step message's nested lookups: what one turn of the loop handles of them.
+QUANTUM_LOOKUPS = 64
+QUANTUM_KEYS = 16_384
 
 
 class Mode(enum.Enum):
@@ -128,6 +144,8 @@ TABLE: dict[type[Any], Rule] = {
 }
 
 _REPLIES = typing.get_args(Reply)
+_SAY_HELLO = "say Hello first"
+_BY_TAG = {kind.__struct_config__.tag: rule for kind, rule in TABLE.items()}
 
 
 def handlers(
@@ -173,6 +191,10 @@ class Replies(Protocol):
     def internal_error(self, identity: bytes, request_id: int) -> None:
         """Answer ``INTERNAL`` for a bug (logged by the caller) and count it."""
 
+    def run_next(self, identity: bytes, work: Callable[[], object]) -> None:
+        """Run ``work`` (the rest of ``identity``'s request) on a later turn of the loop,
+        before ``identity``'s next request; at once when nothing is receiving."""
+
 
 class _HandlerBug(Exception):
     """A handler broke its mode's rule (logged, answered INTERNAL)."""
@@ -191,7 +213,7 @@ class Dispatcher:
         replies: Replies,
         *,
         session_of: Callable[[str], SessionState | None],
-        bounds: Callable[[Request], str] = lambda _request: "",
+        bounds: Callable[[Request | Peek], str] = lambda _request: "",
     ) -> None:
         differ = set(handlers) ^ set(TABLE)
         if differ:
@@ -220,9 +242,39 @@ class Dispatcher:
         except _HandlerBug as bug:
             logger.error("handler bug: %s", bug)
             self._replies.internal_error(identity, request.request_id)
-        if isinstance(request, Reserve | UpdateHolds):
-            for nested in request.lookups:
-                self(identity, nested)
+        if isinstance(request, Reserve | UpdateHolds) and request.lookups:
+            self._nested(identity, request.lookups, 0)
+
+    def _nested(self, identity: bytes, lookups: list[Lookup], start: int) -> None:
+        """Dispatch a quantum of ``lookups`` from ``start``; the rest on a later turn."""
+        end, keys = start, 0
+        while end < len(lookups) and end - start < QUANTUM_LOOKUPS and keys < QUANTUM_KEYS:
+            keys += len(lookups[end].keys)
+            end += 1
+        for index in range(start, end):
+            self(identity, lookups[index])
+        if end < len(lookups):
+            self._replies.run_next(identity, lambda: self._nested(identity, lookups, end))
+
+    def unregistered(self, identity: bytes, frame: bytes) -> bool:
+        """Answer ``frame`` without decoding it when its request needs a session its sender
+        lacks (see the module docstring); False when it is to be decoded and dispatched."""
+        if self._session_of(identity.hex()) is not None:
+            return False
+        peeked = peek(frame)
+        if peeked is None:
+            return False
+        rule = _BY_TAG.get(peeked.type)
+        if rule is None or rule.session is not Session.REQUIRED:
+            return False
+        problem = self._bounds(peeked)
+        if problem:
+            self._replies.protocol_error(identity, peeked.request_id, ErrorCode.TOO_LARGE, problem)
+            return True
+        self._replies.protocol_error(
+            identity, peeked.request_id, ErrorCode.NOT_REGISTERED, _SAY_HELLO
+        )
+        return True
 
     def _dispatch(
         self, identity: bytes, request: Request, rule: Rule, handler: Callable[..., object]
@@ -235,7 +287,7 @@ class Dispatcher:
             if rule.session is Session.OPTIONAL:
                 args = (identity, state, request)
             elif state is None:
-                raise Refused(ErrorCode.NOT_REGISTERED, "say Hello first")
+                raise Refused(ErrorCode.NOT_REGISTERED, _SAY_HELLO)
             else:
                 state.last_seen = time.monotonic()
                 args = (state, request)

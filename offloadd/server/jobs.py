@@ -64,7 +64,7 @@ from functools import partial
 from itertools import chain
 
 from offloadd.cache.index import ChunkCache
-from offloadd.logs import LogLimiter
+from offloadd.logs import PerUidLog
 from offloadd.server.checks import Refused
 from offloadd.server.commit import Committer
 from offloadd.server.metrics import Counters, Metrics
@@ -158,8 +158,9 @@ class Jobs:
         self._idle = asyncio.Event()
         # One line per failure would let one client's broken copies flood the log (the
         # failures are each counted: offloadd_jobs_total{outcome="failed"}).
-        self._warn_unstarted = LogLimiter(logger)
-        self._warn_failed = LogLimiter(logger)
+        # One line per uid per 10 s each: one user's broken copies hide no other user's.
+        self._warn_unstarted = PerUidLog(logger, burst=1, interval=10.0)
+        self._warn_failed = PerUidLog(logger, burst=1, interval=10.0)
 
     def handles_closed(self) -> None:
         """Release nothing more (the daemon closed the handle table: all is unmapped)."""
@@ -358,6 +359,7 @@ class Jobs:
         for job in copy.jobs:
             self._unbook(job)
             self._warn_unstarted(
+                job.state.session.uid,
                 logging.ERROR,
                 "%s: job %d not started: %s",
                 job.state.session.describe(),
@@ -387,6 +389,7 @@ class Jobs:
         except Exception as exc:
             first = jobs[0]
             self._warn_failed(
+                first.state.session.uid,
                 logging.ERROR,
                 "%s: copy failed for %d jobs (job %d first): %s",
                 first.state.session.describe(),

@@ -20,14 +20,21 @@ Contract of ``Lanes`` (the event loop's thread only; pure, no sockets):
   first one still queued (a Hello changes it), for the same reason.
 - ``add_work(work, tenant)``: queue a callable in ``tenant``'s bulk lane (a copy's end), in
   order with that tenant's bulk requests.
+- ``add_next(peer, work, bulk)``: queue the rest of ``peer``'s request, cut into quanta,
+  ahead of everything of its tenant in the lane that request came from, counted as one of
+  ``peer``'s (so its later control requests queue behind it as behind a bulk request).
 - ``pop()``: ``(item, bulk)``, the next item and whether it came from the bulk lane, or None
   when both lanes are empty; an item is a ``(peer, frames)`` tuple or a callable. Control
   first, but after ``burst`` control items in a row one bulk item goes (a peer flooding
-  Lookups slows the stores, never stops them). Within a lane, tenants with items queued take
-  turns (deficit round robin, each item costing one): a tenant's turn serves up to its weight
-  of items in arrival order, then the next tenant's begins.
-- ``requests``: requests queued in both lanes (the reader stops reading the socket above a
-  bound, so zmq's queues push back); ``len()``: every item queued.
+  Lookups slows the stores, never stops them). Control items are counted by their size, so
+  that a flood of large ones lets bulk through as often as one of small ones would: a request
+  counts one per ``UNIT`` bytes of its frame (one at least), the rest of a request cut into
+  quanta ``QUANTUM_ITEMS``. Within a lane, tenants with items queued take turns (deficit
+  round robin, each item costing one): a tenant's turn serves up to its weight of items in
+  arrival order, then the next tenant's begins.
+- ``requests`` and ``bytes``: requests queued in both lanes and their frames' bytes (the
+  reader stops reading the socket above a bound on each, so zmq's queues push back);
+  ``len()``: every item queued.
 
 The bound this gives (``docs/security.md``, "Fair service across tenants"): with weights 1,
 a request waits for at most one item of each other tenant in its own lane; a control request
@@ -41,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["URGENT", "Lanes"]
+__all__ = ["URGENT", "Lanes", "Next"]
 
 # Request tags (protocol.messages) answered ahead of bulk work: each is cheap on the loop
 # and someone waits on it (vLLM's scheduler step, a Wait, a heartbeat). GetStats is not: an
@@ -49,6 +56,24 @@ __all__ = ["URGENT", "Lanes"]
 URGENT = frozenset({"lookup", "reserve", "holds", "ack", "release", "wait", "ping"})
 
 Request = tuple[bytes, list[bytes]]
+# How much of ``burst`` a control item uses: a request one per UNIT bytes of its frame (a
+# Lookup of a prompt's keys is one), the rest of a request cut into quanta QUANTUM_ITEMS (a
+# quantum answers 64 lookups).
+UNIT = 16 << 10
+QUANTUM_ITEMS = 16
+
+
+@dataclass(slots=True)
+class Next:
+    """The rest of a peer's request (``add_next``); called like any work."""
+
+    peer: bytes
+    work: Callable[[], object]
+
+    def __call__(self) -> object:
+        return self.work()
+
+
 Item = Request | Callable[[], object]
 
 
@@ -72,13 +97,16 @@ class _Lane:
     def __bool__(self) -> bool:
         return bool(self.turns)
 
-    def add(self, tenant: str, item: Item) -> None:
+    def add(self, tenant: str, item: Item, *, first: bool = False) -> None:
         queue = self.queues.get(tenant)
         if queue is None:
             queue = self.queues[tenant] = deque()
         if not queue:
             self.turns.append(tenant)
-        queue.append(item)
+        if first:
+            queue.appendleft(item)
+        else:
+            queue.append(item)
 
     def pop(self, weight_of: Callable[[str], int]) -> Item:
         tenant = self.turns[0]
@@ -111,9 +139,10 @@ class Lanes:
         self._control = _Lane()
         self._bulk = _Lane()
         self._peers: dict[bytes, _Peer] = {}  # those with requests queued
-        self._run = 0  # control items popped since the last bulk item
+        self._run = 0  # control items (by their size) popped since the last bulk item
         self._items = 0
         self.requests = 0
+        self.bytes = 0
 
     def __len__(self) -> int:
         return self._items
@@ -121,16 +150,29 @@ class Lanes:
     def add(self, peer: bytes, frames: list[bytes], urgent: bool) -> None:
         """Queue a request; see the module docstring."""
         self.requests += 1
+        self.bytes += sum(map(len, frames))
         self._items += 1
-        known = self._peers.get(peer)
-        if known is None:
-            known = self._peers[peer] = _Peer(self._tenant_of(peer))
+        known = self._peer(peer)
         known.queued += 1
         if urgent and not known.in_bulk:
             self._control.add(known.tenant, (peer, frames))
             return
         known.in_bulk += 1
         self._bulk.add(known.tenant, (peer, frames))
+
+    def add_next(self, peer: bytes, work: Callable[[], object], bulk: bool) -> None:
+        """Queue the rest of ``peer``'s request first; see the module docstring."""
+        self._items += 1
+        known = self._peer(peer)
+        known.queued += 1
+        known.in_bulk += bulk
+        (self._bulk if bulk else self._control).add(known.tenant, Next(peer, work), first=True)
+
+    def _peer(self, peer: bytes) -> _Peer:
+        known = self._peers.get(peer)
+        if known is None:
+            known = self._peers[peer] = _Peer(self._tenant_of(peer))
+        return known
 
     def add_work(self, work: Callable[[], object], tenant: str = "") -> None:
         """Queue ``work`` in ``tenant``'s bulk lane."""
@@ -140,8 +182,11 @@ class Lanes:
     def pop(self) -> tuple[Item, bool] | None:
         """The next item to run and whether it is bulk, or None; see the module docstring."""
         if self._control and (self._run < self._burst or not self._bulk):
-            self._run += 1
             item = self._control.pop(self._weight_of)
+            if isinstance(item, tuple):
+                self._run += 1 + sum(map(len, item[1])) // UNIT
+            else:
+                self._run += QUANTUM_ITEMS
             bulk = False
         else:
             self._run = 0
@@ -152,9 +197,15 @@ class Lanes:
         self._items -= 1
         if isinstance(item, tuple):
             self.requests -= 1
-            known = self._peers[item[0]]
-            known.queued -= 1
-            known.in_bulk -= bulk
-            if not known.queued:
-                del self._peers[item[0]]
+            self.bytes -= sum(map(len, item[1]))
+            peer = item[0]
+        elif isinstance(item, Next):
+            peer = item.peer
+        else:
+            return item, bulk
+        known = self._peers[peer]
+        known.queued -= 1
+        known.in_bulk -= bulk
+        if not known.queued:
+            del self._peers[peer]
         return item, bulk

@@ -14,7 +14,7 @@ Pure logic, no I/O. Contract:
   any of its work (its nested Lookups or jobs included) is done: more Lookups than
   ``lookups_per_message`` (Reserve, UpdateHolds), more jobs than ``jobs_per_message``
   (StepJobs), more keys in all its lists together than ``keys_per_message``. Counting is
-  O(lists), never O(keys).
+  O(lists), never O(keys); a frame not decoded is judged on its ``StepCounts``.
 - ``Limits.fragments_problem(regions)``: why a Hello's canonical pages cost too much to
   check and plan: a region whose runs copy more than ``fragments_per_page`` fragments, or
   regions that copy more than ``fragments_per_hello`` together (each fragment is a span
@@ -37,9 +37,10 @@ import mmap
 from collections.abc import Sequence
 from typing import TypedDict
 
+from offloadd.server.peek import Peek, step_counts
 from offloadd.settings import LimitsSettings, physical_memory
 from protocol.handles import KVRegion
-from protocol.messages import HoldKeys, Request, Reserve, StepJobs, UpdateHolds
+from protocol.messages import Request
 
 __all__ = ["CacheBounds", "Limits", "cache_bounds", "file_problem"]
 
@@ -106,34 +107,30 @@ class Limits:
             f"limits.mapped_bytes_per_uid ({self.mapped_bytes})"
         )
 
-    def message_problem(self, request: Request) -> str:
-        """Why ``request`` is refused for its size alone ("" when it is within bounds)."""
+    def message_problem(self, request: Request | Peek) -> str:
+        """Why ``request`` is refused for its size alone ("" when it is within bounds); a
+        frame not decoded is judged on its counts (``offloadd.server.peek``), its keys counted
+        only when it is long enough to hold too many (2 bytes a key at least)."""
         settings = self.settings
-        if isinstance(request, Reserve | UpdateHolds):
-            lookups = request.lookups
-            if len(lookups) > settings.lookups_per_message:
-                return (
-                    f"{len(lookups)} lookups in one message: more than "
-                    f"limits.lookups_per_message = {settings.lookups_per_message}"
-                )
-            keys = sum(len(lookup.keys) for lookup in lookups) + len(request.touch)
-            if isinstance(request, Reserve):
-                keys += len(request.keys) + _held(request.holds) + _held(request.release)
-            else:
-                keys += _held(request.hold) + _held(request.release)
-        elif isinstance(request, StepJobs):
-            jobs = request.jobs
-            if len(jobs) > settings.jobs_per_message:
-                return (
-                    f"{len(jobs)} jobs in one StepJobs: more than "
-                    f"limits.jobs_per_message = {settings.jobs_per_message}"
-                )
-            keys = sum(len(job.keys) for job in jobs)
+        if isinstance(request, Peek):
+            counts = request.counts(keys=len(request.frame) // 2 > settings.keys_per_message)
         else:
+            counts = step_counts(request)
+        if counts is None:
             return ""
-        if keys > settings.keys_per_message:
+        if counts.lookups > settings.lookups_per_message:
             return (
-                f"{keys} keys in one message: more than "
+                f"{counts.lookups} lookups in one message: more than "
+                f"limits.lookups_per_message = {settings.lookups_per_message}"
+            )
+        if counts.jobs > settings.jobs_per_message:
+            return (
+                f"{counts.jobs} jobs in one StepJobs: more than "
+                f"limits.jobs_per_message = {settings.jobs_per_message}"
+            )
+        if counts.keys > settings.keys_per_message:
+            return (
+                f"{counts.keys} keys in one message: more than "
                 f"limits.keys_per_message = {settings.keys_per_message}"
             )
         return ""
@@ -179,7 +176,3 @@ def file_problem(size: int, furthest: int) -> str:
             f"at most its furthest region's end rounded up to a page ({bound})"
         )
     return ""
-
-
-def _held(items: Sequence[HoldKeys]) -> int:
-    return sum(len(item.keys) for item in items)

@@ -16,6 +16,13 @@
   ``[identity, b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``,
   then the end marker ``[identity, b"", b"", END_SEQ, b""]`` (vLLM >= 0.26). Anything
   else is counted in ``invalid_replay_requests``, logged (rate-limited) and ignored.
+  A replay is streamed, never copied whole: a subscriber's requests are answered one at a
+  time, in order (at most ``REPLAY_WAITING`` wait; more are ignored), each fed at most
+  ``REPLAY_WINDOW`` batches ahead of what libzmq has written to it, each batch sent without
+  a copy of its payload (the buffer's own bytes); it reads the buffer as it goes (a batch
+  dropped meanwhile is skipped, as a gap) and ends at the last batch buffered when it was
+  asked for. One whose subscriber reads nothing for ``REPLAY_STALL`` seconds is cut short,
+  and that subscriber's waiting requests dropped.
 * ``close()`` sends what is still queued (bounded by a timeout), then closes the sockets
   with linger 0 and removes the ipc socket files it bound (libzmq leaves them). A
   subscriber that sees ``seq`` go backwards knows the publisher restarted; nothing else on
@@ -67,6 +74,9 @@ logger = logging.getLogger(__name__)
 Watch = Callable[[zmq.Socket[Any], str], None]
 
 _YIELD_EVERY = 64  # batches sent (or replayed) between yields to the event loop
+REPLAY_WINDOW = 64  # batches queued to one replaying subscriber at most (its SNDHWM)
+REPLAY_STALL = 10.0  # seconds a replay waits for its subscriber to read, then ends
+REPLAY_WAITING = 64  # a subscriber's replay requests waiting behind the one being sent
 
 
 class EventBindError(Exception):
@@ -148,6 +158,8 @@ class EventPublisher:
         self._warn_send = LogLimiter(logger)
         self._warn_replay = LogLimiter(logger)
         self._watch = watch
+        self._replays: dict[bytes, deque[int]] = {}  # each subscriber's starts, in order
+        self._replay_tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         """Bind the PUB socket and, when a replay endpoint is set, the replay ROUTER."""
@@ -168,10 +180,9 @@ class EventPublisher:
             if self.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                # ROUTER drops (rather than blocks) above the per-client high-water mark,
-                # and zmq only learns what the reader consumed every hwm/2 messages: leave
-                # room for one whole replay (buffer + end marker) per client, twice over.
-                replay.setsockopt(zmq.SNDHWM, max(self._hwm, 2 * (self._buffer_steps + 1)))
+                # A full pipe says so (EAGAIN) rather than dropping: the replay waits.
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                replay.setsockopt(zmq.SNDHWM, REPLAY_WINDOW)
                 if self._watch is not None:
                     self._watch(replay, "replay")
                 self._bind(replay, self.replay_endpoint, "events.replay_endpoint")
@@ -366,43 +377,109 @@ class EventPublisher:
     async def _serve_replay(self) -> None:
         assert self._replay is not None
         replay = self._replay
+        try:
+            while True:
+                try:
+                    frames = await replay.recv_multipart()
+                except zmq.ZMQError as exc:
+                    self._warn_replay(logging.ERROR, "replay socket error: %s", exc)
+                    await asyncio.sleep(0.1)  # back off instead of spinning on a broken socket
+                    continue
+                start = _parse_replay_request(frames)
+                if start is None:
+                    self.invalid_replay_requests += 1
+                    self._warn_replay(
+                        logging.WARNING,
+                        "invalid replay request on %s: %d frames, sizes %s",
+                        self.replay_endpoint,
+                        len(frames),
+                        [len(frame) for frame in frames[:8]],
+                    )
+                    continue
+                identity = frames[0]
+                waiting = self._replays.get(identity)
+                if waiting is None:
+                    waiting = self._replays[identity] = deque([start])
+                    task = asyncio.create_task(self._serve_subscriber(replay, identity, waiting))
+                    self._replay_tasks.add(task)
+                    task.add_done_callback(self._replay_tasks.discard)
+                elif len(waiting) <= REPLAY_WAITING:
+                    waiting.append(start)
+                else:
+                    self._warn_replay(
+                        logging.WARNING,
+                        "replay request ignored: %d of that subscriber's wait already",
+                        len(waiting) - 1,
+                    )
+        finally:
+            tasks = list(self._replay_tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _serve_subscriber(
+        self, replay: zmq.asyncio.Socket, identity: bytes, waiting: deque[int]
+    ) -> None:
+        """Answer one subscriber's replay requests in order, until none waits."""
+        try:
+            while waiting:
+                if not await self._stream_replay(replay, identity, waiting[0]):
+                    waiting.clear()  # it does not read: what it asked for more goes too
+                    break
+                waiting.popleft()
+        finally:
+            if self._replays.get(identity) is waiting:
+                del self._replays[identity]
+
+    async def _stream_replay(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> bool:
+        """Send the buffered batches from ``start`` as the subscriber takes them; False when
+        it was cut short."""
+        try:
+            stop = self.next_seq  # what is buffered now; later batches go out live
+            seq, sent = start, 0
+            while seq < stop:
+                buffer = self._buffer
+                if not buffer or buffer[-1][1] < seq:
+                    break
+                first = buffer[0][1]
+                seq = max(seq, first)  # seqs in the buffer are consecutive: index, not scan
+                topic, _, payload = buffer[seq - first]
+                frames = (identity, b"", topic, seq.to_bytes(8, "big"), payload)
+                await self._send_replayed(replay, frames, start)
+                seq += 1
+                sent += 1
+                if sent % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+            await self._send_replayed(replay, (identity, b"", b"", END_SEQ, b""), start)
+            logger.debug("replay from %d: %d batches", start, sent)
+            return True
+        except _ReplayCut as cut:
+            self._warn_replay(logging.WARNING, "replay from %d cut short: %s", start, cut)
+        except Exception:  # replay is a courtesy: it must never take publishing down
+            self._warn_replay(logging.ERROR, "replay from %d failed", start, exc_info=True)
+        return False
+
+    async def _send_replayed(
+        self, replay: zmq.asyncio.Socket, frames: tuple[bytes, ...], start: int
+    ) -> None:
+        """Send without copying the payload, waiting (bounded) while the window is full."""
+        deadline = time.monotonic() + REPLAY_STALL
+        pause = 0.001
         while True:
             try:
-                frames = await replay.recv_multipart()
-            except zmq.ZMQError as exc:
-                self._warn_replay(logging.ERROR, "replay socket error: %s", exc)
-                await asyncio.sleep(0.1)  # back off instead of spinning on a broken socket
-                continue
-            start = _parse_replay_request(frames)
-            if start is None:
-                self.invalid_replay_requests += 1
-                self._warn_replay(
-                    logging.WARNING,
-                    "invalid replay request on %s: %d frames, sizes %s",
-                    self.replay_endpoint,
-                    len(frames),
-                    [len(frame) for frame in frames[:8]],
-                )
-                continue
-            try:
-                await self._answer_replay(replay, frames[0], start)
-            except Exception:  # replay is a courtesy: it must never take publishing down
-                self._warn_replay(logging.ERROR, "replay from %d failed", start, exc_info=True)
+                await replay.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+                return
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    raise _ReplayCut(f"nothing read for {REPLAY_STALL:.0f} s") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the subscriber went away
+                raise _ReplayCut(str(exc)) from None
 
-    async def _answer_replay(self, replay: zmq.asyncio.Socket, identity: bytes, start: int) -> None:
-        # Seqs in the buffer are consecutive: index instead of scanning, copy before yielding.
-        skip = max(0, start - self._buffer[0][1]) if self._buffer else 0
-        items = list(itertools.islice(self._buffer, skip, None)) if skip < len(self._buffer) else []
-        logger.debug("replay from %d: %d batches", start, len(items))
-        try:
-            for count, (topic, seq, payload) in enumerate(items, 1):
-                frames = (identity, b"", topic, seq.to_bytes(8, "big"), payload)
-                await replay.send_multipart(frames, flags=zmq.DONTWAIT)
-                if count % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-            await replay.send_multipart((identity, b"", b"", END_SEQ, b""), flags=zmq.DONTWAIT)
-        except zmq.ZMQError as exc:  # the client's pipe is full or it went away
-            self._warn_replay(logging.WARNING, "replay from %d cut short: %s", start, exc)
+
+class _ReplayCut(Exception):
+    """A replay ended before its end marker (its subscriber left, or stopped reading)."""
 
 
 def _parse_replay_request(frames: list[bytes]) -> int | None:

@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Reads
+from offloadd.logs import PerUidLog
 from offloadd.server.admission import Admission, Step
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused, check_offloaded
@@ -120,6 +121,7 @@ class CacheRequests:
         # A store waits out a silent mirror: dropped after mirror_ack_timeout (plus up to two
         # reaper periods), its removals free their room and the store is placed.
         self._admit = Admission(registry, jobs, limits, self.usage)  # each kind's, once
+        self._log = PerUidLog(logger)  # Clear's line: limited per uid
         self.waiting = WaitingStores(
             cache,
             jobs,
@@ -182,7 +184,9 @@ class CacheRequests:
         engine, namespace = self._admit.ready(state)
         removed = self._cache.clear_namespace(namespace.name, acker=acker(self._mirrors, state))
         keys = self._announce.cleared(engine, namespace, removed)
-        logger.info(
+        self._log(
+            state.session.uid,
+            logging.INFO,
             "%s cleared namespace %s: %d chunks",
             state.session.describe(),
             namespace.name,

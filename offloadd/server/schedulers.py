@@ -38,6 +38,7 @@ import logging
 from collections.abc import Callable
 
 from offloadd.cache.index import ChunkCache
+from offloadd.logs import PerUidLog
 from offloadd.server.admission import Admission
 from offloadd.server.checks import (
     check_keys,
@@ -89,6 +90,7 @@ class Schedulers:
         self._mirrors = mirrors
         self._limits = limits
         self._admit = Admission(registry, jobs, limits)  # each kind's, once
+        self._log = PerUidLog(logger)  # one line per step message at most: limited per uid
 
     def on_reserve_read(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` as each Reserve is read (the rank stores waiting for it)."""
@@ -163,7 +165,9 @@ class Schedulers:
         )
         held = sum(len(item.keys) for item in hold) - len(missing)
         if missing:
-            logger.info(
+            self._log(
+                state.session.uid,
+                logging.INFO,
                 "%s: %d keys not held (not in the cache, or beyond the engine's share)",
                 state.session.describe(),
                 len(missing),

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from offloadd.cache.index import ChunkCache
+from offloadd.logs import PerUidLog
 from offloadd.safety import engine_id_problem
 from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused
@@ -113,6 +114,7 @@ class Sessions:
         self.metrics = metrics
         self._send = control.send
         self._protocol_error = control.protocol_error
+        self._log = PerUidLog(logger)  # lifecycle lines a client's Hellos and exits cause
         self._internal_error = control.internal_error
         self._handle_frames = control.handle_frames
         self._peers = peers
@@ -351,7 +353,9 @@ class Sessions:
         self._states[session_id] = state
         self._watch_process(state, registration)
         engine = outcome.engine
-        logger.info(
+        self._log(
+            peer.uid,
+            logging.INFO,
             "%s connected (uid %d, pid %d, %d regions, client %r, events topic %r); engine %s",
             outcome.session.describe(),
             peer.uid,
@@ -376,7 +380,7 @@ class Sessions:
             ),
         )
         if outcome.became_ready:
-            self._engine_became_ready(engine)
+            self._engine_became_ready(engine, peer.uid)
         else:
             self._mirrors.start(outcome.session)
         self.report_status()
@@ -425,9 +429,11 @@ class Sessions:
                 extents.update(i.extent for i in state.imports if i.device < 0)
         return self._limits.mapped_problem(sum(extents.values()))
 
-    def _engine_became_ready(self, engine: Engine) -> None:
+    def _engine_became_ready(self, engine: Engine, uid: int) -> None:
         assert engine.namespace is not None
-        logger.info(
+        self._log(
+            uid,
+            logging.INFO,
             "engine %s dp %d ready: %d ranks, namespace %s",
             engine.key[0],
             engine.key[1],
@@ -489,7 +495,9 @@ class Sessions:
             for session_id in self._mirrors.overdue(ack_ticks):
                 late = self._states.get(session_id)
                 if late is not None and late.alive:
-                    logger.warning(
+                    self._log(
+                        late.session.uid,
+                        logging.WARNING,
                         "%s: its key mirror did not acknowledge removals within %gs",
                         late.session.describe(),
                         ack_timeout,
@@ -508,7 +516,9 @@ class Sessions:
         if outcome is not None and outcome.engine_dropped:
             self.metrics.forget_engine(*outcome.engine.key)
         if outcome is not None and outcome.was_ready and not outcome.engine_dropped:
-            logger.info(
+            self._log(
+                state.session.uid,
+                logging.INFO,
                 "engine %s dp %d waiting for ranks %s",
                 outcome.engine.key[0],
                 outcome.engine.key[1],
@@ -532,8 +542,13 @@ class Sessions:
         cache.release_reservations(session_id)
         self._jobs.release_imports(state.imports)  # in-flight jobs hold their own references
         state.imports = []
-        logger.info(
-            "%s left (%s); %d jobs abandoned", state.session.describe(), reason, len(state.jobs)
+        self._log(
+            state.session.uid,
+            logging.INFO,
+            "%s left (%s); %d jobs abandoned",
+            state.session.describe(),
+            reason,
+            len(state.jobs),
         )
 
 

@@ -26,7 +26,14 @@ import zmq
 import zmq.asyncio
 
 from offloadd.endpoint import connectable, offset_endpoint_port, replay_beside
-from offloadd.server.publisher import EventBindError, EventPublisher, PublisherSet, topic_for
+from offloadd.server import publisher as publisher_module
+from offloadd.server.publisher import (
+    REPLAY_WINDOW,
+    EventBindError,
+    EventPublisher,
+    PublisherSet,
+    topic_for,
+)
 from offloadd.settings import EventSettings
 from offloadd.subscriber import Received, Subscriber, event_lines, event_records
 from protocol.events import (
@@ -365,6 +372,61 @@ async def test_the_replay_buffer_is_bounded_in_bytes(
             dealer.close(linger=0)
         # The newest batches, consecutive up to the last one, within the bound.
         assert seqs and seqs == list(range(seqs[0], 40)) and len(seqs) < 10
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.asyncio
+async def test_a_replay_is_streamed_and_one_nobody_reads_holds_a_window(
+    ctx: zmq.asyncio.Context, endpoints: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publisher_module, "REPLAY_STALL", 0.5)
+    pub_ep, replay_ep = endpoints
+    count = 6 * REPLAY_WINDOW
+    async with EventPublisher(pub_ep, replay_ep, ctx=ctx) as publisher:
+        for n in range(count):
+            publisher.publish("t", make_batch(n, tokens=60_000))  # about 180 KiB each
+        await wait_until(lambda: publisher.published == count)
+        assert publisher.buffered_bytes > 60 << 20
+        before = _rss()
+        # A subscriber that asks again and again and reads nothing: one replay at a time, at
+        # most REPLAY_WINDOW batches queued to it, none of them a copy. Before, each request
+        # copied the whole buffer (here 70 MiB) into its pipe.
+        idle = ctx.socket(zmq.DEALER)
+        idle.setsockopt(zmq.LINGER, 0)
+        idle.setsockopt(zmq.RCVHWM, 1)
+        idle.connect(replay_ep)
+        try:
+            for _ in range(20):
+                await idle.send_multipart([b"", (0).to_bytes(8, "big")])
+            await wait_until(lambda: bool(publisher._replays))
+            grown = _rss() - before
+            await wait_until(lambda: not publisher._replays)  # cut short: nothing was read
+            grown = max(grown, _rss() - before)
+        finally:
+            idle.close(linger=0)
+        assert grown < 32 << 20, f"{grown >> 20} MiB held for a subscriber that reads nothing"
+        # A subscriber that reads gets every batch through the window, then the end marker.
+        reader = ctx.socket(zmq.DEALER)
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.connect(replay_ep)
+        try:
+            await reader.send_multipart([b"", (0).to_bytes(8, "big")])
+            seqs = []
+            while True:
+                frames = await asyncio.wait_for(reader.recv_multipart(), TIMEOUT)
+                if frames[2] == END_SEQ:
+                    break
+                seqs.append(int.from_bytes(frames[2], "big"))
+        finally:
+            reader.close(linger=0)
+        assert seqs == list(range(count))
 
 
 def _random_frames(rng: random.Random) -> list[bytes]:

@@ -12,8 +12,16 @@ from typing import Any
 import pytest
 
 from offloadd.server.checks import Refused
-from offloadd.server.dispatch import TABLE, Dispatcher, Mode, Session
+from offloadd.server.dispatch import (
+    QUANTUM_KEYS,
+    QUANTUM_LOOKUPS,
+    TABLE,
+    Dispatcher,
+    Mode,
+    Session,
+)
 from offloadd.server.limits import Limits
+from offloadd.server.peek import peek, step_counts
 from offloadd.server.registry import Registry
 from offloadd.server.state import Accepted, SessionState
 from offloadd.settings import LimitsSettings
@@ -24,8 +32,10 @@ from protocol.messages import (
     ClearCache,
     GetStats,
     Hello,
+    HoldKeys,
     HoldResult,
     ListCache,
+    Load,
     Lookup,
     LookupResult,
     Ok,
@@ -33,9 +43,11 @@ from protocol.messages import (
     Reply,
     Request,
     Reserve,
+    StepJobs,
     Store,
     UpdateHolds,
     Wait,
+    encode,
 )
 from tests.helpers import hello as make_hello
 from tests.helpers import register_engine
@@ -47,6 +59,7 @@ PEER = b"peer"
 class Recorder:
     sent: list[Reply] = field(default_factory=list)
     errors: list[tuple[int, ErrorCode, str]] = field(default_factory=list)
+    later: list[Callable[[], object]] = field(default_factory=list)  # quanta not yet run
 
     def send(self, identity: bytes, message: Reply) -> None:
         assert identity == PEER
@@ -59,6 +72,18 @@ class Recorder:
 
     def internal_error(self, identity: bytes, request_id: int) -> None:
         self.errors.append((request_id, ErrorCode.INTERNAL, ""))
+
+    def run_next(self, identity: bytes, work: Callable[[], object]) -> None:
+        assert identity == PEER
+        self.later.append(work)
+
+    def turns(self) -> int:
+        """Run the quanta left, one per turn, as the receive loop would; how many ran."""
+        ran = 0
+        while self.later:
+            self.later.pop(0)()
+            ran += 1
+        return ran
 
 
 def _state() -> SessionState:
@@ -239,3 +264,90 @@ def test_a_message_too_large_for_the_bounds_is_refused_whole_before_its_session(
     assert [(rid, code) for rid, code, _ in recorder.errors] == [(7, ErrorCode.TOO_LARGE)]
     assert "limits.lookups_per_message = 2" in recorder.errors[0][2]
     assert not calls and not recorder.sent
+
+
+def _looked_up(recorder: Recorder) -> list[int]:
+    return [reply.request_id for reply in recorder.sent if isinstance(reply, LookupResult)]
+
+
+def test_a_step_messages_lookups_run_in_quanta_each_on_a_later_turn() -> None:
+    recorder = Recorder()
+
+    def lookup(state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
+        reply(LookupResult(request.request_id, len(request.keys), [], 0))
+
+    def update_holds(state: SessionState, request: UpdateHolds) -> Reply:
+        return HoldResult(request.request_id, 0, [])
+
+    dispatch = _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+    probes = [Lookup(100 + i, [b"k"]) for i in range(QUANTUM_LOOKUPS * 3 + 1)]
+    dispatch(PEER, UpdateHolds(7, lookups=probes))
+    # The carrier and one quantum now; each later quantum on a turn of its own.
+    assert recorder.sent[0] == HoldResult(7, 0, [])
+    assert _looked_up(recorder) == list(range(100, 100 + QUANTUM_LOOKUPS))
+    assert recorder.turns() == 3
+    assert _looked_up(recorder) == [probe.request_id for probe in probes]
+    # Lookups of many keys are cut by keys: QUANTUM_KEYS worth at most, one at least.
+    recorder = Recorder()
+    dispatch = _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+    wide = [Lookup(200 + i, [b"k"] * (QUANTUM_KEYS // 2)) for i in range(5)]
+    dispatch(PEER, UpdateHolds(8, lookups=wide))
+    assert _looked_up(recorder) == [200, 201]
+    assert recorder.turns() == 2 and _looked_up(recorder) == [200 + i for i in range(5)]
+
+
+def test_a_frame_needing_a_session_its_sender_lacks_is_refused_without_decoding() -> None:
+    recorder = Recorder()
+    limits = Limits(LimitsSettings(lookups_per_message=200))
+    table = {kind: print for kind in TABLE}
+    dispatch = Dispatcher(
+        table, recorder, session_of=lambda _sid: None, bounds=limits.message_problem
+    )
+    probes = [Lookup(100 + i, [b"k"] * 3) for i in range(QUANTUM_LOOKUPS + 10)]
+    assert dispatch.unregistered(PEER, encode(Reserve(7, [b"a"], lookups=probes)))
+    # Refused whole, one answer: its lookups are the sender's to send again after a Hello.
+    assert recorder.errors == [(7, ErrorCode.NOT_REGISTERED, "say Hello first")]
+    assert not recorder.later
+    # Beyond a bound: the same one TOO_LARGE as the decoded message gets.
+    too_many = UpdateHolds(9, lookups=[Lookup(i, []) for i in range(201)])
+    recorder.errors.clear()
+    assert dispatch.unregistered(PEER, encode(too_many))
+    assert recorder.errors == [(9, ErrorCode.TOO_LARGE, limits.message_problem(too_many))]
+    # Keys beyond their bound, in a frame long enough to hold that many: counted, refused.
+    few = Dispatcher(
+        table,
+        recorder,
+        session_of=lambda _sid: None,
+        bounds=Limits(LimitsSettings(keys_per_message=10)).message_problem,
+    )
+    recorder.errors.clear()
+    assert few.unregistered(PEER, encode(Reserve(11, [b"k"] * 11)))
+    assert [(rid, code) for rid, code, _ in recorder.errors] == [(11, ErrorCode.TOO_LARGE)]
+    assert "limits.keys_per_message = 10" in recorder.errors[0][2]
+    # What needs no session, or is not a request at all, is decoded as before.
+    for frame in (encode(GetStats(1)), encode(Ping(2)), encode(make_hello()), b"\xc1junk"):
+        assert not dispatch.unregistered(PEER, frame)
+    # A sender with a session: decoded and dispatched.
+    with_session = Dispatcher(table, recorder, session_of=lambda _sid: _state())
+    assert not with_session.unregistered(PEER, encode(Clear(3)))
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Reserve(1, [b"a", b"b"], holds=[HoldKeys("t", [b"c"] * 3)], lookups=[Lookup(2, [b"d"])]),
+        Reserve(1, [], release=[HoldKeys("t", [b"e"] * 20)], touch=[b"f"] * 70_000),
+        UpdateHolds(
+            1, hold=[HoldKeys("t", [b"g"] * 5)], lookups=[Lookup(i, []) for i in range(17)]
+        ),
+        StepJobs(1, [Store(0, 2, [b"h"] * 40, [1] * 80), Load(0, 3, [b"i"] * 2, [0, 1])]),
+    ],
+)
+def test_a_peeked_frame_counts_what_its_decoded_request_does(request_: Request) -> None:
+    peeked = peek(encode(request_))
+    assert peeked is not None and peeked.counts(keys=True) == step_counts(request_)
+    # Its keys are counted only when asked (the frame may hold more than the bound).
+    counts = peeked.counts(keys=False)
+    assert counts is not None and counts.keys == 0
+    stats = peek(encode(GetStats(1)))
+    assert stats is not None and stats.counts(keys=True) is None

@@ -3,14 +3,17 @@ tenants served in turn within each lane."""
 
 from __future__ import annotations
 
-from offloadd.server.lanes import Lanes
+from offloadd.server.lanes import QUANTUM_ITEMS, UNIT, Lanes, Next
 
 
 def drain(lanes: Lanes) -> list[object]:
     order: list[object] = []
     while (popped := lanes.pop()) is not None:
         item, _bulk = popped
-        order.append(item if callable(item) else item[1][0])
+        if isinstance(item, Next):
+            order.append(item.work)
+        else:
+            order.append(item if callable(item) else item[1][0])
     return order
 
 
@@ -148,3 +151,68 @@ def test_a_peers_requests_stay_in_order_when_its_tenant_changes() -> None:
     lanes.add(b"q", [b"q-lookup"], urgent=True)
     assert drain(lanes) == [b"lookup-3", b"q-lookup"]
     assert lanes.requests == 0 and len(lanes) == 0
+
+
+def test_the_rest_of_a_request_goes_ahead_of_its_peers_later_requests() -> None:
+    lanes = Lanes(burst=32, tenant_of=lambda peer: peer.decode()[0])
+    lanes.add(b"a1", [b"a1-reserve"], urgent=True)
+    lanes.add(b"a2", [b"a2-lookup"], urgent=True)
+    lanes.add(b"b", [b"b-lookup"], urgent=True)
+    assert lanes.pop() == ((b"a1", [b"a1-reserve"]), False)
+    lanes.add(b"a1", [b"a1-lookup"], urgent=True)  # read while a1's reserve runs
+
+    def rest() -> None:
+        pass
+
+    lanes.add_next(b"a1", rest, bulk=False)  # the reserve's nested lookups, cut short
+    # b's turn first (tenant a just had one), then a's, the rest ahead of a2 and a1's next.
+    order = drain(lanes)
+    assert order == [b"b-lookup", rest, b"a2-lookup", b"a1-lookup"]
+    assert len(lanes) == 0 and lanes.requests == 0
+
+
+def test_the_rest_of_a_bulk_request_keeps_its_peers_control_requests_behind_it() -> None:
+    lanes = Lanes(burst=32)
+    lanes.add(b"a", [b"a-big-step"], urgent=False)
+    assert lanes.pop() == ((b"a", [b"a-big-step"]), True)
+
+    def rest() -> None:
+        pass
+
+    lanes.add_next(b"a", rest, bulk=True)
+    lanes.add(b"a", [b"a-lookup"], urgent=True)  # a has the rest in the bulk lane: behind it
+    lanes.add(b"b", [b"b-lookup"], urgent=True)
+    assert drain(lanes) == [b"b-lookup", rest, b"a-lookup"]
+
+
+def test_the_bytes_read_ahead_are_counted_until_each_request_is_popped() -> None:
+    lanes = Lanes(burst=32)
+    lanes.add(b"a", [b"x" * 100], urgent=True)
+    lanes.add(b"b", [b"y" * 1000], urgent=False)
+    lanes.add_work(lambda: None)
+    assert lanes.bytes == 1100
+    lanes.pop()
+    assert lanes.bytes == 1000
+    drain(lanes)
+    assert lanes.bytes == 0
+
+
+def test_large_control_items_let_bulk_through_sooner() -> None:
+    lanes = Lanes(burst=32)
+    big = [b"x" * (16 * UNIT)]  # a step message of 256 KiB counts 17 small ones
+    for _ in range(10):
+        lanes.add(b"flood", big, urgent=True)
+    lanes.add(b"victim", [b"store"], urgent=False)
+    popped = [lanes.pop() for _ in range(3)]
+    assert [bulk for _item, bulk in filter(None, popped)] == [False, False, True]
+
+    def rest() -> None:
+        pass
+
+    lanes = Lanes(burst=32)
+    for _ in range(4):
+        lanes.add_next(b"flood", rest, bulk=False)  # quanta count QUANTUM_ITEMS each
+    lanes.add(b"victim", [b"store"], urgent=False)
+    order = [bulk for _item, bulk in filter(None, (lanes.pop() for _ in range(5)))]
+    assert order == [False, False, True, False, False]
+    assert QUANTUM_ITEMS * 2 >= 32
