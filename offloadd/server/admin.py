@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 
 from offloadd.cache.index import ChunkCache
-from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused
+from offloadd.server.commit import Committer
 from offloadd.server.peers import Peer, PeerListener
 from offloadd.server.registry import Registry
 from offloadd.server.state import SessionState
@@ -50,14 +50,14 @@ class CacheAdmin:
         self,
         cache: ChunkCache,
         registry: Registry,
-        announce: Announcer,
+        commit: Committer,
         tenancy: Tenancy,
         usage: Usage,
         peers: PeerListener | None,
     ) -> None:
         self._cache = cache
         self._registry = registry
-        self._announce = announce
+        self._commit = commit
         self._tenancy = tenancy
         self._usage = usage
         self._peers = peers
@@ -121,7 +121,7 @@ class CacheAdmin:
         dropped = 0
         for name in sorted(names):
             removed = self._cache.clear_namespace(name)
-            dropped += len(self._announce.dropped(name, removed))
+            dropped += len(self._commit.dropped(name, removed))
         logger.info(
             "uid %d cleared %s: %d chunks in %d namespaces (%s)",
             peer.uid,

@@ -1,20 +1,19 @@
-"""Who hears of a cache change: the journal, the schedulers' key mirrors, the KV events.
+"""Who hears of a cache change: the schedulers' key mirrors, the KV events, the tiers.
 
-The daemon (or the cache, for its evictions) calls these on its loop right after the cache
-changed, before it sends anything else, so that the journal, the mirrors' ``seq`` and the
-event stream agree on the order.
+The committer (``offloadd.server.commit``: for commits, and for removals as the cache's
+listener) calls these on its loop right after the cache changed and the journal recorded
+it, before anything else is sent, so that the journal, the mirrors' ``seq`` and the event
+stream agree on the order.
 
-Contract of ``Announcer`` (it tells of changes; ``offloadd.server.commit`` makes chunks
-visible and journals their commits):
+Contract of ``Announcer`` (it tells of changes; the committer makes chunks visible and is
+the journal's one writer):
 - ``chunks_committed(namespace, entries, source=)``: committed (and journaled) chunks: the
   mirrors of the namespace and every engine of it that wants events hear of them, and the
   tiers below the arena (``attach_tiers``) get a copy, all but ``source`` (the tier a
   promoted chunk came from).
-- ``removed(entries)``: the cache's listener (``offloadd.cache.listeners``; it listens from
-  construction on), so the cache itself tells of what it evicts, before it returns: journaled
-  before their extents can be reused, then told to the mirrors and engines of their own
-  namespace (entries that never committed were never announced, so their removal is not
-  either). ``placed()``: nothing (room placed is the waiting stores' concern).
+- ``removed(entries)``: evicted or removed chunks (journaled already), told to the mirrors
+  and engines of their own namespace (entries that never committed were never announced,
+  so their removal is not either).
 - ``cleared(engine, namespace, removed)``: a Clear: ``AllBlocksCleared`` to the clearing
   engine, ``BlockRemoved`` to the others, the tiers drop the namespace too; returns the
   committed keys dropped. ``dropped(name, removed)``: an operator's clear (``ClearCache``):
@@ -32,8 +31,8 @@ visible and journals their commits):
 - ``publish_to(engine, events)``: queue events under the engine's topic and dp index; never
   blocks. Engines without ``enable_kv_cache_events``, and engines whose scheduler mirrors
   their keys (it publishes their events itself), get none.
-- ``events_closed()``, ``journal_closed()``: the daemon is closing that part; copies that
-  finish later announce nothing through it.
+- ``events_closed()``: the daemon is closing the publishers; copies that finish later
+  publish nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from offloadd.cache.index import ChunkCache, Entry
-from offloadd.cache.journal import Journal
 from offloadd.server.attribution import in_batches, removed_events, stored_events
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.publisher import PublisherSet, topic_for
@@ -83,7 +81,7 @@ def topic_warnings(template: str, *, client_topics: bool) -> list[str]:
 
 
 class Announcer:
-    """Journal, mirrors and KV events for each cache change; see the module docstring."""
+    """Mirrors, KV events and tiers for each cache change; see the module docstring."""
 
     def __init__(
         self,
@@ -92,7 +90,6 @@ class Announcer:
         cache: ChunkCache,
         mirrors: Mirrors,
         *,
-        journal: Journal | None,
         events: PublisherSet | None,
         client_topics: bool = False,
         snapshot_keys: int = 1 << 16,
@@ -103,13 +100,11 @@ class Announcer:
         self.registry = registry
         self._cache = cache
         self._mirrors = mirrors
-        self._journal = journal
         self._events = events
         self._tiers: TierListener | None = None
         if events is not None:
             for warning in topic_warnings(settings.topic_template, client_topics=client_topics):
                 logger.warning("%s", warning)
-        cache.listen(self)  # the cache tells of its evictions itself
 
     def attach_tiers(self, tiers: TierListener | None) -> None:
         """Commits and clears reach ``tiers`` from now on (None: no more)."""
@@ -118,10 +113,6 @@ class Announcer:
     def events_closed(self) -> None:
         """Publish nothing more (the daemon is closing the publishers)."""
         self._events = None
-
-    def journal_closed(self) -> None:
-        """Journal nothing more (the daemon is closing the journal)."""
-        self._journal = None
 
     def endpoints_for(self, dp: int) -> tuple[str, str]:
         """Where dp index ``dp``'s KV events are published (``("", "")`` when off)."""
@@ -171,11 +162,8 @@ class Announcer:
             self.publish_to(engine, events)
 
     def removed(self, entries: Sequence[Entry]) -> None:
-        """Chunks evicted or removed: journaled before their extents can be reused, and
-        announced in their own namespace (never-committed entries were never announced, so
-        their removal is not either)."""
-        if self._journal is not None:
-            self._journal.removed(entries)
+        """Chunks evicted or removed, announced in their own namespace (never-committed
+        entries were never announced, so their removal is not either)."""
         by_namespace: dict[str, list[bytes]] = {}
         for entry in entries:
             if entry.committed:
@@ -190,9 +178,6 @@ class Announcer:
                 continue  # no engine of that namespace is connected: nobody to tell
             for engine in self._event_engines(namespace):
                 self.publish_to(engine, removed_events(keys, raw_hashes=self._raw_hashes(engine)))
-
-    def placed(self) -> None:
-        """Nothing: keys placed are not announced (they commit later)."""
 
     def cleared(self, engine: Engine, namespace: Namespace, removed: list[Entry]) -> list[bytes]:
         """``engine`` cleared ``namespace``, dropping ``removed``; returns the committed keys."""
@@ -215,9 +200,7 @@ class Announcer:
         return keys
 
     def _dropped(self, name: str, removed: list[Entry]) -> list[bytes]:
-        """Journal, mirrors and tiers forget a cleared namespace's ``removed`` entries."""
-        if self._journal is not None:
-            self._journal.removed(removed)
+        """Mirrors and tiers forget a cleared namespace's ``removed`` entries."""
         keys = [entry.key for entry in removed if entry.committed]
         self._mirrors.changed(name, [], keys)
         if self._tiers is not None:

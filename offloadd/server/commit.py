@@ -1,4 +1,5 @@
-"""A chunk's commit: the one place "visible only when written, sealed and journaled" is kept.
+"""A chunk's commit and removal: the one place "visible only when written, sealed and
+journaled" is kept, and the journal's one writer.
 
 A rank's store (``offloadd.server.jobs``) and a tier's promotion (``offloadd.server.tiers``)
 both end here, in the same steps: the bytes are sealed off the loop, the chunks become
@@ -20,12 +21,18 @@ Contract of ``Committer`` (the event loop's thread, except ``seal``):
   unless ``namespace`` is None (its engine is gone: nobody to tell). Returns a ``Commit``:
   what committed, what was lost and why. A journal grown mostly of tombstones is compacted
   here, from the cache's committed chunks.
+- ``fail(writes)``: a copy that failed or was never started: its writes end, nothing
+  commits. ``abandon(writes)``: their session went away mid-copy: their pending entries
+  leave the index now (``ChunkCache.abandon``); the copy's end still calls ``commit``.
+- ``removed(entries)``: the cache's listener (``offloadd.cache.listeners``; it listens from
+  construction on), so the cache itself tells of what it evicts or removes, before it
+  returns: tombstones are journaled before the extents can be reused, then the announcer
+  tells of them. ``placed()``: nothing (room placed is the waiting stores' concern).
+- ``cleared(engine, namespace, removed)`` (a Clear) and ``dropped(name, removed)`` (an
+  operator's ``ClearCache``): the same for a cleared namespace's entries; returns the
+  committed keys dropped (``Announcer.cleared`` / ``dropped`` say whom they are told).
 - ``journal_closed()``: the daemon is closing the journal; later commits are visible
   without a record (a restart does not find them, never anything wrong).
-
-Removals (tombstones before extents are reused) are journaled by the ``Announcer``
-(``removed``: the cache's listener, for its evictions; ``cleared``), which tells of them in
-the same call.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import NamedTuple
 from offloadd.cache.index import ChunkCache, Entry, ShardWrite
 from offloadd.cache.journal import Journal
 from offloadd.server.announce import Announcer
-from offloadd.server.registry import Namespace
+from offloadd.server.registry import Engine, Namespace
 
 __all__ = ["Commit", "Committer"]
 
@@ -56,6 +63,7 @@ class Committer:
         self._cache = cache
         self._announce = announce
         self._journal = journal
+        cache.listen(self)  # the cache tells of its evictions itself
 
     def journal_closed(self) -> None:
         """Journal nothing more (the daemon is closing the journal)."""
@@ -104,3 +112,34 @@ class Committer:
     def _failure(self) -> str:
         failure = self._journal.failed if self._journal is not None else ""
         return failure or "its bytes could not be checksummed"
+
+    def fail(self, writes: Sequence[ShardWrite]) -> None:
+        """End the writes of a copy that failed or never started: nothing commits."""
+        self._cache.finish_store(writes, ok=False)
+
+    def abandon(self, writes: Sequence[ShardWrite]) -> None:
+        """The session of ``writes`` went away mid-copy: their pending entries leave now."""
+        self._cache.abandon(writes)
+
+    def removed(self, entries: Sequence[Entry]) -> None:
+        """Evicted or removed chunks: tombstones before their extents can be reused, then
+        told (the cache's listener)."""
+        self._journal_removals(entries)
+        self._announce.removed(entries)
+
+    def placed(self) -> None:
+        """Nothing: keys placed are not announced (they commit later)."""
+
+    def cleared(self, engine: Engine, namespace: Namespace, removed: list[Entry]) -> list[bytes]:
+        """``engine`` cleared ``namespace``; returns the committed keys dropped."""
+        self._journal_removals(removed)
+        return self._announce.cleared(engine, namespace, removed)
+
+    def dropped(self, name: str, removed: list[Entry]) -> list[bytes]:
+        """An operator cleared namespace ``name``; returns the committed keys dropped."""
+        self._journal_removals(removed)
+        return self._announce.dropped(name, removed)
+
+    def _journal_removals(self, entries: Sequence[Entry]) -> None:
+        if self._journal is not None:
+            self._journal.removed(entries)

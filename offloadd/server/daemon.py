@@ -241,8 +241,7 @@ class Daemon:
         assert cache is not None and arena is not None and mirrors is not None
         assert handles is not None and copy is not None
         announce = Announcer(
-            settings.events, registry, cache, mirrors,
-            journal=self._journal, events=self._events,
+            settings.events, registry, cache, mirrors, events=self._events,
             client_topics=settings.tenancy.client_topics,
             snapshot_keys=settings.limits.snapshot_keys,
         )  # fmt: skip
@@ -287,7 +286,7 @@ class Daemon:
             tier_names=list(tiers.names) if tiers is not None else [],
         )
         requests = CacheRequests(
-            settings, registry, cache, arena, mirrors, jobs, announce,
+            settings, registry, cache, arena, mirrors, jobs, commit,
             metrics=self.metrics, limits=self.limits, tiers=tiers,
         )  # fmt: skip
         schedulers = Schedulers(registry, cache, mirrors, jobs, limits=self.limits)
@@ -299,7 +298,7 @@ class Daemon:
             started=self._started, arena=arena.path,
             copy_engine=settings.server.copy_engine,
         )  # fmt: skip
-        admin = CacheAdmin(cache, registry, announce, self.tenancy, requests.usage, self._peers)
+        admin = CacheAdmin(cache, registry, commit, self.tenancy, requests.usage, self._peers)
         table = handlers(sessions, requests, jobs, schedulers, stats, admin)
         dispatch = Dispatcher(
             table, self._control, session_of=sessions.get, bounds=self.limits.message_problem
@@ -390,7 +389,6 @@ class Daemon:
             self._handles = None
         if self._journal is not None:
             if self._parts is not None:
-                self._parts.announce.journal_closed()
                 self._parts.commit.journal_closed()
             self._journal.close()
             self._journal = None

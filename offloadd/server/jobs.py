@@ -372,11 +372,10 @@ class Jobs:
         imports are released by the caller)."""
         job.state.jobs.pop(job.job_id, None)
         self.in_flight -= 1
-        cache = self._cache
         if job.direction is Direction.STORE:
-            cache.finish_store(job.writes, ok=False)
+            self._committer.fail(job.writes)
         else:
-            cache.finish_reads([job.reads] if job.reads else [])
+            self._cache.finish_reads([job.reads] if job.reads else [])
         if self.in_flight == 0:
             self._idle.set()
 
@@ -522,7 +521,7 @@ class Jobs:
         for job in state.jobs.values():
             job.abandoned = True
             if job.direction is Direction.STORE:
-                self._cache.abandon(job.writes)
+                self._committer.abandon(job.writes)
         for waiter in state.waiters:
             if waiter.timer is not None:
                 waiter.timer.cancel()

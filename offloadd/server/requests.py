@@ -48,8 +48,8 @@ from offloadd.cache.arena import Arena
 from offloadd.cache.index import ChunkCache, Reads
 from offloadd.logs import PerUidLog
 from offloadd.server.admission import Admission, Step
-from offloadd.server.announce import Announcer
 from offloadd.server.checks import Refused, check_offloaded
+from offloadd.server.commit import Committer
 from offloadd.server.jobs import Jobs
 from offloadd.server.limits import Limits
 from offloadd.server.metrics import Metrics
@@ -101,7 +101,7 @@ class CacheRequests:
         arena: Arena,
         mirrors: Mirrors,
         jobs: Jobs,
-        announce: Announcer,
+        commit: Committer,
         *,
         metrics: Metrics,
         limits: Limits,
@@ -116,7 +116,7 @@ class CacheRequests:
         self._arena = arena
         self._mirrors = mirrors
         self._jobs = jobs
-        self._announce = announce
+        self._commit = commit
         self.metrics = metrics
         # A store waits out a silent mirror: dropped after mirror_ack_timeout (plus up to two
         # reaper periods), its removals free their room and the store is placed.
@@ -183,7 +183,7 @@ class CacheRequests:
         """Drop every chunk of the session's namespace."""
         engine, namespace = self._admit.ready(state)
         removed = self._cache.clear_namespace(namespace.name, acker=acker(self._mirrors, state))
-        keys = self._announce.cleared(engine, namespace, removed)
+        keys = self._commit.cleared(engine, namespace, removed)
         self._log(
             state.session.uid,
             logging.INFO,

@@ -553,14 +553,13 @@ class Tiers:
 
     def _commit(self, slot: _Slot, promotion: _Promotion, good: set[bytes]) -> None:
         """Commit the verified chunks (journaled, announced); the others never show."""
-        cache = self._cache
         bad = [w for key in promotion.keys if key not in good for w in promotion.writes[key]]
         ok = [w for key in promotion.keys if key in good for w in promotion.writes[key]]
-        cache.finish_store(bad, ok=False)
+        self._committer.fail(bad)
         outcome = self._committer.commit(promotion.namespace, ok, source=slot.name)
         # Entries that did not commit (unverified, cleared meanwhile, refused by the journal)
         # leave with the owner.
-        cache.release_reservations(promotion.owner)
+        self._cache.release_reservations(promotion.owner)
         failed = len(promotion.keys) - len(good)
         if failed:
             slot.promotion_failures += failed

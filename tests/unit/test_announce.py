@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from offloadd.cache.index import ChunkCache, Entry
 from offloadd.server.announce import Announcer, topic_warnings
+from offloadd.server.commit import Committer
 from offloadd.server.mirrors import Mirrors
 from offloadd.server.registry import Engine, Registry
 from offloadd.settings import EventSettings
@@ -50,10 +51,14 @@ def rig() -> tuple[Registry, Announcer, FakePublishers, FakeJournal, list[Engine
         registry,
         cache,
         mirrors,
-        journal=journal,  # type: ignore[arg-type]
         events=publishers,  # type: ignore[arg-type]
     )
     return registry, announcer, publishers, journal, engines
+
+
+def committer(announcer: Announcer, journal: FakeJournal) -> Committer:
+    """The journal's writer over ``announcer`` (removals are journaled, then told)."""
+    return Committer(announcer._cache, announcer, journal=journal)  # type: ignore[arg-type]
 
 
 def test_every_engine_of_the_namespace_that_wants_events_hears_of_a_commit() -> None:
@@ -72,7 +77,7 @@ def test_removals_are_journaled_first_and_announced_only_for_committed_chunks() 
     assert a.namespace is not None
     name = a.namespace.name
     gone = [entry(name, b"old"), entry(name, b"pending", committed=False)]
-    announcer.removed([*gone, entry("nobody@0000", b"orphan")])
+    committer(announcer, journal).removed([*gone, entry("nobody@0000", b"orphan")])
     assert len(journal.removed_keys) == 3  # the journal sees every entry
     assert publishers.heard() == {"kv@a@0": ["BlockRemoved"], "kv@b@0": ["BlockRemoved"]}
     removed = publishers.batches[0][2].events[0]
@@ -83,7 +88,7 @@ def test_a_clear_tells_the_clearing_engine_all_cleared_and_the_others_what_went(
     _registry, announcer, publishers, journal, (a, b, _quiet) = rig()
     assert a.namespace is not None
     removed = [entry(a.namespace.name, b"x"), entry(a.namespace.name, b"y", committed=False)]
-    keys = announcer.cleared(b, a.namespace, removed)
+    keys = committer(announcer, journal).cleared(b, a.namespace, removed)
     assert keys == [removed[0].key] and journal.removed_keys == [e.key for e in removed]
     assert publishers.heard() == {"kv@b@0": ["AllBlocksCleared"], "kv@a@0": ["BlockRemoved"]}
     assert isinstance(publishers.batches[0][2].events[0], AllBlocksCleared)
@@ -105,10 +110,9 @@ def test_a_ready_engine_is_sent_what_its_namespace_holds_and_closing_stops_it() 
     assert publishers.heard() == {"kv@a@0": ["BlockStored", "BlockStored"]}  # only to a
     assert announcer.endpoints_for(1) == ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5559")
     announcer.events_closed()
-    announcer.journal_closed()
     announcer.removed(committed)
     announcer.chunks_committed(namespace, committed)
-    assert len(publishers.batches) == 1 and journal.removed_keys == []
+    assert len(publishers.batches) == 1 and journal.removed_keys == []  # it journals nothing
     assert announcer.endpoints_for(0) == ("", "")
 
 

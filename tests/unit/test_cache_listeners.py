@@ -16,6 +16,7 @@ import pytest
 from offloadd.cache.index import CacheListener, ChunkCache, Entry
 from offloadd.cache.listeners import Listeners
 from offloadd.server.announce import Announcer
+from offloadd.server.commit import Committer
 from offloadd.server.registry import Registry
 from offloadd.server.waiting import WaitingStores
 from offloadd.settings import EventSettings
@@ -146,7 +147,7 @@ class OrderedMirrors:
         self.log.append(("mirrors", namespace, stored, removed))
 
 
-def test_the_announcer_journals_an_eviction_then_tells_the_mirrors_and_engines() -> None:
+def test_the_committer_journals_an_eviction_then_the_announcer_tells_mirrors_and_engines() -> None:
     registry = Registry()
     engine = ready(registry, "a")
     assert engine.namespace is not None
@@ -154,14 +155,15 @@ def test_the_announcer_journals_an_eviction_then_tells_the_mirrors_and_engines()
     cache = ChunkCache(2 * SIZE)
     log: list[tuple[object, ...]] = []
     publishers = FakePublishers()
-    Announcer(
+    announcer = Announcer(
         EventSettings(topic_template="kv@{engine_id}@{dp}", pod="pod"),
         registry,
         cache,
         OrderedMirrors(log),  # type: ignore[arg-type]
-        journal=OrderedJournal(log),  # type: ignore[arg-type]
         events=publishers,  # type: ignore[arg-type]
-    )  # it listens from now on: no caller tells it of evictions
+    )
+    # The committer listens from now on: no caller tells it of evictions.
+    Committer(cache, announcer, journal=OrderedJournal(log))  # type: ignore[arg-type]
     commit(cache, [key(0), key(1)], name)
     pending = cache.begin_store(name, [key(2)], 0, sizes)  # evicts key(0)
     log.append(("returned",))

@@ -45,6 +45,9 @@ class FakeCache:
     def abandon(self, writes: list[object]) -> None:
         self.calls.append(("abandon", len(writes)))
 
+    def listen(self, listener: object) -> None:
+        """The committer listens for removals (this fake removes nothing)."""
+
 
 @dataclass
 class FakeAnnouncer:

@@ -105,7 +105,6 @@ def make_rig(arena: Arena, *, queue_bytes: int = 1 << 20, inline: bool = True,
         registry,
         cache,
         mirrors,
-        journal=journal,  # its tombstones
         events=publishers,  # type: ignore[arg-type]
     )
     tier = DictTier()
