@@ -105,7 +105,7 @@ def _master(binary: str):
 
 def mooncake_installed() -> tuple[str | None, str]:
     """``(mooncake_master's path, "")``, or ``(None, what is missing)``."""
-    from offloadd.tiers.mooncake import MooncakeUnavailable, _load_store_class
+    from offloadd.tiers.mooncake_client import MooncakeUnavailable, _load_store_class
 
     try:
         _load_store_class()

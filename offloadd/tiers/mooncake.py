@@ -40,7 +40,8 @@ are skipped (answered False at once) for a back-off that doubles from ``backoff`
 ``health_check``, which costs nothing). Against a dead master one Mooncake call blocks
 about 4.5 s (measured with 0.3.13), so the back-off is what keeps the worker thread free.
 Opening checks that the master's and the metadata server's ports accept a connection first:
-Mooncake's ``setup`` against a dead master blocks about 90 s before it fails.
+Mooncake's ``setup`` against a dead master blocks about 90 s before it fails
+(``offloadd.tiers.mooncake_client`` opens the client).
 
 The master evicts objects on its own when the pool fills and tells no one, so
 ``TierWrite.evicted`` is always empty here and ``used_bytes`` counts what this daemon
@@ -58,11 +59,9 @@ import importlib
 import logging
 import os
 import re
-import socket
 import struct
 import threading
 import time
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,6 +73,7 @@ from offloadd.checksum import checksum
 from offloadd.safety import read_secret
 from offloadd.settings import MooncakeSettings
 from offloadd.tiers.base import ChunkAddress, Tier, TierCounters, TierStats, TierWrite
+from offloadd.tiers.mooncake_client import INSTALL_HINT, MooncakeUnavailable, open_client
 
 __all__ = [
     "KEY_SIZE",
@@ -111,21 +111,12 @@ _SCRATCH = 1 << 20  # registered buffer for companions; a batch is split to fit 
 # Registered staging for sealed shards: two halves, so one get group transfers while the
 # last one is opened. A chunk larger than a half is never put (counted as an error).
 _HALF = 32 << 20
-_CONNECT_TIMEOUT = 2.0
 # Checksums run on a few threads (xxhash releases the GIL), a put's while its data object is
 # written and a get's while the next group transfers.
 _SUM_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _SUM_JOB = 8 << 20  # bytes of chunks per checksum job
 _GET_BATCH = 16 << 20  # bytes of chunks per call: a get's opening overlaps the next call
 _SPACES = 4096  # derived per-namespace keys kept; beyond, the cache starts over
-_INSTALL_HINT = (
-    "install the extra: pip install 'offloadd[mooncake]' "
-    "(and the system library libibverbs1: apt-get install libibverbs1)"
-)
-
-
-class MooncakeUnavailable(Exception):
-    """The cluster tier cannot open: the package is missing, or the master does not answer."""
 
 
 def load_cluster_key(path: str) -> bytes:
@@ -182,7 +173,7 @@ class ClusterKeys:
             aead = importlib.import_module("cryptography.hazmat.primitives.ciphers.aead")
         except ImportError as exc:
             raise MooncakeUnavailable(
-                f"cryptography is not importable ({exc}); {_INSTALL_HINT}"
+                f"cryptography is not importable ({exc}); {INSTALL_HINT}"
             ) from exc
         self._aesgcm = aead.AESGCM
         self._key = key
@@ -335,80 +326,6 @@ def _nothing() -> int:
     return 0
 
 
-def _load_store_class() -> Any:
-    # Mooncake logs (glog) every connection at INFO to stderr; warnings and errors are
-    # enough in a daemon's log unless the operator asks for more.
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    try:  # imported here: the daemon runs without the extra
-        store = importlib.import_module("mooncake.store")
-    except ImportError as exc:
-        raise MooncakeUnavailable(f"mooncake is not importable ({exc}); {_INSTALL_HINT}") from exc
-    return store.MooncakeDistributedStore
-
-
-def _host_port(address: str, default_port: int) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host:
-        return address, default_port
-    return host.strip("[]"), int(port)
-
-
-def _check_listening(what: str, host: str, port: int) -> None:
-    try:
-        with socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT):
-            pass
-    except OSError as exc:
-        raise MooncakeUnavailable(f"mooncake {what} {host}:{port} does not answer: {exc}") from exc
-
-
-def default_metadata(master: str) -> str:
-    """The metadata server a master with ``--enable_http_metadata_server`` serves."""
-    host, _ = _host_port(master, 50051)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:8080/metadata"
-
-
-def _open_client(settings: MooncakeSettings) -> Any:
-    """A set-up ``MooncakeDistributedStore`` contributing ``settings.segment`` bytes."""
-    if not settings.master:
-        raise MooncakeUnavailable("[mooncake] master is empty: the cluster tier is off")
-    store_class = _load_store_class()
-    metadata = settings.metadata or default_metadata(settings.master)
-    # setup() against a master that is not there blocks about 90 s before it fails.
-    _check_listening("master", *_host_port(settings.master, 50051))
-    parsed = urllib.parse.urlsplit(metadata)
-    if parsed.scheme == "http" and parsed.hostname:
-        _check_listening("metadata server", parsed.hostname, parsed.port or 80)
-    client = store_class()
-    hostname = settings.local_hostname or socket.gethostname()
-    code = client.setup(
-        hostname,
-        metadata,
-        settings.segment,
-        settings.local_buffer,
-        settings.protocol,
-        settings.rdma_devices,
-        settings.master,
-    )
-    if code != 0:
-        with contextlib.suppress(Exception):
-            client.close()
-        raise MooncakeUnavailable(
-            f"mooncake setup failed with code {code} (master {settings.master}, "
-            f"metadata {metadata}, local_hostname {hostname})"
-        )
-    logger.info(
-        "mooncake tier: master %s, metadata %s, %s as %s, contributing %d bytes",
-        settings.master,
-        metadata,
-        settings.protocol,
-        hostname,
-        settings.segment,
-    )
-    return client
-
-
 class MooncakeTier(Tier):
     """Whole chunks in Mooncake Store; see the module docstring."""
 
@@ -438,7 +355,7 @@ class MooncakeTier(Tier):
         self._backoff_min = backoff
         self._backoff_max = backoff_max
         if client is None:
-            client = _open_client(settings)
+            client = open_client(settings)
         self._scratch: ctypes.Array[ctypes.c_char] | None = (ctypes.c_char * _SCRATCH)()
         self._scratch_address = ctypes.addressof(self._scratch)
         self._staging = (ctypes.c_char * (2 * _HALF))()

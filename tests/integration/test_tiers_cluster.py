@@ -29,7 +29,8 @@ from offloadd.checksum import checksum
 from offloadd.client import OffloadClient
 from offloadd.safety import write_secret
 from offloadd.settings import MooncakeSettings
-from offloadd.tiers.mooncake import ClusterKeys, _open_client
+from offloadd.tiers.mooncake import ClusterKeys
+from offloadd.tiers.mooncake_client import open_client
 from protocol.messages import LookupResult, TierState
 from tests.integration.harness import Rank, ServeProcess, chain_keys, chunk_block_ids, make_rank
 from tests.mooncake_master import MooncakeMaster, require_mooncake
@@ -300,7 +301,7 @@ def test_through_the_daemons_only_a_named_tenant_shares_and_only_sealed_verified
             assert layer_got.equal(layer_want)
 
         # Someone who reaches Mooncake without the key: a raw get of A's chunk is ciphertext.
-        attacker = _open_client(
+        attacker = open_client(
             MooncakeSettings(
                 master=master.address,
                 metadata=master.metadata,

@@ -21,8 +21,8 @@ from offloadd.tiers.mooncake import (
     MooncakeTier,
     MooncakeUnavailable,
     companion_size,
-    default_metadata,
 )
+from offloadd.tiers.mooncake_client import default_metadata
 
 KEY = bytes(range(32))
 TENANTS = {"alice": ["uid:1000"]}
