@@ -4,9 +4,15 @@ handle), engines made ready, daemon stats, and metric samples read back."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import pytest
 
 from offloadd.server.metrics import Metrics
 from offloadd.server.registry import Engine, HelloOutcome, Registry
@@ -172,3 +178,25 @@ def fake_stats(**changes: object) -> DaemonStats:
 
 def value(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
+
+
+@contextlib.contextmanager
+def tmpfs(size: str, mode: str, prefix: str) -> Iterator[str]:
+    """A tmpfs of the caller's own (``size``, ``mode`` as mount takes them), never /dev/shm
+    (shared); skips the test where it cannot be mounted (not root, no mount rights)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    directory = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", directory],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        os.rmdir(directory)
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", directory], check=False)
+        os.rmdir(directory)

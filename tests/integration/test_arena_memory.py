@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers import tmpfs
 from tests.integration.harness import ServeProcess
 
 CAPACITY = 64 << 20
@@ -28,20 +29,8 @@ MIB = 1 << 20
 @pytest.fixture
 def shm() -> Iterator[str]:
     """A tmpfs of this test's own, mode 1777 like /dev/shm."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    directory = tempfile.mkdtemp(prefix="od-shm-", dir="/tmp")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=128m,mode=1777", "tmpfs", directory],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        os.rmdir(directory)
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield directory
-    subprocess.run(["umount", directory], check=False)
-    os.rmdir(directory)
+    with tmpfs("128m", "1777", "od-shm-") as directory:
+        yield directory
 
 
 @pytest.fixture

@@ -84,6 +84,7 @@ from protocol.messages import (
     encode,
 )
 from tests.fakes import FakeCopyEngine
+from tests.helpers import tmpfs
 from tests.integration.harness import (
     DaemonThread,
     Rank,
@@ -417,20 +418,8 @@ def test_a_file_truncated_under_a_running_copy_fails_that_job(
 @pytest.fixture
 def small_tmpfs() -> Iterator[str]:
     """A 256 KiB tmpfs of its own, filled up by the test (never /dev/shm, which is shared)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    directory = tempfile.mkdtemp(prefix="od-tmpfs-", dir="/tmp")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", directory],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        os.rmdir(directory)
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield directory
-    subprocess.run(["umount", directory], check=False)
-    os.rmdir(directory)
+    with tmpfs("256k", "0755", "od-tmpfs-") as directory:
+        yield directory
 
 
 def _fill(directory: str) -> None:
