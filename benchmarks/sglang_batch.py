@@ -122,24 +122,14 @@ def run(ctx: Context) -> list[Result]:
 
 def _host_pool(layers: int, page: int) -> Any:
     """SGLang's host pool of ``2 * PAGES`` pages (the set's and the get's) in a memfd."""
-    import torch
 
     from tests.sglang.cpu_fakes import install_torchvision_stub
+    from tests.sglang.pools import device_pool
 
     install_torchvision_stub()
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    device = MHATokenToKVPool(
-        size=page,
-        page_size=page,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    device = device_pool(page, page, layers=layers, heads=HEADS, head_dim=HEAD_DIM)
     return MHATokenToKVPoolHost(
         device._mha_buffer_info(),
         1.0,
@@ -161,15 +151,9 @@ def _backend(host: Any, endpoint: str) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    extra = {
-        "backend_name": "offloadd",
-        "module_path": "offloadd.sglang",
-        "class_name": "OffloaddHiCacheStorage",
-        "interface_v1": 1,
-        "allocator": "shm",
-        "endpoint": endpoint,
-        "timeout": 30.0,
-    }
+    from tests.sglang.pools import backend_extra
+
+    extra = backend_extra(endpoint, 30.0)
     config = HiCacheStorageConfig(
         tp_rank=0,
         tp_size=1,

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from tests.sglang.cpu_fakes import install_torchvision_stub
+from tests.sglang.pools import backend_extra, device_pool
 
 PAGE = 4
 LAYERS = 3
@@ -49,21 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
     install_torchvision_stub()
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
 
-    device = MHATokenToKVPool(
-        size=DEVICE_TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    device = device_pool(DEVICE_TOKENS, PAGE, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM)
     host = MHATokenToKVPoolHost(
         device._mha_buffer_info(),
         2.0,
@@ -77,15 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         start_layer=0,
         end_layer=LAYERS,
     )
-    extra = {
-        "backend_name": "offloadd",
-        "module_path": "offloadd.sglang",
-        "class_name": "OffloaddHiCacheStorage",
-        "interface_v1": 1,
-        "allocator": args.allocator,
-        "endpoint": args.endpoint,
-        "timeout": args.timeout,
-    }
+    extra = backend_extra(args.endpoint, args.timeout, args.allocator)
     config = HiCacheStorageConfig(
         tp_rank=0,
         tp_size=1,

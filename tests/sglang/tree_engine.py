@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from tests.sglang.cpu_fakes import install_hicache_cpu_fakes, install_torchvision_stub
+from tests.sglang.pools import backend_extra, device_pool
 
 PAGE = 4
 LAYERS = 3
@@ -61,22 +62,12 @@ def build(endpoint: str, model: str, timeout: float) -> tuple[Any, Any, Any]:
     from sglang.srt import runtime_context
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.server_args import ServerArgs
 
-    extra = {
-        "backend_name": "offloadd",
-        "module_path": "offloadd.sglang",
-        "class_name": "OffloaddHiCacheStorage",
-        "interface_v1": 1,
-        "allocator": "shm",
-        "endpoint": endpoint,
-        "timeout": timeout,
-        "prefetch_threshold": PAGE,
-        "prefetch_timeout_base": 60,
-    }
+    extra = backend_extra(endpoint, timeout, prefetch_threshold=PAGE, prefetch_timeout_base=60)
     server_args = ServerArgs(
         model_path="dummy",
         served_model_name=model,
@@ -92,16 +83,7 @@ def build(endpoint: str, model: str, timeout: float) -> tuple[Any, Any, Any]:
     runtime_context.publish(
         server_args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0)
     )
-    device = MHATokenToKVPool(
-        size=DEVICE_TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    device = device_pool(DEVICE_TOKENS, PAGE, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM)
     allocator = PagedTokenToKVPoolAllocator(
         DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", device, need_sort=False
     )
