@@ -20,9 +20,10 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
   announces it. ``finish_store(ok=False)`` makes nothing visible; the shard may be stored again.
 - ``abandon``: the session owning in-flight writes went away; their pending entries are dropped
   at once and can never become visible. The ``finish_store`` of those writes must still follow.
-- ``begin_load`` (prepare_load) takes every key or none: all committed (or removed and still
-  kept for a mirror's acknowledgement) -> each is held against eviction until ``finish_load``
-  (complete_load); otherwise nothing is taken and the missing keys are returned.
+- ``begin_reads`` (prepare_load), the one read API, takes every key or none: all committed (or
+  removed and still kept for a mirror's acknowledgement) -> each is held against eviction until
+  ``finish_reads`` (complete_load); otherwise nothing is taken and the missing keys are
+  returned. ``Reads`` holds rows (``read_extents`` plans from them); handles only on demand.
 - Never evicted: entries being loaded, being written, pinned by an unexpired lease, or keyed
   by any key of the store that needs the room. A pending entry with no copy in flight *is*
   evictable, so a rank that never stores its shard cannot leak space. Eviction runs only if
@@ -33,7 +34,7 @@ Contract of ``ChunkCache`` (the names mirror vLLM's ``OffloadingManager``):
 - Schedulers (vLLM's manager) work ahead of their ranks: ``reserve`` allocates new keys for a
   later ``begin_store(..., allocate=False)`` and protects them from eviction until they commit
   or ``release_reservations``; ``hold`` protects committed keys for one request until
-  ``release_hold`` (and ``begin_load_held`` reads them, even if removed meanwhile);
+  ``release_hold`` (and ``begin_reads_held`` reads them, even if removed meanwhile);
   ``hold_tokens`` holds for several requests in one call.
 - Protected bytes have one ledger (``offloadd.cache.ledger``), kept here as pins, holds and
   reservations are taken and dropped: ``protected_bytes(owner)``. With ``budget`` (per
@@ -95,7 +96,6 @@ from offloadd.cache.records import (
     CacheStats,
     Entry,
     Handles,
-    LoadReservation,
     LookupOutcome,
     Reads,
     Reservation,
@@ -117,7 +117,6 @@ __all__ = [
     "CacheStats",
     "ChunkCache",
     "Entry",
-    "LoadReservation",
     "LookupOutcome",
     "Reads",
     "Reservation",
@@ -332,14 +331,11 @@ class ChunkCache:
 
     # -- load -------------------------------------------------------------------------------
 
-    def begin_load(self, namespace: str, keys: Sequence[bytes]) -> LoadReservation:
-        """Hold every key for reading if all are committed; otherwise take nothing."""
-        return self._with_handles(self.begin_reads(namespace, keys))
-
     def begin_reads(self, namespace: str, keys: Sequence[bytes]) -> Reads:
-        """``begin_load`` as ``Reads``. A key removed but not yet acknowledged by every
-        mirror is read from its kept bytes: a mirror may still answer it as a hit, and its
-        scheduler does not acknowledge the removal of a key it is loading."""
+        """Hold every key for reading if all are committed; otherwise take nothing (the
+        ``missing`` keys). A key removed but not yet acknowledged by every mirror is read
+        from its kept bytes: a mirror may still answer it as a hit, and its scheduler does
+        not acknowledge the removal of a key it is loading."""
         table = self._tables.get(namespace, NO_ROWS)
         state = self._state.v
         rows: list[int] = []
@@ -359,44 +355,37 @@ class ChunkCache:
             return Reads([], missing)
         self._rows.add_readers(rows)
         self._rows.policy.touch(touched)
-        return Reads(rows, [])
-
-    def _with_handles(self, reads: Reads) -> LoadReservation:
-        return LoadReservation([self._handles.get(row) for row in reads.rows], reads.missing)
+        return Reads(rows, [], self._handles)
 
     def read_extents(self, rows: Sequence[int], shard: int) -> list[tuple[int, int]]:
         """Arena offset and size of shard ``shard`` of each chunk read at ``rows`` (a
         ``Reads``' rows, or several's end to end)."""
         return self._rows.read_extents(rows, shard)
 
-    def finish_load(self, entries: Sequence[Entry]) -> None:
-        """End the reads ``begin_load`` started on ``entries``."""
-        self._end_reads([entry._row for entry in entries], lambda index: repr(entries[index]))
-
     def finish_reads(self, reads: Iterable[Reads]) -> None:
         """End ``reads`` (each ``begin_reads``' or ``begin_reads_held``'), as one call."""
         rows = [row for one in reads for row in one.rows]
-        self._end_reads(rows, lambda index: f"row {rows[index]}")
-
-    def _end_reads(self, rows: list[int], name: Callable[[int], str]) -> None:
         bad = self._rows.check_reads(rows)
         if bad >= 0:
-            raise ValueError(f"{name(bad)} is not being read")
+            row = rows[bad]
+            live = row >= 0 and self._rows.keys[row] is not None
+            entry = f"{self._handles.get(row)!r} at " if live else ""
+            raise ValueError(f"{entry}row {row} is not being read")
         place = self._placement
         for row in self._rows.stop_reads(rows):
             place.free_if_idle(row)
         if place.unplaced:
             place.place_waiting()
 
-    def begin_load_held(self, owner: str, token: str, keys: Sequence[bytes]) -> LoadReservation:
-        """Like ``begin_load``, for keys held under ``(owner, token)`` (removed ones too)."""
-        return self._with_handles(self.begin_reads_held(owner, [(token, keys)])[0])
-
     def begin_reads_held(
         self, owner: str, loads: Sequence[tuple[str, Sequence[bytes]]]
     ) -> list[Reads]:
-        """``begin_load_held`` of each ``(token, keys)`` as ``Reads``, in one call."""
-        reads = [Reads(rows, missing) for rows, missing in self._guards.held_rows(owner, loads)]
+        """``begin_reads`` of each ``(token, keys)``, for keys held under ``(owner, token)``
+        (removed ones too), in one call."""
+        handles = self._handles
+        reads = [
+            Reads(rows, missing, handles) for rows, missing in self._guards.held_rows(owner, loads)
+        ]
         self._rows.add_readers([row for one in reads for row in one.rows])
         return reads
 

@@ -149,7 +149,7 @@ MARKS: dict[Mark, tuple[Event, Event, frozenset[Phase], frozenset[Phase]]] = {
         frozenset({P.PENDING}),
         frozenset({P.PENDING, P.DEAD}),
     ),
-    # Held entries are read even after their removal (begin_load_held).
+    # Held entries are read even after their removal (begin_reads_held).
     Mark.READING: (E.START_READ, E.STOP_READ, _LOADABLE, _LOADABLE),
     # A removed entry a watcher may still show can be held (hold finds it while leaving).
     Mark.HELD: (E.HOLD, E.UNHOLD, frozenset({P.COMMITTED, P.LEAVING}), _LOADABLE),

@@ -7,8 +7,8 @@ did. When the row is finally released (dead and nothing uses its extents), its h
 the last state: ``dead``, ``offsets == []``, and ``committed`` as it was.
 
 The rest are plain results: ``LookupOutcome`` (``lookup``), ``ShardWrite`` and
-``StoreReservation`` (``begin_store``), ``Reservation`` (``reserve``), ``LoadReservation``
-and ``Reads`` (``begin_load`` / ``begin_reads``), ``RestoredChunk`` (``restore``) and
+``StoreReservation`` (``begin_store``), ``Reservation`` (``reserve``), ``Reads``
+(``begin_reads``), ``RestoredChunk`` (``restore``) and
 ``CacheStats``, whose ``refused`` counts keys by the ``REFUSED_*`` reason.
 """
 
@@ -33,7 +33,6 @@ __all__ = [
     "CacheStats",
     "Entry",
     "Handles",
-    "LoadReservation",
     "LookupOutcome",
     "Reads",
     "Reservation",
@@ -257,23 +256,23 @@ class Reservation:
     evicted: list[Entry]
 
 
-@dataclass(slots=True)
-class LoadReservation:
-    """``entries`` held for reading (then ``finish_load``), or the ``missing`` keys and none."""
-
-    entries: list[Entry]
-    missing: list[bytes]
-
-
 @dataclass(slots=True, eq=False)
 class Reads:
-    """What a ``LoadReservation`` holds, by index row rather than by handle (``begin_reads``,
-    then ``finish_reads``): a step's loads read hundreds of chunks, and an ``Entry`` cost
-    ~1.7 us to make and free each. A row being read is never released, so ``rows`` stay
-    valid until the reads end. Empty, with the ``missing`` keys, when nothing was taken."""
+    """Chunks held for reading (``begin_reads``, then ``finish_reads``), by index row: a
+    step's loads read hundreds of chunks, and an ``Entry`` costs ~1.7 us to make and free,
+    so handles are made only when asked for (``entries``). A row being read is never
+    released, so ``rows`` stay valid until the reads end. Empty, with the ``missing`` keys,
+    when nothing was taken."""
 
     rows: list[int]
     missing: list[bytes]
+    handles: Handles | None = field(default=None, repr=False)
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The chunks read, as handles (made now: the hot path reads ``rows``)."""
+        handles = self.handles
+        return [] if handles is None else [handles.get(row) for row in self.rows]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ Contract of ``Tiers`` (the event loop's thread only):
 - ``committed(namespace, entries, source)`` (the ``Announcer`` calls it for every commit,
   promotions included): each chunk is queued for every tier but ``source`` ("demote early,
   evict free": a chunk later evicted from the arena is already below it). A queued chunk is
-  held against eviction (a cache reader, ``begin_load``) until its ``put`` ended. Beyond a
+  held against eviction (a cache reader, ``begin_reads``) until its ``put`` ended. Beyond a
   tier's queue bound (``queue_bytes``, at most a quarter of the arena) only the chunk's name
   waits (in a backlog of at most ``BACKLOG_KEYS``, holding nothing); as the queue drains,
   backlog chunks still in the arena are queued, and those evicted meanwhile, or beyond the
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from offloadd.cache.arena import Arena
-from offloadd.cache.index import ChunkCache, Entry, ShardWrite
+from offloadd.cache.index import ChunkCache, Entry, Reads, ShardWrite
 from offloadd.logs import LogLimiter
 from offloadd.server.announce import Announcer
 from offloadd.server.commit import Committer
@@ -134,6 +134,7 @@ class _Worker:
 class _Demotion:
     namespace: str
     entry: Entry
+    reading: Reads
     nbytes: int
 
 
@@ -260,12 +261,12 @@ class Tiers:
         if slot.queued_bytes + nbytes > slot.limit and slot.queued_bytes:
             return False
         # A reader keeps the chunk's extents (and bytes) until the put ended.
-        reading = self._cache.begin_load(namespace, [key])
+        reading = self._cache.begin_reads(namespace, [key])
         if reading.missing:
             slot.skipped += 1
             return True
         slot.queued_bytes += nbytes
-        slot.demotions.append(_Demotion(namespace, reading.entries[0], nbytes))
+        slot.demotions.append(_Demotion(namespace, entry, reading, nbytes))
         return True
 
     def _next_put(self, slot: _Slot) -> None:
@@ -323,7 +324,7 @@ class Tiers:
     def _release_demotions(self, slot: _Slot, demotions: list[_Demotion]) -> None:
         for demotion in demotions:
             slot.queued_bytes -= demotion.nbytes
-        self._cache.finish_load([d.entry for d in demotions])
+        self._cache.finish_reads(d.reading for d in demotions)
 
     def cleared(self, namespace: str) -> None:
         """The engine cleared ``namespace``: drop its queued chunks, clear it in every tier."""

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offloadd.cache.index import ChunkCache, Entry, RestoredChunk, ShardWrite
+from offloadd.cache.index import ChunkCache, Entry, Reads, RestoredChunk, ShardWrite
 from offloadd.cache.placement import _overlaps
 from tests.fakes import Clock
 from tests.strategies import property_settings
@@ -64,7 +64,7 @@ def test_two_phase_store_becomes_visible_after_the_last_shard() -> None:
 
     out = cache.lookup(NS, keys)
     assert (out.hits, out.pending) == (0, [0, 1])
-    assert cache.begin_load(NS, keys).missing == keys
+    assert cache.begin_reads(NS, keys).missing == keys
     assert cache.keys_in(NS) == []
 
     r1 = cache.begin_store(NS, keys, 1, two_shards)
@@ -166,14 +166,16 @@ def test_misuse_raises_and_changes_nothing() -> None:
     store(cache, [k(3)])
     entry = cache.get(NS, k(3))
     assert entry is not None
+    ended = cache.begin_reads(NS, [k(3)])
+    cache.finish_reads([ended])
     with pytest.raises(ValueError, match=r"Entry\('ns', 00000003, committed.* is not being read"):
-        cache.finish_load([entry])
+        cache.finish_reads([ended])  # a read ended twice
     assert entry.readers == 0
-    load = cache.begin_load(NS, [k(3)])
+    load = cache.begin_reads(NS, [k(3)])
     with pytest.raises(ValueError, match="is not being read"):
-        cache.finish_load([entry, entry])  # one read begun, two ended
+        cache.finish_reads([load, load])  # one read begun, two ended
     assert entry.readers == 1
-    cache.finish_load(load.entries)
+    cache.finish_reads([load])
     assert entry.readers == 0
 
 
@@ -205,12 +207,12 @@ def test_a_short_lease_pins_and_release_counts_the_pins_dropped() -> None:
 def test_load_takes_all_keys_or_none() -> None:
     cache = ChunkCache(16 * A)
     store(cache, [k(0), k(1)])
-    res = cache.begin_load(NS, [k(0), k(2), k(1), k(3)])
+    res = cache.begin_reads(NS, [k(0), k(2), k(1), k(3)])
     assert res.entries == [] and res.missing == [k(2), k(3)]
     assert all(e.readers == 0 for e in (cache.get(NS, k(0)), cache.get(NS, k(1))) if e)
-    res = cache.begin_load(NS, [k(0), k(1)])
+    res = cache.begin_reads(NS, [k(0), k(1)])
     assert res.missing == [] and [e.readers for e in res.entries] == [1, 1]
-    cache.finish_load(res.entries)
+    cache.finish_reads([res])
     assert [e.readers for e in res.entries] == [0, 0]
 
 
@@ -244,13 +246,13 @@ def test_pinned_and_loading_entries_are_never_evicted() -> None:
     cache = ChunkCache(8 * A)
     store(cache, [k(i) for i in range(8)])
     assert cache.lookup(NS, [k(0), k(1)], pin_owner="sched", lease=60.0).pinned == 2
-    load = cache.begin_load(NS, [k(2), k(3)])
+    load = cache.begin_reads(NS, [k(2), k(3)])
     for i in range(100, 140):
         evicted = store(cache, [k(i)])
         assert not {k(0), k(1), k(2), k(3)} & set(evicted_keys(evicted))
         assert cache.stats().used_bytes <= 8 * A
     assert cache.lookup(NS, [k(0), k(1), k(2), k(3)]).hits == 4
-    cache.finish_load(load.entries)
+    cache.finish_reads([load])
     # Six new keys: everything but the two pinned ones goes, k(2) and k(3) included.
     gone = evicted_keys(store(cache, [k(i) for i in range(200, 206)]))
     assert len(gone) == 6 and {k(2), k(3)} <= set(gone)
@@ -262,13 +264,13 @@ def test_store_is_refused_when_nothing_is_evictable() -> None:
     cache = ChunkCache(4 * A, clock=clock)
     store(cache, [k(0), k(1), k(2), k(3)])
     cache.lookup(NS, [k(0), k(1)], pin_owner="a", lease=10.0)
-    load = cache.begin_load(NS, [k(2), k(3)])
+    load = cache.begin_reads(NS, [k(2), k(3)])
     res = cache.begin_store(NS, [k(7), k(8), k(9)], 0, one_shard)
     assert res.writes == [] and res.evicted == [] and res.refused == [0, 1, 2]
     s = cache.stats()
     assert (s.stores_refused, s.evictions, s.used_bytes) == (3, 0, 4 * A)
     assert cache.get(NS, k(7)) is None
-    cache.finish_load(load.entries)
+    cache.finish_reads([load])
     res = cache.begin_store(NS, [k(7)], 0, one_shard)
     assert evicted_keys(res.evicted) == [k(3)]  # the load touched k(3), then k(2)
 
@@ -555,14 +557,14 @@ def test_remove_returns_committed_entries_and_defers_busy_slots() -> None:
     cache = ChunkCache(8 * A)
     store(cache, [k(0), k(1)])
     pending = cache.begin_store(NS, [k(2)], 0, two_shards).writes
-    load = cache.begin_load(NS, [k(1)])
+    load = cache.begin_reads(NS, [k(1)])
     removed = cache.remove(NS, [k(0), k(1), k(2), k(7)])
     assert evicted_keys(removed) == [k(0), k(1)]
     assert cache.lookup(NS, [k(0), k(1), k(2)]).pending == []
     s = cache.stats()
     assert (s.entries, s.committed, s.committed_bytes) == (0, 0, 0)
     assert s.used_bytes == A + 2 * A  # k(1) is being read, k(2) written
-    cache.finish_load(load.entries)
+    cache.finish_reads([load])
     assert cache.finish_store(pending, ok=True) == []
     assert cache.stats().used_bytes == 0
     assert cache.remove("nope", [k(0)]) == []
@@ -733,7 +735,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = ChunkCache(CAP, policy=self.POLICY, clock=lambda: self.now)
         self.model: dict[tuple[str, bytes], Model] = {}
         self.stores: list[list[ShardWrite]] = []
-        self.loads: list[list[Entry]] = []
+        self.loads: list[Reads] = []
 
     def evictable(self, m: Model) -> bool:
         return not m.readers and not m.writing and all(exp <= self.now for exp in m.pins.values())
@@ -902,7 +904,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def begin_load(self, ns: str, keys: list[bytes]) -> None:
         models = [self.model.get((ns, key)) for key in keys]
-        res = self.cache.begin_load(ns, keys)
+        res = self.cache.begin_reads(ns, keys)
         missing = [key for key, m in zip(keys, models, strict=True) if m is None or not m.committed]
         assert res.missing == missing
         if missing:
@@ -912,17 +914,17 @@ class CacheMachine(RuleBasedStateMachine):
         for m in models:
             assert m is not None
             m.readers += 1
-        self.loads.append(res.entries)
+        self.loads.append(res)
 
     @precondition(lambda self: bool(self.loads))
     @rule(data=st.data())
     def finish_load(self, data: st.DataObject) -> None:
-        entries = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
-        for e in entries:
+        reads = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+        for e in reads.entries:
             m = self.live(e.namespace, e.key, e)
             if m is not None:
                 m.readers -= 1
-        self.cache.finish_load(entries)
+        self.cache.finish_reads([reads])
 
     @rule(
         ns=st.sampled_from(sorted(NS_SIZES)),
@@ -992,8 +994,8 @@ class CacheMachine(RuleBasedStateMachine):
         holders = {id(m.entry): m.entry for m in self.model.values()}
         for writes in self.stores:
             holders.update((id(w.entry), w.entry) for w in writes)
-        for entries in self.loads:
-            holders.update((id(e), e) for e in entries)
+        for reads in self.loads:
+            holders.update((id(e), e) for e in reads.entries)
         extents = []
         for e in holders.values():
             assert len(e.offsets) == len(e.sizes)

@@ -17,7 +17,7 @@ from hypothesis.stateful import (
 )
 
 from offloadd.cache import lifecycle
-from offloadd.cache.index import ChunkCache, Entry, RestoredChunk, ShardWrite
+from offloadd.cache.index import ChunkCache, Reads, RestoredChunk, ShardWrite
 from offloadd.cache.lifecycle import MARKS, PHASES, Event, IllegalTransition, Mark, Phase
 
 E, P = Event, Phase
@@ -248,7 +248,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._recording = lifecycle.record()
         self.moves = self._recording.__enter__()
         self.stores: list[list[ShardWrite]] = []
-        self.loads: list[list[Entry]] = []
+        self.loads: list[Reads] = []
         self.held: dict[tuple[str, str], set[bytes]] = {}  # keys held at some point
 
     def teardown(self) -> None:
@@ -357,15 +357,15 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @rule(ns=st.sampled_from(NAMESPACES), keys=keys_st)
     def begin_load(self, ns: str, keys: list[bytes]) -> None:
-        res = self.cache.begin_load(ns, keys)
-        if res.entries:
-            self.loads.append(res.entries)
+        res = self.cache.begin_reads(ns, keys)
+        if res.rows:
+            self.loads.append(res)
 
     @rule(owner=st.sampled_from(OWNERS), token=st.sampled_from(TOKENS), keys=keys_st)
     def begin_load_held(self, owner: str, token: str, keys: list[bytes]) -> None:
-        res = self.cache.begin_load_held(owner, token, keys)
-        if res.entries:
-            self.loads.append(res.entries)
+        res = self.cache.begin_reads_held(owner, [(token, keys)])[0]
+        if res.rows:
+            self.loads.append(res)
 
     @rule(ns=st.sampled_from(NAMESPACES), data=st.data())
     def load_committed(self, ns: str, data: st.DataObject) -> None:
@@ -397,7 +397,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.loads))
     @rule(data=st.data())
     def finish_load(self, data: st.DataObject) -> None:
-        self.cache.finish_load(self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1))))
+        self.cache.finish_reads([self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))])
 
     @rule(ns=st.sampled_from(NAMESPACES), keys=keys_st)
     def remove(self, ns: str, keys: list[bytes]) -> None:

@@ -71,12 +71,12 @@ def test_hold_protects_and_outlives_removal() -> None:
     removed = cache.clear_namespace(NS)
     assert {e.key for e in removed} == {key(0), key(2)}
     assert cache.stats().used_bytes == SIZE  # held: its bytes stay until released
-    load = cache.begin_load_held("sched", "req", [key(0)])
+    load = cache.begin_reads_held("sched", [("req", [key(0)])])[0]
     assert load.missing == [] and load.entries[0].key == key(0)
-    assert cache.begin_load_held("sched", "req", [key(2)]).missing == [key(2)]
+    assert cache.begin_reads_held("sched", [("req", [key(2)])])[0].missing == [key(2)]
     assert cache.release_hold("sched", "req", [key(0)]) == 1
     assert cache.stats().used_bytes == SIZE  # still being read
-    cache.finish_load(load.entries)
+    cache.finish_reads([load])
     assert cache.stats().used_bytes == 0
 
 
@@ -217,9 +217,9 @@ def test_holding_a_key_again_after_it_was_stored_again_keeps_the_newest() -> Non
     assert cache.stats().used_bytes == 2 * SIZE
     cache.hold(NS, "sched", "req", [key(0)])  # the old entry's holds go, the new one is held
     assert cache.stats().used_bytes == SIZE
-    load = cache.begin_load_held("sched", "req", [key(0)])
+    load = cache.begin_reads_held("sched", [("req", [key(0)])])[0]
     assert load.entries == [cache.get(NS, key(0))]
-    cache.finish_load(load.entries)
+    cache.finish_reads([load])
     assert cache.release_hold("sched", "req", [key(0)]) == 1
     assert cache.stats().held == 0
     assert cache.begin_store(NS, [key(1), key(2)], 0, sizes).evicted[0].key == key(0)
@@ -228,7 +228,7 @@ def test_holding_a_key_again_after_it_was_stored_again_keeps_the_newest() -> Non
 def test_begin_load_held_of_an_unknown_request_misses_every_key() -> None:
     cache = ChunkCache(2 * SIZE)
     commit(cache, [key(0)])
-    load = cache.begin_load_held("sched", "unknown", [key(0), key(1)])
+    load = cache.begin_reads_held("sched", [("unknown", [key(0), key(1)])])[0]
     assert (load.entries, load.missing) == ([], [key(0), key(1)])
 
 
@@ -373,11 +373,11 @@ def test_a_key_waiting_on_read_room_is_placed_when_the_read_ends() -> None:
     cache, calls = watched_full_cache(2)
     assert cache.reserve(NS, [key(10)], "a", sizes, acker="a").reserved == [0]
     assert cache.hold(NS, "b", "req", [key(0), key(1)]) == []
-    reads = cache.begin_load_held("b", "req", [key(0), key(1)])
+    reads = cache.begin_reads_held("b", [("req", [key(0), key(1)])])[0]
     cache.release_hold("b", "req", [key(0), key(1)])  # the reads alone keep the room now
     cache.ack("b", cache.seq)
     assert calls == [] and cache.unplaced(NS, [key(10)]) == 1
-    cache.finish_load(reads.entries)
+    cache.finish_reads([reads])
     assert calls == [1] and cache.unplaced(NS, [key(10)]) == 0
 
 
