@@ -167,6 +167,37 @@ class ExtentAllocator:
         """Offset of a new extent of ``alloc_size(size)`` bytes, or None if nothing fits."""
         return self.take(self.alloc_size(size))
 
+    def take_many(self, need: int, count: int) -> list[int]:
+        """``take(need)`` up to ``count`` times, stopping at the first that finds nothing;
+        free extents of exactly ``need`` bytes (what evictions of a step's size leave) are
+        taken in one pass."""
+        taken: list[int] = []
+        bucket = self._by_size.get(need)
+        if bucket is not None:
+            free_start, free_end = self._free_start, self._free_end
+            starts, ends, align = self._starts, self._ends, self._align
+            last_unit = need // align - 1
+            for _ in range(min(count, len(bucket))):
+                start = bucket.pop()
+                del free_start[start]
+                del free_end[start + need]
+                first = start // align  # marked as ``take`` marks it
+                last = first + last_unit
+                starts[first >> 3] |= 1 << (first & 7)
+                ends[last >> 3] |= 1 << (last & 7)
+                taken.append(start)
+            if not bucket:
+                del self._by_size[need]
+                del self._sizes[bisect_left(self._sizes, need)]
+            self._used += need * len(taken)
+        take = self.take
+        while len(taken) < count:
+            more = take(need)
+            if more is None:
+                break
+            taken.append(more)
+        return taken
+
     def take(self, need: int) -> int | None:
         """``alloc`` of a size that is ``alloc_size``'s already (a positive multiple of
         ``align``): what a caller that rounded its sizes once calls per extent."""

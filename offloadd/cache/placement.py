@@ -137,8 +137,7 @@ class Placement:
                 break
         if found_now + found_later < need:
             return  # not enough: each key tries on its own (_place), the rest are refused
-        for row in victims:
-            self._evict(row, evicted, acker)
+        self._evict_all(victims, evicted, acker)
 
     def reserve_room(
         self,
@@ -160,6 +159,41 @@ class Placement:
             self.unplaced[row] = None
             self._unplaced_bytes += footprint
         return row
+
+    def reserve_rows(
+        self,
+        namespace: str,
+        new: Sequence[tuple[int, bytes, int]],
+        protected: frozenset[bytes],
+        evicted: list[Entry],
+        acker: str | None,
+    ) -> list[int]:
+        """``reserve_room`` of each ``(index, key, shape)`` of ``new`` in order, until one is
+        refused; the rows. Keys of a one-shard shape whose extents are free already (room
+        made by ``make_room``) get them, and their rows, in one batch."""
+        rows = self._rows
+        made: list[int] = []
+        start = 0
+        while start < len(new):
+            shape = new[start][2]
+            needs = rows.needs[shape]
+            if len(needs) == 1 and rows.fits[shape]:
+                end = start + 1
+                while end < len(new) and new[end][2] == shape:
+                    end += 1
+                offsets = rows.alloc.take_many(needs[0], end - start)
+                if offsets:
+                    keys = [key for _index, key, _shape in new[start : start + len(offsets)]]
+                    made += rows.new_rows(namespace, keys, shape, offsets)
+                    start += len(offsets)
+                    continue
+            _index, key, shape = new[start]  # no extent free: evict or wait, as one key does
+            row = self.reserve_room(namespace, key, shape, protected, evicted, acker)
+            if row is None:
+                break
+            made.append(row)
+            start += 1
+        return made
 
     def place_unplaced(self, row: int) -> bool:
         """Give the unplaced ``row`` its extents if they fit now."""
@@ -366,6 +400,20 @@ class Placement:
         self.free_if_idle(row)
         self.evictions += 1
         evicted.append(entry)
+
+    def _evict_all(self, victims: Sequence[int], evicted: list[Entry], acker: str | None) -> None:
+        """``_evict`` of each of ``victims``, with the acker's own acknowledgement once."""
+        handle, state = self._handles.get, self._rows.state.v
+        leaving = False
+        for row in victims:
+            self.unlink(row, evicted=True)
+            evicted.append(handle(row))
+            leaving = leaving or bool(state[row] & LEAVING)
+        if acker is not None and leaving:
+            self.ack(acker, self._watchers.seq)
+        for row in victims:
+            self.free_if_idle(row)
+        self.evictions += len(victims)
 
     def drop(self, row: int, removed: list[Entry]) -> None:
         """Remove ``row``; a committed one's handle goes to ``removed``."""

@@ -148,6 +148,57 @@ class Rows:
         self.policy.insert(row, namespace_id, key)
         return row
 
+    def new_rows(
+        self, namespace: str, keys: Sequence[bytes], shape: int, offsets: list[int]
+    ) -> list[int]:
+        """``new_row`` of each of ``keys`` for a one-shard ``shape``, its extent at the same
+        place in ``offsets``: a step's reservation, its columns written as arrays."""
+        count = len(keys)
+        free = self._free_rows
+        reused = min(count, len(free))
+        made = free[len(free) - reused :][::-1]  # as ``new_row`` pops them
+        del free[len(free) - reused :]
+        table_keys = self.keys
+        for row, key in zip(made, keys, strict=False):
+            table_keys[row] = key
+        if reused < count:
+            first = len(table_keys)
+            table_keys.extend(keys[reused:])
+            made.extend(range(first, len(table_keys)))
+            if len(table_keys) > len(self.state.a):
+                for column in (self.state, self.ns, self.shape, self.base):
+                    column.grow(len(table_keys))
+                self.policy.grow(len(self.state.a))
+        namespace_id = self.namespace_ids.get(namespace)
+        if namespace_id is None:
+            namespace_id = self.namespace_ids[namespace] = len(self.namespaces)
+            self.namespaces.append(namespace)
+        slots = self._free_runs.get(1, [])
+        bases = slots[len(slots) - min(count, len(slots)) :][::-1]
+        del slots[len(slots) - len(bases) :]
+        if len(bases) < count:
+            top = self._pool_top
+            self._pool_top = top + count - len(bases)
+            bases.extend(range(top, self._pool_top))
+            if self._pool_top > len(self.offsets.a):
+                self.offsets.grow(self._pool_top)
+        at = np.array(made, dtype=np.int64)
+        state = self.state.a
+        state[at] = lifecycle.step_all(state[at], _ALLOCATE)
+        self.ns.a[at] = namespace_id
+        self.shape.a[at] = shape
+        self.base.a[at] = bases
+        self.offsets.a[bases] = np.array(offsets, dtype=np.int64) // self.align
+        table = self.tables.get(namespace)
+        if table is None:
+            table = self.tables[namespace] = {}
+        table.update(zip(keys, made, strict=True))
+        self.entries += count
+        insert = self.policy.insert
+        for row, key in zip(made, keys, strict=True):
+            insert(row, namespace_id, key)
+        return made
+
     def place(self, row: int, offsets: list[int]) -> None:
         """Give ``row`` its extents at ``offsets``."""
         pool, align = self.offsets.v, self.align

@@ -236,17 +236,14 @@ class Stores:
         if new:
             need = sum(rows.footprints[shape] for _i, _key, shape in new)
             place.make_room(namespace, need, protected, res.evicted, acker)
-        leased: list[int] = []  # the rows reserved
-        for i, key, shape in new:
-            # The rows made so far cannot be evicted for the later ones: their keys are
-            # ``protected``.
-            row = place.reserve_room(namespace, key, shape, protected, res.evicted, acker)
-            if row is None:
-                res.refused.extend(range(i, len(keys)))
-                place.refuse_full(len(keys) - i)
-                break
-            res.reserved.append(i)
-            leased.append(row)
+        # The rows made so far cannot be evicted for the later ones: their keys are
+        # ``protected``.
+        leased = place.reserve_rows(namespace, new, protected, res.evicted, acker)
+        res.reserved = [i for i, _key, _shape in new[: len(leased)]]
+        if len(leased) < len(new):
+            first = new[len(leased)][0]
+            res.refused.extend(range(first, len(keys)))
+            place.refuse_full(len(keys) - first)
         guards.reserve(leased, owner, account, tenant)
         guards.lease(leased, now)
         place.heard.removed(res.evicted)

@@ -397,3 +397,32 @@ def test_a_split_keeps_the_free_sizes_ordered_and_the_ends_mapped() -> None:
     assert big == 4 * A and a.free_extents() == [(14 * A, 2 * A)]
     a.free(big or 0, 10 * A)  # merges through the end map into one free extent again
     assert a.free_extents() == [(4 * A, 12 * A)] and a.largest_free == 12 * A
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_take_many_is_take_after_take(seed: int) -> None:
+    """A step's extents in one call: the same offsets, free space and double-free checks as
+    ``take`` called once per key, from exact-size holes (evictions) and a splitting tail."""
+    rng = random.Random(seed)
+    one, other = ExtentAllocator(64 * A), ExtentAllocator(64 * A)
+    held: list[tuple[int, int]] = []
+    for _ in range(40):  # churn both alike: holes of mixed sizes
+        size = rng.choice((A, A, 2 * A))
+        got = one.take(size)
+        assert got == other.take(size)
+        if got is not None:
+            held.append((got, size))
+        if held and rng.random() < 0.5:
+            offset, freed = held.pop(rng.randrange(len(held)))
+            one.free(offset, freed)
+            other.free(offset, freed)
+    count = rng.randrange(1, 40)
+    many = one.take_many(A, count)
+    singly = [other.take(A) for _ in range(count)]
+    assert many == [offset for offset in singly if offset is not None][: len(many)]
+    assert len(many) == count or singly[len(many)] is None
+    assert one.free_extents() == other.free_extents() and one.used_bytes == other.used_bytes
+    for offset in many:
+        one.free(offset, A)
+        with pytest.raises(ValueError):
+            one.free(offset, A)
