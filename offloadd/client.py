@@ -77,6 +77,7 @@ __all__ = [
     "SESSION_LOST",
     "AsyncOffloadClient",
     "CurveKeys",
+    "Heartbeat",
     "OffloadClient",
     "_ClientCore",
 ]
@@ -88,7 +89,8 @@ class OffloadClient(ClientBase):
     """Blocking client; not thread-safe (one per rank thread).
 
     A small background thread sends heartbeats on its own socket while the client is
-    connected, so an idle rank is not reaped. If the daemon restarts, the next request
+    connected, so an idle rank is not reaped (``heartbeat=0``: none; the vLLM plugin's
+    ``SessionLink`` sends them from its own thread). If the daemon restarts, the next request
     says Hello again by itself (jobs of the lost session are reported failed).
     """
 
@@ -461,15 +463,36 @@ class OffloadClient(ClientBase):
         thread.start()
 
     def _heartbeat_loop(self, session: str) -> None:
-        # Its own socket: zmq sockets must not be shared between threads.
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        configure_dealer(sock, uuid.uuid4().bytes, self.curve)
-        sock.connect(self.endpoint)
+        heartbeat = Heartbeat(self._ctx, self.endpoint, self.curve)  # this thread's alone
         try:
             while not self._stop_heartbeat.wait(self.heartbeat):
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.send(encode(Ping(0, session)), zmq.NOBLOCK)
-                while sock.poll(0):  # replies only matter to the daemon's bookkeeping
-                    sock.recv()
+                heartbeat.ping(session)
         finally:
-            sock.close(linger=0)
+            heartbeat.close()
+
+
+class Heartbeat:
+    """Pings that vouch for a session from a DEALER of their own: the session's socket is
+    its owner's to use (and may be busy in a long call), and a zmq socket is one thread's,
+    so only the thread that created a ``Heartbeat`` may use it. ``close`` before the
+    context is terminated."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        configure_dealer(self._sock, uuid.uuid4().bytes, curve)
+        self._sock.connect(endpoint)
+
+    def ping(self, session: str) -> None:
+        """Vouch for ``session`` (its id); nothing is sent while the daemon is away."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send(encode(Ping(0, session)), zmq.NOBLOCK)
+        while self._sock.poll(0):  # replies only matter to the daemon's bookkeeping
+            self._sock.recv()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -13,7 +13,7 @@ the store and load specs, leaves the scheduler for the ranks), without blocking 
   acknowledgement and its tier probes (``lookups``);
 - else an ``UpdateHolds`` (holds, releases or probes to send), else an ``Ack``.
 Its answers are read later without blocking: at the next ``on_schedule_end`` or by the
-background thread (which alone reads what arrives while steps have nothing to send or wait
+link's thread (which alone reads what arrives while steps have nothing to send or wait
 for: ``_quiet``). The ranks store every key of the spec with ``Store(reserved=True)``,
 which the daemon writes only where this engine's scheduler reserved it (never allocating),
 so a key the late ``Reserved`` did not reserve is simply not cached (``Stores.answered``
@@ -39,7 +39,7 @@ its commit reaches the mirror (a second at most).
 A refused step (an ``Error`` answer) is logged and counted (``refused_steps``,
 ``refused_keys``); ``SHUTTING_DOWN``, a step unanswered for ``ANSWER_TIMEOUT_SECONDS`` or a
 keepalive whose session the daemon forgot (``Ok(0)``: it restarted) mean the daemon is away:
-the session is dropped (every key misses) and the background thread connects again.
+the session is dropped (every key misses) and the link connects again.
 
 A daemon with tiers below its arena (disk, cluster; ``Welcome.tiers``) may hold a key the
 mirror lacks. Such a key answers ``RETRY`` and is asked of the daemon in the step's message
@@ -47,14 +47,15 @@ mirror lacks. Such a key answers ``RETRY`` and is asked of the daemon in the ste
 what it finds into the arena and says which keys are on their way, which then answer
 ``HIT_PENDING`` until their commit reaches the mirror (``offloadd.vllm.probes``).
 
-Threads: vLLM calls every method but ``shutdown`` holding ``lock``; a background thread takes
-the same lock (never blocking for it) to read notices and answers, acknowledge them and post a
-keepalive while the engine idles, so the socket is only ever used under ``lock``. Bound on
-``schedule()``'s waits: none on the daemon; the lock may be held by one background tick,
-which only reads what already arrived and sends without blocking (no round trip; connecting
-happens outside the lock). Only ``reset_cache`` (vLLM's cache reset) and the first
-``get_stats`` (the daemon's capacity, once) still wait for a reply, ``STEP_TIMEOUT_SECONDS``
-at most.
+Threads: vLLM calls every method but ``shutdown`` holding ``lock``. The one other thread is
+the engine's ``SessionLink`` (``offloadd.vllm.link``): its heartbeat needs no lock; every
+``TICK_SECONDS`` it takes the same lock (never blocking for it) to read notices and answers,
+acknowledge them and post a keepalive while the engine idles (``_tick``), so the socket is
+only ever used under ``lock``; without a session it connects again by the link's policy, off
+the lock. Bound on ``schedule()``'s waits: none on the daemon; the lock may be held by one
+tick, which only reads what already arrived and sends without blocking (no round trip).
+Only ``reset_cache`` (vLLM's cache reset) and the first ``get_stats`` (the daemon's
+capacity, once) still wait for a reply, ``STEP_TIMEOUT_SECONDS`` at most.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offloadd.client import OffloadClient
-from offloadd.endpoint import nobody_listens
 from offloadd.errors import DaemonUnavailable, OffloaddError, RequestFailed, error_from_reply
+from offloadd.vllm.link import SessionLink
 from offloadd.vllm.mirror import KeyMirror
 from offloadd.vllm.prefix_use import PrefixUse
 from offloadd.vllm.probes import Probe, TierProbes
@@ -109,8 +110,8 @@ _PROBE_RESULTS = {
     Probe.RETRY: LookupResult.RETRY,
 }
 
-TICK_SECONDS = 0.02  # background: read notices and answers, acknowledge them this often
-KEEPALIVE_SECONDS = 1.0  # background: prove the session (and reconnect) when idle this long
+TICK_SECONDS = 0.02  # the link: read notices and answers, acknowledge them this often
+KEEPALIVE_SECONDS = 1.0  # the link: prove the session when idle this long
 # A step message or keepalive unanswered this long: the daemon is away (stopped, frozen,
 # far behind); the session is dropped and every key misses until a new one. The daemon's own
 # bound on a silent mirror (mirror_ack_timeout's default): 1 s dropped live sessions under load.
@@ -118,15 +119,10 @@ ANSWER_TIMEOUT_SECONDS = 5.0
 # Steps sent and not answered yet, at most: beyond, a step is not sent (its stores skipped,
 # its holds lost), so a stalled daemon is not handed a backlog of stale reservations.
 MAX_UNANSWERED_STEPS = 8
-RECONNECT_MAX_SECONDS = 16.0  # the longest pause between attempts to connect again
-# Connecting again (off the lock: schedule() never waits for it) waits this long for the
-# Welcome and its snapshot: a daemon just restarted on a loaded node can take longer than
-# a step's bound, and an attempt that times out doubles the pause before the next.
-RECONNECT_TIMEOUT_SECONDS = 2.0
 # The exchanges still awaited (cache reset, the capacity once) wait at most this long.
 STEP_TIMEOUT_SECONDS = 0.3
 # What a step waits for the daemon, at most, whatever the daemon does: nothing (no step
-# message is awaited, the background thread never waits holding the lock).
+# message is awaited, the link's thread never waits holding the lock).
 STEP_BOUND_SECONDS = 0.0
 
 
@@ -145,7 +141,8 @@ class OffloaddManager(OffloadingManager):
         self._config = config
         self._endpoint = endpoint
         self._timeout = timeout
-        self._lock = threading.Lock()
+        self._link = SessionLink(endpoint, f"scheduler {config.engine_id}", tick=TICK_SECONDS)
+        self._lock = self._link.lock
         self._mirror = KeyMirror(record_events=record_events)
         self._probes = TierProbes()
         self._reset_due = False  # a cache reset no daemon has taken yet
@@ -164,9 +161,7 @@ class OffloaddManager(OffloadingManager):
         self.unsent_steps = 0  # steps not sent (no daemon, too many unanswered)
         self._last_request = time.monotonic()
         self._capacity_asked = -KEEPALIVE_SECONDS  # get_stats asks it once, a second apart
-        self._reconnect_pause = KEEPALIVE_SECONDS  # between attempts to connect again
         self._client: OffloadClient | None = None
-        self._stop = threading.Event()
         try:
             self._client = self._connect()
         except DaemonUnavailable:
@@ -177,14 +172,16 @@ class OffloaddManager(OffloadingManager):
                     'or set "offloadd_optional": true to run without offload until it appears'
                 ) from None
             logger.warning("offloadd: no daemon at %s; running without offload for now", endpoint)
-        self._thread = threading.Thread(
-            target=self._background, name="offloadd-mirror", daemon=True
+        self._link.start(
+            client=lambda: self._client,
+            connect=self._connect_again,
+            adopt=self._adopt,
+            idle=self._tick,
         )
-        self._thread.start()
 
     @property
     def lock(self) -> threading.Lock:
-        """Held by vLLM around every call, and by the background thread."""
+        """Held by vLLM around every call, and by the link's thread."""
         return self._lock
 
     # -- lookups and loads ---------------------------------------------------------------------
@@ -317,7 +314,7 @@ class OffloaddManager(OffloadingManager):
                 client = self._client = self._connect()
             except OffloaddError as exc:
                 logger.warning("offloadd: cache reset waits for the daemon: %s", exc)
-                return  # the next session clears before it offloads (_try_reconnect)
+                return  # the next session clears before it offloads (_connect_again)
         self._clear(client)
 
     def _clear(self, client: OffloadClient) -> None:
@@ -365,9 +362,8 @@ class OffloaddManager(OffloadingManager):
         return self._stats.config_info()
 
     def shutdown(self) -> None:
-        """Stop the background thread and end the session."""
-        self._stop.set()
-        self._thread.join()
+        """Stop the link's thread and end the session."""
+        self._link.close()
         with self._lock:
             if self._client is not None:
                 self._client.close()
@@ -383,6 +379,7 @@ class OffloaddManager(OffloadingManager):
             name=f"vllm scheduler {self._config.engine_id}",
             mirror=True,
             timeout=self._timeout if timeout is None else timeout,
+            heartbeat=0,  # the link sends them
         )
         # The few exchanges still awaited (cache reset, the capacity once) wait this long.
         client.timeout = min(self._timeout, STEP_TIMEOUT_SECONDS)
@@ -575,38 +572,24 @@ class OffloaddManager(OffloadingManager):
         """Log a failed exchange. A daemon that is away, or a
         session it no longer knows (``NOT_REGISTERED``) or whose engine waits for its ranks
         (``ENGINE_NOT_READY``), or that is stopping (``SHUTTING_DOWN``), ends the session and
-        empties the mirror: every lookup misses until a new session's snapshot (the
-        background thread connects again, off the lock, once a daemon takes the Hello)."""
+        empties the mirror: every lookup misses until a new session's snapshot (the link
+        connects again, off the lock, once a daemon takes the Hello)."""
         if isinstance(exc, RequestFailed) and exc.code not in _SESSION_GONE | _LEAVING:
             logger.warning("offloadd: %s refused: %s", what, exc)
             return
         logger.warning("offloadd: %s failed: %s; every key misses for now", what, exc)
-        self._disconnect()  # the background thread connects again (a new session)
+        self._disconnect()  # the link connects again (a new session)
 
     def _disconnect(self) -> None:
         """The daemon stopped answering: every key misses until a new session's snapshot."""
         client, self._client = self._client, None
         if client is not None:
             client.close(goodbye=False)
-        self._forget_session()
-        self._last_request = time.monotonic()  # the background thread reconnects after a pause
-
-    def _background(self) -> None:
-        while not self._stop.wait(TICK_SECONDS):
-            if self._client is None:
-                self._try_reconnect()
-                continue
-            if not self._lock.acquire(blocking=False):
-                continue  # vLLM is scheduling: it reads notices itself
-            try:
-                self._tick()
-            except Exception:
-                logger.exception("offloadd: background tick failed")
-            finally:
-                self._lock.release()
+        self._forget_session()  # the link connects again after a pause
 
     def _tick(self) -> None:
-        """Never waits: reads what arrived, posts what is due."""
+        """The link's idle work, under the lock; never waits: reads what arrived, posts what
+        is due."""
         self._read()
         client = self._client
         if client is None:
@@ -632,27 +615,11 @@ class OffloaddManager(OffloadingManager):
         if isinstance(reply, Ok) and reply.count == 0:
             self._failed("keepalive", DaemonUnavailable("the daemon no longer knows this session"))
 
-    def _try_reconnect(self) -> None:
-        """Connect again (off the lock), once a second; while attempts time out (a frozen
-        daemon, whose listen backlog keeps each attempt's connection until it runs again)
-        the pause doubles up to ``RECONNECT_MAX_SECONDS``, so they do not pile up there.
-        Where nobody listens (a daemon that died) the pause stays a second: a restarted
-        daemon gets its sessions back within a second of serving."""
-        started = time.monotonic()
-        if started - self._last_request < self._reconnect_pause:
-            return
-        self._last_request = started
-        if nobody_listens(self._endpoint):
-            self._reconnect_pause = KEEPALIVE_SECONDS
-            return
-        try:
-            client = self._connect(RECONNECT_TIMEOUT_SECONDS)
-        except OffloaddError:
-            if time.monotonic() - started >= RECONNECT_TIMEOUT_SECONDS:  # it waited: frozen
-                self._reconnect_pause = min(2 * self._reconnect_pause, RECONNECT_MAX_SECONDS)
-            return
-        self._reconnect_pause = KEEPALIVE_SECONDS
-        if self._reset_due:  # a reset the last session could not pass on, off the lock
+    def _connect_again(self, timeout: float) -> OffloadClient:
+        """The link's new session (off the lock); first the cache reset the last session
+        could not pass on (``_reset_due``)."""
+        client = self._connect(timeout)
+        if self._reset_due:
             try:
                 logger.info(
                     "offloadd: cache reset, %d chunks dropped", _cleared(client, self._timeout)
@@ -660,15 +627,17 @@ class OffloaddManager(OffloadingManager):
             except OffloaddError as exc:
                 logger.warning("offloadd: cache reset still waits for the daemon: %s", exc)
                 client.close(goodbye=False)
-                return
-        with self._lock:
-            if self._client is not None:  # reset_cache connected meanwhile
-                client.close()
-                return
-            self._reset_due = False
-            self._client = client
-            self._after_request()
-        logger.info("offloadd: connected to %s; offloading from now on", self._endpoint)
+                raise
+        return client
+
+    def _adopt(self, client: OffloadClient) -> bool:
+        """Under the lock: the link's new session, unless ``reset_cache`` connected first."""
+        if self._client is not None:
+            return False
+        self._reset_due = False
+        self._client = client
+        self._after_request()
+        return True
 
 
 def _cleared(client: OffloadClient, timeout: float) -> int:

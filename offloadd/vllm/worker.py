@@ -35,17 +35,19 @@ Contract with vLLM 0.33 (``OffloadingConnectorWorker``):
   (the new daemon restored its arena; the old session's hold is gone). Only keys that are
   gone by then fail it. No call waits on the daemon longer than ``STEP_TIMEOUT_SECONDS``
   inside a step (``wait`` excepted), and while it is away nothing is asked of it but one
-  ``PROBE_TIMEOUT_SECONDS`` ping every ``RECONNECT_SECONDS``. It counts as away after a
+  ``PROBE_TIMEOUT_SECONDS`` ping every ``KEEPALIVE_SECONDS``. It counts as away after a
   failed exchange until it is back (a message from it read, or, where it could not be
   reached, a connection again: then the rank says Hello at once), ``AWAY_SECONDS`` at
   most. A daemon that is stopping
   (``SHUTTING_DOWN``: a planned restart) counts as away: its refused loads wait for the next
   one, its refused stores are done (nothing cached). A step that sends its jobs
   pings not: the daemon's answer to the ``StepJobs`` proves the session (a ping goes only
-  once an answer is ``RECONNECT_SECONDS`` late, or the daemon said it forgot the session).
-  An idle rank (an engine without requests calls nothing) proves its session from a
-  background thread once a second, never during one of vLLM's calls: a restarted daemon
-  hears every rank again at once (its engine, and so the scheduler's mirror, waits for them).
+  once an answer is ``KEEPALIVE_SECONDS`` late, or the daemon said it forgot the session).
+  An idle rank (an engine without requests calls nothing) proves its session once a second
+  from the rank's ``SessionLink`` thread (``offloadd.vllm.link``: also its heartbeat, and a
+  session again by the link's policy where there was none), never during one of vLLM's
+  calls: a restarted daemon hears every rank again at once (its engine, and so the
+  scheduler's mirror, waits for them).
 
 Ordering against the GPU: on CUDA every store and load carries an interprocess event recorded
 on the current stream, and the daemon's copy waits for it; CPU tensors need no event (the
@@ -58,7 +60,6 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ from offloadd.errors import (
     RequestFailed,
 )
 from offloadd.logs import LogLimiter
+from offloadd.vllm.link import SessionLink
 from offloadd.vllm.load_failures import LoadFailures
 from offloadd.vllm.regions import kv_regions, open_region_files
 from offloadd.vllm.transfer_specs import OffloaddLoadSpec, OffloaddStoreSpec
@@ -94,7 +96,7 @@ logger = logging.getLogger(__name__)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-RECONNECT_SECONDS = 1.0  # how often an idle or waiting rank proves its session
+KEEPALIVE_SECONDS = 1.0  # how often an idle or waiting rank proves its session
 AWAY_SECONDS = 1.0  # after a failure, asked nothing at most this long (``_away``)
 STEP_TIMEOUT_SECONDS = 0.3  # an exchange inside a step waits at most this long
 PROBE_TIMEOUT_SECONDS = 0.2  # a ping to a daemon that may be away
@@ -191,7 +193,7 @@ def without_skipped(
 def _taking_turns(
     method: Callable[Concatenate[OffloaddWorker, _P], _R],
 ) -> Callable[Concatenate[OffloaddWorker, _P], _R]:
-    """vLLM's call, holding the worker's lock (the background thread waits its turn)."""
+    """vLLM's call, holding the worker's lock (the link's thread waits its turn)."""
 
     @functools.wraps(method)
     def taking_turns(self: OffloaddWorker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -249,11 +251,11 @@ class OffloaddWorker(OffloadingWorker):
         self.stores_given_up = 0  # stores reported done unanswered, past their bound
         self.stores_unsent = 0  # stores reported done without being sent (no daemon)
         self.keys_not_stored = 0  # keys of finished stores the daemon did not store
-        # vLLM's calls and the background thread take turns on the client (one at a time).
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        # vLLM's calls and the link's thread take turns on the client (one at a time).
+        self._link = SessionLink(endpoint, f"rank {config.parallel.rank}", tick=KEEPALIVE_SECONDS)
+        self._lock = self._link.lock
         self._called = time.monotonic()  # the end of vLLM's latest call
-        self.idle_messages = 0  # sent by the background thread, none of a step's
+        self.idle_messages = 0  # sent by the link's thread, none of a step's
         self._client: OffloadClient | None = None
         try:
             self._client = self._connect(timeout)
@@ -265,7 +267,12 @@ class OffloaddWorker(OffloadingWorker):
                     '"offloadd_optional": true'
                 ) from None
             logger.warning("offloadd: no daemon at %s; rank runs without offload", endpoint)
-        threading.Thread(target=self._background, name="offloadd-rank", daemon=True).start()
+        self._link.start(
+            client=lambda: self._client,
+            connect=self._connect,
+            adopt=self._adopt,
+            idle=self._keep_idle_session,
+        )
 
     # -- vLLM's interface --------------------------------------------------------------------
 
@@ -387,7 +394,7 @@ class OffloaddWorker(OffloadingWorker):
             if sent:
                 # JobError: not all finished yet (or the daemon is away): tended below.
                 with contextlib.suppress(JobError):
-                    client.wait(sent, RECONNECT_SECONDS, raise_on_failure=False)
+                    client.wait(sent, KEEPALIVE_SECONDS, raise_on_failure=False)
             else:
                 client.poll(RESEND_POLL_SECONDS)
             self._collect(client)
@@ -395,16 +402,16 @@ class OffloaddWorker(OffloadingWorker):
                 break
             self._tend(client, now=True)
 
-    @_taking_turns
     def shutdown(self) -> None:
-        """End the session."""
-        self._stop.set()
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
-        files, self._files = self._files, {}
-        for fd in files.values():
-            os.close(fd)
+        """Stop the link's thread, then end the session (taking turns with vLLM's calls)."""
+        self._link.close()
+        with self._lock:
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
+            files, self._files = self._files, {}
+            for fd in files.values():
+                os.close(fd)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -422,47 +429,30 @@ class OffloaddWorker(OffloadingWorker):
             name=f"vllm rank {self._config.parallel.rank}",
             mirror=True,  # this engine's scheduler publishes its events
             timeout=timeout,
+            heartbeat=0,  # the link sends them
             files=self._files,
         )
         client.timeout = min(timeout, STEP_TIMEOUT_SECONDS)  # asked inside vLLM's steps
         return client
 
-    def _background(self) -> None:
-        """Once a second: connect (an optional daemon that was not there at start), or, while
-        vLLM calls nothing, prove the session (``_keep_idle_session``); never while vLLM is
-        in a call."""
-        while not self._stop.wait(RECONNECT_SECONDS):
-            if self._client is None:
-                self._connect_later()
-            elif self._lock.acquire(blocking=False):
-                try:
-                    self._keep_idle_session()
-                except Exception:
-                    logger.exception("offloadd: rank keepalive failed")
-                finally:
-                    self._lock.release()
-
-    def _connect_later(self) -> None:
-        try:
-            client = self._connect(0.5)
-        except OffloaddError:
-            return
-        with self._lock:
-            if self._stop.is_set():
-                client.close()
-                return
-            self._client = client
-        logger.info("offloadd: rank %d connected to %s", self._config.parallel.rank, self._endpoint)
+    def _adopt(self, client: OffloadClient) -> bool:
+        """Under the lock: the link's session (an optional daemon that was not there at
+        start)."""
+        if self._client is not None:
+            return False
+        self._client = client
+        return True
 
     def _keep_idle_session(self) -> None:
-        """A rank vLLM has not called for a second proves its session, saying Hello again to
-        a daemon that restarted: the engine there, and so its scheduler's mirror, waits for
-        every rank's Hello, and an engine without requests calls nothing. What that does to
-        jobs in flight (a lost session fails them) waits for vLLM's next call (``_tend``
-        sends loads again, ``_collect`` reports)."""
+        """The link's idle work, under the lock: a rank vLLM has not called for a second
+        proves its session, saying Hello again to a daemon that restarted: the engine
+        there, and so its scheduler's mirror, waits for every rank's Hello, and an engine
+        without requests calls nothing. What that does to jobs in flight (a lost session
+        fails them) waits for vLLM's next call (``_tend`` sends loads again, ``_collect``
+        reports)."""
         client = self._client
         clock = time.monotonic()
-        if client is None or clock - max(self._called, self._checked) < RECONNECT_SECONDS:
+        if client is None or clock - max(self._called, self._checked) < KEEPALIVE_SECONDS:
             return
         self._checked = clock
         sent = client.sent
@@ -537,21 +527,21 @@ class OffloaddWorker(OffloadingWorker):
         self._posted = True
 
     def _tend(self, client: OffloadClient, *, now: bool = False, posted: bool = False) -> None:
-        """Every ``RECONNECT_SECONDS`` (or ``now``): prove the session, so that a restarted
+        """Every ``KEEPALIVE_SECONDS`` (or ``now``): prove the session, so that a restarted
         daemon hears this rank again (its engine is ready again only once every rank said
         Hello), and send the loads waiting for it, by key. ``posted``: this step sent its
-        jobs; their answer proves the session unless it is ``RECONNECT_SECONDS`` late."""
+        jobs; their answer proves the session unless it is ``KEEPALIVE_SECONDS`` late."""
         clock = time.monotonic()
         self._checked = max(self._checked, client.answered_at)
         if posted and not now and not client.session_lost:
             late = client.unanswered_since
-            if late is None or clock - late < RECONNECT_SECONDS:
+            if late is None or clock - late < KEEPALIVE_SECONDS:
                 return
         now = now or client.session_lost
         if self._away():
             return
         waiting = any(not job.sent for job in self._jobs.values())
-        if not (now or waiting) and clock - self._checked < RECONNECT_SECONDS:
+        if not (now or waiting) and clock - self._checked < KEEPALIVE_SECONDS:
             return
         if waiting and not now and clock - self._checked < 0.1:
             return
@@ -595,7 +585,7 @@ class OffloaddWorker(OffloadingWorker):
             )
 
     def _connected(self) -> OffloadClient | None:
-        return self._client  # under the lock: vLLM's calls take turns with the background
+        return self._client  # under the lock: vLLM's calls take turns with the link's thread
 
     def _record_event(self) -> tuple[bytes, Any]:
         """An interprocess CUDA event after the current stream's work, for the daemon to wait
