@@ -192,7 +192,12 @@ def _tiers(ctx: Context) -> list[Result]:
 
 GROUPS = (
     Group("shm", ("shm_store_*", "shm_load_*"), _shm, "store/load GB/s, ranks in /dev/shm files"),
-    Group("memfd", ("memfd_store_*", "memfd_load_*"), _memfd, "the same, ranks in sealed memfds"),
+    Group(
+        "memfd",
+        ("memfd_store_*", "memfd_load_*", "daemon_cpu_per_chunk_2MiB"),
+        _memfd,
+        "the same, ranks in sealed memfds; the daemon's CPU per 2 MiB chunk",
+    ),
     Group("lookup", ("lookup_rtt_*", "lookups_per_s_*"), _lookup, "lookup round trips and rates"),
     Group("handshake", ("handshake_*",), _handshake, "8 ranks from Hello to engine ready"),
     Group(

@@ -19,6 +19,11 @@ Baseline: the very same ``(src, dst, nbytes)`` moves, from the same shm files in
 same-size pre-faulted shm arena, with ``ctypes.memmove`` in a loop on one thread of this
 process (the daemon's CPU copy engine also copies on one thread per direction). Daemon and
 baseline runs alternate, warm-up first; the median of the repetitions is reported.
+
+``daemon_cpu_per_chunk_2MiB`` (the ``memfd`` group, one rank, its own 2 MiB configuration,
+the chunk of 16 tokens of an 8B model): the daemon's CPU per chunk stored or loaded beyond
+the copy of its bytes (the baseline's CPU for the same moves), in microseconds. On a GPU
+node the copy is the DMA engine's; what is left is what the daemon's CPU costs per chunk.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from offloadd.bench._util import (
     one_group_config,
     paired_ratio,
     process_cpu_seconds,
+    ratio,
     size_name,
 )
 from offloadd.cache.arena import Arena
@@ -59,6 +65,8 @@ SHARD_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
 RANK_COUNTS = (1, 4)
 NOPERSIST_RANKS = 1  # the ..._nopersist rows: one rank
 LAYERS = 4
+CPU_ROW = "daemon_cpu_per_chunk_2MiB"
+CPU_ROW_SHARD = 2 << 20  # 16 tokens x 32 layers x 8 KV heads x 128 x K and V x bf16
 BLOCKS_PER_CHUNK = 4
 BYTES_PER_REP = 256 * MiB  # moved per repetition over all ranks (at least 8 chunks per rank)
 # --smoke: one shard size, still every rank count and both journals, a few MiB each.
@@ -312,9 +320,19 @@ def _configs(ctx: Context, kind: str) -> Iterator[tuple[int, int, bool]]:
     # The ..._nopersist rows are measured for /dev/shm files only.
     for persist in (True, False) if kind == "shm" else (True,):
         for ranks in RANK_COUNTS if persist else (NOPERSIST_RANKS,):
-            for shard in ctx.pick(SHARD_SIZES, SHARD_SIZES, SMOKE_SHARD_SIZES):
-                if any(ctx.wanted(name) for name in result_names(shard, ranks, kind, persist)):
+            shards = list(ctx.pick(SHARD_SIZES, SHARD_SIZES, SMOKE_SHARD_SIZES))
+            if _has_cpu_row(CPU_ROW_SHARD, ranks, kind, persist):
+                shards.append(CPU_ROW_SHARD)
+            for shard in shards:
+                names = result_names(shard, ranks, kind, persist)
+                if _has_cpu_row(shard, ranks, kind, persist):
+                    names = (CPU_ROW,)  # its own configuration: only its row is reported
+                if any(ctx.wanted(name) for name in names):
                     yield shard, ranks, persist
+
+
+def _has_cpu_row(shard: int, ranks: int, kind: str, persist: bool) -> bool:
+    return (shard, ranks, kind, persist) == (CPU_ROW_SHARD, 1, "memfd", True)
 
 
 def run(ctx: Context, kind: str = "shm") -> list[Result]:
@@ -497,4 +515,25 @@ def _measure(
         }
         results.append(Result(name, value, "GB/s", base, paired, params | extra))
         ctx.progress(f"  {name}: {value:.2f} GB/s vs {base:.2f} GB/s ({paired:.2f})")
+    if _has_cpu_row(shard, ranks, kind, persist):
+        return [_cpu_row(daemon_cpu, cpu, chunks_moved, params)]
     return results
+
+
+def _cpu_row(
+    daemon_cpu: dict[str, float], cpu: dict[str, float], chunks: int, params: dict[str, object]
+) -> Result:
+    """``daemon_cpu_per_chunk_2MiB`` (see the module) from one configuration's runs."""
+    per_chunk = 1e6 / (2 * chunks)  # stores and loads, ``chunks`` of each
+    daemon = (daemon_cpu["s"] + daemon_cpu["l"]) * per_chunk
+    copy = (cpu["bs"] + cpu["bl"]) * per_chunk
+    extra = {
+        "daemon_cpu_us_per_chunk": round(daemon, 1),
+        "store_daemon_cpu_us": round(daemon_cpu["s"] * 2 * per_chunk, 1),
+        "load_daemon_cpu_us": round(daemon_cpu["l"] * 2 * per_chunk, 1),
+        "copy_cpu_us_per_chunk": round(copy, 1),
+        "value": "daemon CPU per chunk minus its copy's (the baseline)",
+        "ratio": "daemon CPU per chunk over its copy's",
+        "goal": "value <= 20",
+    }
+    return Result(CPU_ROW, daemon - copy, "us", copy, ratio(daemon, copy), params | extra)
