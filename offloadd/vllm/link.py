@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import zmq
 
@@ -77,6 +78,15 @@ class Reconnect:
         self.pause = PAUSE_SECONDS
 
 
+class _Hooks(NamedTuple):
+    """The owner's parts (``SessionLink.start``)."""
+
+    client: Callable[[], OffloadClient | None]
+    connect: Callable[[float], OffloadClient]
+    adopt: Callable[[OffloadClient], bool]
+    idle: Callable[[], None]
+
+
 class SessionLink:
     """The lock, the stop event and the one background thread of a plugin owner; see the
     module docstring."""
@@ -112,7 +122,7 @@ class SessionLink:
         self._linked = client() is not None
         self._thread = threading.Thread(
             target=self._run,
-            args=(client, connect, adopt, idle),
+            args=(_Hooks(client, connect, adopt, idle),),
             name=f"offloadd-link {self.name}",
             daemon=True,
         )
@@ -123,23 +133,17 @@ class SessionLink:
         if self._thread is not None:
             self._thread.join()
 
-    def _run(
-        self,
-        client: Callable[[], OffloadClient | None],
-        connect: Callable[[float], OffloadClient],
-        adopt: Callable[[OffloadClient], bool],
-        idle: Callable[[], None],
-    ) -> None:
+    def _run(self, hooks: _Hooks) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         heartbeat = Heartbeat(ctx, self.endpoint)  # this thread's alone
         try:
             while not self.stop.wait(self._tick):
                 try:
-                    session = client()
+                    session = hooks.client()
                     if session is None:
-                        self._reconnect(connect, adopt)
+                        self._reconnect(hooks.connect, hooks.adopt)
                     else:
-                        self._tend(session, heartbeat, idle)
+                        self._tend(session, heartbeat, hooks.idle)
                 except Exception:
                     logger.exception("offloadd: %s: background turn failed", self.name)
         finally:
