@@ -119,9 +119,9 @@ def _handshake(ctx: Context) -> list[Result]:
 
 
 def _index(ctx: Context) -> list[Result]:
-    from offloadd.bench import growth
+    from offloadd.bench import growth, step_cost
 
-    return growth.run(ctx)
+    return growth.run(ctx) + step_cost.run(ctx)
 
 
 def _bounds(ctx: Context) -> list[Result]:
@@ -208,9 +208,10 @@ GROUPS = (
             "store_cost_*",
             "dict_probe_*",
             "index_bytes_per_entry*",
+            "store_step_cost",
         ),
         _index,
-        "the index's cost and memory as it grows",
+        "the index's cost and memory as it grows; a scheduler's step on a full arena",
     ),
     Group(
         "bounds",
