@@ -148,25 +148,11 @@ def _host_pool(layers: int, page: int) -> Any:
 
 def _backend(host: Any, endpoint: str) -> Any:
     """offloadd's backend, as SGLang's factory builds it for ``dynamic``."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from tests.sglang.pools import backend_extra
+    from tests.sglang.pools import backend_extra, storage_config
 
-    extra = backend_extra(endpoint, 30.0)
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="bench/llama-3-8b-rank",
-        extra_config=extra,
-    )
+    config = storage_config("bench/llama-3-8b-rank", backend_extra(endpoint, 30.0))
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
     if not backend.zero_copy:

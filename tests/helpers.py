@@ -5,6 +5,7 @@ handle), engines made ready, daemon stats, and metric samples read back."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import tempfile
@@ -200,3 +201,16 @@ def tmpfs(size: str, mode: str, prefix: str) -> Iterator[str]:
     finally:
         subprocess.run(["umount", directory], check=False)
         os.rmdir(directory)
+
+
+@contextlib.contextmanager
+def held_report(process: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
+    """The JSON line a helper started with ``--hold`` prints once it holds its session; the
+    helper is let go (its stdin closed) and waited for when the block ends."""
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line, process.stderr.read() if process.stderr else "no report"
+        yield json.loads(line)
+    finally:
+        process.communicate(timeout=60)

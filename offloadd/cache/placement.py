@@ -137,7 +137,7 @@ class Placement:
                 break
         if found_now + found_later < need:
             return  # not enough: each key tries on its own (_place), the rest are refused
-        self._evict_all(victims, evicted, acker)
+        self._evict(victims, evicted, acker)
 
     def reserve_room(
         self,
@@ -331,8 +331,7 @@ class Placement:
                     break
             else:
                 return None
-            for row in victims:
-                self._evict(row, evicted, acker)
+            self._evict(victims, evicted, acker)
             if found_now < need:
                 return None
             offsets = self._try_alloc(shape)
@@ -350,7 +349,7 @@ class Placement:
             if not more:
                 return None
             for row in more:
-                self._evict(row, evicted, acker)
+                self._evict([row], evicted, acker)
                 offsets = self._try_alloc(shape)
                 if offsets is not None:
                     return offsets
@@ -392,17 +391,9 @@ class Placement:
             self._guards.end_reservation(row)
         state[row] = lifecycle.step(state[row], event)
 
-    def _evict(self, row: int, evicted: list[Entry], acker: str | None) -> None:
-        self.unlink(row, evicted=True)
-        entry = self._handles.get(row)
-        if acker is not None and self._rows.state.v[row] & LEAVING:
-            self.ack(acker, self._watchers.seq)
-        self.free_if_idle(row)
-        self.evictions += 1
-        evicted.append(entry)
-
-    def _evict_all(self, victims: Sequence[int], evicted: list[Entry], acker: str | None) -> None:
-        """``_evict`` of each of ``victims``, with the acker's own acknowledgement once."""
+    def _evict(self, victims: Sequence[int], evicted: list[Entry], acker: str | None) -> None:
+        """Evict ``victims`` (their handles to ``evicted``); the acker acknowledges its own
+        removals of them at once, in one call, so the room they leave is free now."""
         handle, state = self._handles.get, self._rows.state.v
         leaving = False
         for row in victims:

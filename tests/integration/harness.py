@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -239,6 +239,20 @@ def shm_leftovers() -> list[str]:
     return [name for name in os.listdir("/dev/shm") if name.startswith("od-test")]
 
 
+@contextlib.contextmanager
+def serve_process(capacity: str = "64MiB", *, persist: bool = True) -> Iterator[ServeProcess]:
+    """A ``ServeProcess`` (not started) in a private work directory (``workdir``) and
+    ``/dev/shm`` arena, killed and both removed when the block ends."""
+    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
+    arena = f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena"
+    daemon = ServeProcess(workdir, arena, capacity, persist=persist)
+    try:
+        yield daemon
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 class ServeProcess:
     """``offloadd serve`` as a subprocess on a fixed endpoint and arena (restart tests).
 
@@ -262,6 +276,7 @@ class ServeProcess:
         beside: bool = False,
         log_level: str | None = "WARNING",
     ) -> None:
+        self.workdir = workdir
         self.persist = persist
         self.config = config
         self.beside = beside

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +23,14 @@ import pytest
 import torch
 
 from offloadd.errors import NotReady
-from tests.integration.harness import Rank, ServeProcess, chain_keys, chunk_block_ids, make_rank
+from tests.integration.harness import (
+    Rank,
+    ServeProcess,
+    chain_keys,
+    chunk_block_ids,
+    make_rank,
+    serve_process,
+)
 
 CHUNKS = 40
 KEYS = chain_keys(CHUNKS, salt=b"journal-faults")
@@ -36,13 +40,8 @@ CAPACITY = "512KiB"  # 10 chunks of 2 shards x 24 KiB
 
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(
-        workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena", CAPACITY
-    )
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process(CAPACITY) as daemon:
+        yield daemon
 
 
 def _faulty(*faults: str) -> list[str]:

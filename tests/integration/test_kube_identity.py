@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers import held_report
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGMAP = REPO / "deploy" / "kubernetes" / "configmap.yaml"
 DAEMON_UID = 10001  # the image's offloadd user (deploy/Containerfile, the DaemonSet)
@@ -187,14 +189,8 @@ def run_pod(node: Node, uid: int, *options: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def held_pod(node: Node, uid: int, *options: str) -> Iterator[dict[str, Any]]:
     """A pod's rank keeping its session until the block ends."""
-    process = _pod(node, uid, *options, "--hold")
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line, process.stderr.read() if process.stderr else "no report"
-        yield json.loads(line)
-    finally:
-        process.communicate(timeout=60)
+    with held_report(_pod(node, uid, *options, "--hold")) as report:
+        yield report
 
 
 def test_namespaces_never_share_cached_chunks_and_one_namespaces_uids_do(node: Node) -> None:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -19,16 +16,20 @@ import torch
 from offloadd.client import OffloadClient
 from offloadd.endpoint import nobody_listens
 from offloadd.errors import DaemonUnavailable, NotReady
-from tests.integration.harness import Rank, ServeProcess, chain_keys, chunk_block_ids, make_rank
+from tests.integration.harness import (
+    Rank,
+    ServeProcess,
+    chain_keys,
+    chunk_block_ids,
+    make_rank,
+    serve_process,
+)
 
 
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process() as daemon:
+        yield daemon
 
 
 def _demo(endpoint: str, phase: str) -> dict[str, int]:

@@ -84,7 +84,7 @@ from protocol.messages import (
     encode,
 )
 from tests.fakes import FakeCopyEngine
-from tests.helpers import tmpfs
+from tests.helpers import held_report, tmpfs
 from tests.integration.harness import (
     DaemonThread,
     Rank,
@@ -267,14 +267,8 @@ def held_as(
     user: User, endpoint: str, *options: str, group: int | None = None
 ) -> Iterator[dict[str, object]]:
     """peer_process as ``user`` keeping its session until the block ends."""
-    process = _as_user(user, endpoint, *options, "--hold", group=group)
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line, process.stderr.read() if process.stderr else "no report"
-        yield json.loads(line)
-    finally:
-        process.communicate(timeout=60)
+    with held_report(_as_user(user, endpoint, *options, "--hold", group=group)) as report:
+        yield report
 
 
 # ---------------------------------------------------------------- 1. confused deputy

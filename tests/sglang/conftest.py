@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.harness import ServeProcess
+from tests.integration.harness import ServeProcess, serve_process
 
 _REQUIRED = os.environ.get("OFFLOADD_REQUIRE_SGLANG", "")
 if _REQUIRED:
@@ -32,8 +29,5 @@ if _REQUIRED:
 
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process() as daemon:
+        yield daemon

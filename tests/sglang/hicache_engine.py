@@ -21,7 +21,7 @@ import sys
 import torch
 
 from tests.sglang.cpu_fakes import install_torchvision_stub
-from tests.sglang.pools import backend_extra, device_pool
+from tests.sglang.pools import backend_extra, device_pool, storage_config
 
 PAGE = 4
 LAYERS = 3
@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     install_torchvision_stub()
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
@@ -69,19 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         end_layer=LAYERS,
     )
     extra = backend_extra(args.endpoint, args.timeout, args.allocator)
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=args.model,
-        extra_config=extra,
-    )
+    config = storage_config(args.model, extra)
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
 

@@ -223,8 +223,9 @@ def test_a_refusal_is_answered_with_its_code_and_refreshes_last_seen() -> None:
     assert state.last_seen > 0.0
 
 
-def test_a_step_message_s_lookups_follow_it_each_answered_alone() -> None:
-    recorder = Recorder()
+def _step_dispatcher(recorder: Recorder) -> Dispatcher:
+    """A dispatcher whose lookups answer every key missing and whose step messages hold
+    nothing: what a step message's own handling leaves to its lookups."""
 
     def lookup(state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
         reply(LookupResult(request.request_id, len(request.keys), [], 0))
@@ -232,7 +233,13 @@ def test_a_step_message_s_lookups_follow_it_each_answered_alone() -> None:
     def update_holds(state: SessionState, request: UpdateHolds) -> Reply:
         return HoldResult(request.request_id, 0, [])
 
-    dispatch = _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+    return _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+
+
+def test_a_step_message_s_lookups_follow_it_each_answered_alone() -> None:
+    recorder = Recorder()
+
+    dispatch = _step_dispatcher(recorder)
     probes = [Lookup(8, [b"a"]), Lookup(9, [b"b", b"c"])]
     dispatch(PEER, UpdateHolds(7, lookups=probes))
     assert recorder.sent == [
@@ -273,13 +280,7 @@ def _looked_up(recorder: Recorder) -> list[int]:
 def test_a_step_messages_lookups_run_in_quanta_each_on_a_later_turn() -> None:
     recorder = Recorder()
 
-    def lookup(state: SessionState, request: Lookup, reply: Callable[[Reply], None]) -> None:
-        reply(LookupResult(request.request_id, len(request.keys), [], 0))
-
-    def update_holds(state: SessionState, request: UpdateHolds) -> Reply:
-        return HoldResult(request.request_id, 0, [])
-
-    dispatch = _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+    dispatch = _step_dispatcher(recorder)
     probes = [Lookup(100 + i, [b"k"]) for i in range(QUANTUM_LOOKUPS * 3 + 1)]
     dispatch(PEER, UpdateHolds(7, lookups=probes))
     # The carrier and one quantum now; each later quantum on a turn of its own.
@@ -289,7 +290,7 @@ def test_a_step_messages_lookups_run_in_quanta_each_on_a_later_turn() -> None:
     assert _looked_up(recorder) == [probe.request_id for probe in probes]
     # Lookups of many keys are cut by keys: QUANTUM_KEYS worth at most, one at least.
     recorder = Recorder()
-    dispatch = _dispatcher(recorder, _state(), Lookup=lookup, UpdateHolds=update_holds)
+    dispatch = _step_dispatcher(recorder)
     wide = [Lookup(200 + i, [b"k"] * (QUANTUM_KEYS // 2)) for i in range(5)]
     dispatch(PEER, UpdateHolds(8, lookups=wide))
     assert _looked_up(recorder) == [200, 201]

@@ -29,7 +29,7 @@ from offloadd.vllm import worker as worker_module
 from offloadd.vllm.manager import STEP_BOUND_SECONDS, OffloaddManager
 from protocol.messages import DaemonStats
 from tests.fakes import FakeCopyEngine
-from tests.integration.harness import DaemonThread, ServeProcess
+from tests.integration.harness import DaemonThread, ServeProcess, serve_process
 from tests.vllm.harness import NUM_LAYERS, VllmHarness, sampled_token
 from tests.vllm.prompts import A_PROMPT, b_prompt, compute, prompt_of, settle, why_not_stored
 
@@ -38,11 +38,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process() as daemon:
+        yield daemon
 
 
 def extra_for(serve: ServeProcess) -> dict[str, object]:

@@ -3,11 +3,8 @@ heartbeat keeps a session the daemon cannot watch alive while vLLM holds the loc
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import offloadd.server.peers
 from offloadd.vllm import link as link_module
 from offloadd.vllm.manager import OffloaddManager
 from tests.integration.configs import make_config
-from tests.integration.harness import DaemonThread, ServeProcess
+from tests.integration.harness import DaemonThread, ServeProcess, serve_process
 from tests.vllm.harness import VllmHarness
 from tests.vllm.prompts import A_PROMPT, compute, extra_for, settle
 
@@ -27,11 +24,8 @@ from tests.vllm.prompts import A_PROMPT, compute, extra_for, settle
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
     """A daemon in a process of its own: every offloadd thread in this one is the plugin's."""
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena")
-    yield daemon.start()
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process() as daemon:
+        yield daemon.start()
 
 
 def offloadd_threads(besides: set[int | None]) -> list[str]:

@@ -8,10 +8,7 @@ the load again by key, and the daemon answers that the keys are gone.
 
 from __future__ import annotations
 
-import shutil
 import signal
-import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from offloadd.client import OffloadClient
-from tests.integration.harness import ServeProcess
+from tests.integration.harness import ServeProcess, serve_process
 from tests.vllm.harness import VllmHarness, sampled_token
 from tests.vllm.prompts import A_PROMPT, b_prompt, compute, prompt_of, settle
 
@@ -29,13 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def serve() -> Iterator[ServeProcess]:
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    daemon = ServeProcess(
-        workdir, f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena", persist=False
-    )
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process(persist=False) as daemon:
+        yield daemon
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:

@@ -12,11 +12,8 @@ the request (``kv_load_failure_policy="recompute"``).
 
 from __future__ import annotations
 
-import shutil
 import signal
-import tempfile
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
 
 from offloadd.client import OffloadClient
-from tests.integration.harness import ServeProcess
+from tests.integration.harness import ServeProcess, serve_process
 from tests.vllm.harness import VllmHarness
 from tests.vllm.trace import (
     CHUNK_BYTES,
@@ -55,18 +52,12 @@ STALL_EVERY = 10
 
 def _serve(settings: str = "") -> Iterator[ServeProcess]:
     """The daemon on ``CAPACITY``, with ``settings`` (TOML) as its config file if any."""
-    workdir = tempfile.mkdtemp(prefix="od-", dir="/tmp")
-    config = Path(workdir) / "offloadd.toml"
-    config.write_text(settings)
-    daemon = ServeProcess(
-        workdir,
-        f"/dev/shm/offloadd-test-{uuid.uuid4().hex[:12]}.arena",
-        capacity=f"{CAPACITY >> 20}MiB",
-        config=str(config) if settings else "",
-    )
-    yield daemon
-    daemon.cleanup()
-    shutil.rmtree(workdir, ignore_errors=True)
+    with serve_process(f"{CAPACITY >> 20}MiB") as daemon:
+        if settings:
+            config = Path(daemon.workdir) / "offloadd.toml"
+            config.write_text(settings)
+            daemon.config = str(config)
+        yield daemon
 
 
 @pytest.fixture
