@@ -5,8 +5,10 @@ handle), engines made ready, daemon stats, and metric samples read back."""
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -214,3 +216,22 @@ def held_report(process: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
         yield json.loads(line)
     finally:
         process.communicate(timeout=60)
+
+
+@contextlib.contextmanager
+def system_group(name: str) -> Iterator[int]:
+    """The system group ``name``'s gid, made with groupadd for the block (and removed after)
+    unless it exists already; skips where the host has no groupadd."""
+    if shutil.which("groupadd") is None:
+        pytest.skip("no groupadd on this host")
+    made = False
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", name], check=True)
+        made = True
+    try:
+        yield grp.getgrnam(name).gr_gid
+    finally:
+        if made:
+            subprocess.run(["groupdel", name], check=False)

@@ -14,7 +14,6 @@ or refusing the pods) is the admission policy's test.
 from __future__ import annotations
 
 import contextlib
-import grp
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import held_report
+from tests.helpers import held_report, system_group
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGMAP = REPO / "deploy" / "kubernetes" / "configmap.yaml"
@@ -66,19 +65,8 @@ class Node:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[int]:
-    if shutil.which("groupadd") is None:
-        pytest.skip("no groupadd on this host")
-    made = False
-    try:
-        grp.getgrnam(GROUP)
-    except KeyError:
-        subprocess.run(["groupadd", "--system", GROUP], check=True)
-        made = True
-    try:
-        yield grp.getgrnam(GROUP).gr_gid
-    finally:
-        if made:
-            subprocess.run(["groupdel", GROUP], check=False)
+    with system_group(GROUP) as gid:
+        yield gid
 
 
 def _read_only_bind(source: str, target: str) -> bool:

@@ -84,7 +84,7 @@ from protocol.messages import (
     encode,
 )
 from tests.fakes import FakeCopyEngine
-from tests.helpers import held_report, tmpfs
+from tests.helpers import held_report, system_group, tmpfs
 from tests.integration.harness import (
     DaemonThread,
     Rank,
@@ -176,13 +176,8 @@ def users() -> Iterator[dict[str, User]]:
         pytest.skip("making two Unix users (useradd) needs root")
     if shutil.which("useradd") is None:
         pytest.skip("no useradd on this host")
-    made_group, made_users = False, []
-    try:
-        grp.getgrnam(SHARED_GROUP)
-    except KeyError:
-        subprocess.run(["groupadd", "--system", SHARED_GROUP], check=True)
-        made_group = True
-    try:
+    made_users: list[str] = []
+    with system_group(SHARED_GROUP), _removing(made_users):
         for name in USER_NAMES:
             try:
                 pwd.getpwnam(name)
@@ -197,11 +192,16 @@ def users() -> Iterator[dict[str, User]]:
             name: User(name, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
             for name in USER_NAMES
         }
+
+
+@contextlib.contextmanager
+def _removing(users: list[str]) -> Iterator[None]:
+    """``userdel`` each of ``users`` (those this module made) when the block ends."""
+    try:
+        yield
     finally:
-        for name in made_users:
+        for name in users:
             subprocess.run(["userdel", name], check=False)
-        if made_group:
-            subprocess.run(["groupdel", SHARED_GROUP], check=False)
 
 
 @pytest.fixture
