@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from offloadd.transfer.memmove import memmove_many
 from offloadd.transfer.types import Direction, FileWindow, MoveArrays
 
 TMPFS_MAGIC = 0x01021994
@@ -172,9 +171,15 @@ def guarded_copy(arrays: MoveArrays, direction: Direction, windows: Sequence[Fil
     inside[inside] = client[inside] < ends[which[inside]]
     if (client[inside] + arrays.sizes[inside] > ends[which[inside]]).any():
         raise ValueError("a copy reaches outside the rank's registered file")
+    memmove = ctypes.memmove
     mapped = np.flatnonzero(~inside)
-    if len(mapped):
-        memmove_many(arrays.srcs[mapped], arrays.dsts[mapped], arrays.sizes[mapped])
+    for address, rank_side, nbytes in zip(
+        host[mapped].tolist(), client[mapped].tolist(), arrays.sizes[mapped].tolist(), strict=True
+    ):
+        if store:
+            memmove(address, rank_side, nbytes)
+        else:
+            memmove(rank_side, address, nbytes)
     through_files = np.flatnonzero(inside)
     if not len(through_files):
         return
