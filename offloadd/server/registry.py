@@ -241,6 +241,12 @@ def group_of_key(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
 
 
+def one_group(keys: Sequence[bytes]) -> bool:
+    """Whether ``keys`` are all of one KV-cache group (``group_of_key``), told without a
+    call per key."""
+    return len({key[-4:] for key in keys}) == 1
+
+
 class Registry:
     """Sessions and engines; see the module docstring for the contract."""
 

@@ -60,6 +60,7 @@ from offloadd.server.registry import (
     Registry,
     elected_keys,
     group_of_key,
+    one_group,
     store_part,
 )
 from offloadd.server.schedulers import acker
@@ -358,7 +359,7 @@ class CacheRequests:
         chunks, firsts, _ = ranges
         positions = namespace.group_positions
         writes = reservation.writes
-        if writes and len({key[-4:] for key in keys}) == 1:  # one group (group_of_key)
+        if writes and one_group(keys):
             spans, shard_bytes = self._spans(state, positions[group_of_key(keys[0])], bpc)
             if shard_bytes > min(write.size for write in writes):
                 raise AssertionError("shard plan exceeds its slot")
