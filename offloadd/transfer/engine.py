@@ -77,10 +77,9 @@ def _copy_all(moves: Sequence[Triple], direction: Direction) -> float:
 # A load this small is copied on the event loop when no load copy is queued: a request's
 # first token waits for it, and on the Mooncake trace a load handed to the copy thread
 # waited 1.6 ms (median) for the GIL while the loop planned the step's stores, then as long
-# again for the loop to take its end, around a copy of 0.5 ms. 4 MiB holds a step of 256
-# requests' loads at vllm_step's geometry (2 MiB in 1,024 copies: 1.1-1.4 ms of CPU here,
-# memory-bound; handed to the thread, their answer came 0.3-0.5 ms later again).
-INLINE_LOAD_BYTES = 4 << 20
+# again for the loop to take its end, around a copy of 0.5 ms. 1 MiB: ~0.1 ms of memmove.
+# Not more: a larger load copied here holds up the other engines' loads (decisions.md).
+INLINE_LOAD_BYTES = 1 << 20
 
 
 def _total_bytes(moves: Sequence[Triple]) -> int:
