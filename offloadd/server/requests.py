@@ -69,7 +69,7 @@ from offloadd.server.tiers import Tiers
 from offloadd.server.usage import Usage
 from offloadd.server.waiting import WaitingStores, wait_bound
 from offloadd.settings import Settings
-from offloadd.transfer.copies import ChunkRuns
+from offloadd.transfer.copies import ChunkRuns, block_bytes
 from offloadd.transfer.plan import block_id_problem, chunk_ranges, group_spans
 from offloadd.transfer.types import Direction, Span
 from protocol.errors import ErrorCode
@@ -511,27 +511,25 @@ class CacheRequests:
         arena_address = self._arena.address
         runs = ChunkRuns(state.windows, load=True)
         positions = namespace.group_positions
-        groups = {group_of_key(key) for request in requests for key in request.keys}
+        keys = [key for request in requests for key in request.keys]
+        one = one_group(keys)
+        groups = {group_of_key(keys[0])} if one else set(map(group_of_key, keys))
         planned = {group: self._spans(state, positions[group], bpc) for group in groups}
         rows = [row for _, _, reads in checked for row in reads.rows]
         extents = self._cache.read_extents(rows, shard)
         addresses = [arena_address + offset for offset, _ in extents]
-        one_group = len(groups) == 1
-        if one_group and planned[next(iter(groups))][1] > min(size for _, size in extents):
-            raise AssertionError("shard plan exceeds its slot")
-        jobs: list[Job] = []
-        at = 0
-        for request, (_, ranges, reads) in zip(requests, checked, strict=True):
-            before = runs.nbytes
-            block_ids, keys = request.block_ids, request.keys
-            if one_group:  # the keys alike but for their chunks' ranges: by runs
-                spans = planned[group_of_key(keys[0])][0]
-                for start, end, sub_block, count in ranges.alike:
-                    first = ranges.firsts[start]
-                    ids = block_ids[first : first + count * (end - start)]
-                    runs.add_alike(spans, ids, addresses[at + start : at + end], sub_block)
-            else:
-                for index, key in enumerate(keys):
+        if one:
+            spans, shard_bytes = planned[next(iter(groups))]
+            if shard_bytes > min(size for _, size in extents):
+                raise AssertionError("shard plan exceeds its slot")
+            jobs = _add_loads(runs, spans, state, requests, checked, addresses)
+        else:
+            jobs = []
+            at = 0
+            for request, (_, ranges, reads) in zip(requests, checked, strict=True):
+                before = runs.nbytes
+                block_ids = request.block_ids
+                for index, key in enumerate(request.keys):
                     spans, shard_bytes = planned[group_of_key(key)]
                     if shard_bytes > extents[at + index][1]:
                         raise AssertionError("shard plan exceeds its slot")
@@ -539,10 +537,11 @@ class CacheRequests:
                     first = ranges.firsts[index]
                     ids = block_ids[first : first + count]
                     runs.add(spans, ids, addresses[at + index], sub_block)
-            at += len(keys)
-            job = Job(request.job_id, state, Direction.LOAD, keys, [], runs.nbytes - before)
-            job.reads = reads
-            jobs.append(job)
+                at += len(request.keys)
+                nbytes = runs.nbytes - before
+                job = Job(request.job_id, state, Direction.LOAD, request.keys, [], nbytes)
+                job.reads = reads
+                jobs.append(job)
         self._jobs.submit_together(state, jobs, runs, _last_event(requests))
 
     def _begin_loads(
@@ -633,6 +632,44 @@ def _add_writes(
         ids += block_ids[start : start + chunk[1]]
         addresses.append(arena_address + write.offset)
     runs.add_alike(spans, ids, addresses, alike[0])
+
+
+def _add_loads(
+    runs: ChunkRuns,
+    spans: tuple[Span, ...],
+    state: SessionState,
+    requests: Sequence[Load],
+    checked: Sequence[tuple[int, _Ranges, Reads]],
+    addresses: list[int],
+) -> list[Job]:
+    """Add the chunks of checked Loads whose keys are of one group (``spans``) to ``runs``,
+    by runs alike across the step's loads (one ``add_alike`` a load cost ~0.8 µs each, of a
+    256-load step's 1.3 ms); their jobs, each with its bytes."""
+    per_block = block_bytes(spans)
+    jobs: list[Job] = []
+    alike: tuple[int, int] | None = None
+    ids: list[int] = []
+    shard_addresses: list[int] = []
+    at = 0
+    for request, (_, ranges, reads) in zip(requests, checked, strict=True):
+        block_ids, firsts = request.block_ids, ranges.firsts
+        blocks = 0
+        for start, end, sub_block, count in ranges.alike:
+            if (sub_block, count) != alike:
+                if alike is not None:
+                    runs.add_alike(spans, ids, shard_addresses, alike[0])
+                alike, ids, shard_addresses = (sub_block, count), [], []
+            first, many = firsts[start], count * (end - start)
+            ids += block_ids[first : first + many]
+            shard_addresses += addresses[at + start : at + end]
+            blocks += many
+        at += len(request.keys)
+        job = Job(request.job_id, state, Direction.LOAD, request.keys, [], blocks * per_block)
+        job.reads = reads
+        jobs.append(job)
+    if alike is not None:
+        runs.add_alike(spans, ids, shard_addresses, alike[0])
+    return jobs
 
 
 def _last_event(requests: Sequence[Load]) -> bytes:

@@ -226,6 +226,11 @@ class ChunkRuns:
         return copies
 
 
+def block_bytes(spans: Sequence[Span]) -> int:
+    """Bytes the copies of one block id over ``spans`` move (what ``ChunkRuns`` counts)."""
+    return _span_arrays(spans).page_sum
+
+
 # The daemon passes the same spans tuple (cached per session and group) for every chunk, so the
 # arrays are keyed by its identity; the tuple itself is kept so the id cannot be reused.
 _cache: dict[int, tuple[Sequence[Span], _SpanArrays]] = {}
