@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate, groupby, repeat
 from typing import NamedTuple
 
@@ -363,7 +363,7 @@ class CacheRequests:
             spans, shard_bytes = self._spans(state, positions[group_of_key(keys[0])], bpc)
             if shard_bytes > min(write.size for write in writes):
                 raise AssertionError("shard plan exceeds its slot")
-            _add_writes(runs, spans, writes, mine, ranges, block_ids, arena_address)
+            _add_by_runs(runs, spans, _write_pieces(writes, mine, ranges, block_ids, arena_address))
         else:
             for write in writes:
                 group = group_of_key(keys[write.index])
@@ -518,15 +518,19 @@ class CacheRequests:
         rows = [row for _, _, reads in checked for row in reads.rows]
         extents = self._cache.read_extents(rows, shard)
         addresses = [arena_address + offset for offset, _ in extents]
+        nbytes: list[int] = []
         if one:
             spans, shard_bytes = planned[next(iter(groups))]
             if shard_bytes > min(size for _, size in extents):
                 raise AssertionError("shard plan exceeds its slot")
-            jobs = _add_loads(runs, spans, state, requests, checked, addresses)
+            _add_by_runs(runs, spans, _load_pieces(requests, checked, addresses))
+            per_block = block_bytes(spans)  # what ChunkRuns counts per block id
+            for _, ranges, _reads in checked:
+                blocks = sum(count * (end - start) for start, end, _, count in ranges.alike)
+                nbytes.append(blocks * per_block)
         else:
-            jobs = []
             at = 0
-            for request, (_, ranges, reads) in zip(requests, checked, strict=True):
+            for request, (_, ranges, _reads) in zip(requests, checked, strict=True):
                 before = runs.nbytes
                 block_ids = request.block_ids
                 for index, key in enumerate(request.keys):
@@ -538,10 +542,12 @@ class CacheRequests:
                     ids = block_ids[first : first + count]
                     runs.add(spans, ids, addresses[at + index], sub_block)
                 at += len(request.keys)
-                nbytes = runs.nbytes - before
-                job = Job(request.job_id, state, Direction.LOAD, request.keys, [], nbytes)
-                job.reads = reads
-                jobs.append(job)
+                nbytes.append(runs.nbytes - before)
+        jobs: list[Job] = []
+        for request, (_, _ranges, reads), size in zip(requests, checked, nbytes, strict=True):
+            job = Job(request.job_id, state, Direction.LOAD, request.keys, [], size)
+            job.reads = reads
+            jobs.append(job)
         self._jobs.submit_together(state, jobs, runs, _last_event(requests))
 
     def _begin_loads(
@@ -607,69 +613,56 @@ class CacheRequests:
         return planned
 
 
-def _add_writes(
+def _add_by_runs(
     runs: ChunkRuns,
     spans: tuple[Span, ...],
+    pieces: Iterable[tuple[tuple[int, int], list[int], list[int]]],
+) -> None:
+    """Add ``pieces`` (chunks of one group, ``spans``: each piece its chunks' ``(first
+    sub-block, block count)``, block ids and shard addresses) to ``runs``, consecutive pieces
+    alike as one ``add_alike``: one call per chunk (a store's) or per load cost more than
+    the piece's own work."""
+    alike: tuple[int, int] | None = None
+    ids: list[int] = []
+    addresses: list[int] = []
+    for chunk, more_ids, more_addresses in pieces:
+        if chunk != alike:
+            if alike is not None:
+                runs.add_alike(spans, ids, addresses, alike[0])
+            alike, ids, addresses = chunk, [], []
+        ids += more_ids
+        addresses += more_addresses
+    if alike is not None:
+        runs.add_alike(spans, ids, addresses, alike[0])
+
+
+def _write_pieces(
     writes: Sequence[ShardWrite],
     mine: Sequence[int],
     ranges: _Ranges,
     block_ids: list[int],
     arena_address: int,
-) -> None:
-    """Add the chunks of ``writes`` (keys of one group, ``spans``) to ``runs`` by runs of
-    chunks alike, as a step's loads are: one ``add`` per write cost some ten calls each."""
+) -> Iterator[tuple[tuple[int, int], list[int], list[int]]]:
+    """A store's writes as ``_add_by_runs`` pieces, a chunk each."""
     chunks, firsts = ranges.chunks, ranges.firsts
-    alike = chunks[mine[writes[0].index]]
-    ids: list[int] = []
-    addresses: list[int] = []
     for write in writes:
         index = mine[write.index]
-        chunk = chunks[index]
-        if chunk != alike:
-            runs.add_alike(spans, ids, addresses, alike[0])
-            alike, ids, addresses = chunk, [], []
-        start = firsts[index]
-        ids += block_ids[start : start + chunk[1]]
-        addresses.append(arena_address + write.offset)
-    runs.add_alike(spans, ids, addresses, alike[0])
+        chunk, start = chunks[index], firsts[index]
+        yield chunk, block_ids[start : start + chunk[1]], [arena_address + write.offset]
 
 
-def _add_loads(
-    runs: ChunkRuns,
-    spans: tuple[Span, ...],
-    state: SessionState,
-    requests: Sequence[Load],
-    checked: Sequence[tuple[int, _Ranges, Reads]],
-    addresses: list[int],
-) -> list[Job]:
-    """Add the chunks of checked Loads whose keys are of one group (``spans``) to ``runs``,
-    by runs alike across the step's loads (one ``add_alike`` a load cost ~0.8 µs each, of a
-    256-load step's 1.3 ms); their jobs, each with its bytes."""
-    per_block = block_bytes(spans)
-    jobs: list[Job] = []
-    alike: tuple[int, int] | None = None
-    ids: list[int] = []
-    shard_addresses: list[int] = []
+def _load_pieces(
+    requests: Sequence[Load], checked: Sequence[tuple[int, _Ranges, Reads]], addresses: list[int]
+) -> Iterator[tuple[tuple[int, int], list[int], list[int]]]:
+    """A step's checked Loads as ``_add_by_runs`` pieces, a run of chunks alike each."""
     at = 0
-    for request, (_, ranges, reads) in zip(requests, checked, strict=True):
+    for request, (_, ranges, _reads) in zip(requests, checked, strict=True):
         block_ids, firsts = request.block_ids, ranges.firsts
-        blocks = 0
         for start, end, sub_block, count in ranges.alike:
-            if (sub_block, count) != alike:
-                if alike is not None:
-                    runs.add_alike(spans, ids, shard_addresses, alike[0])
-                alike, ids, shard_addresses = (sub_block, count), [], []
-            first, many = firsts[start], count * (end - start)
-            ids += block_ids[first : first + many]
-            shard_addresses += addresses[at + start : at + end]
-            blocks += many
+            first = firsts[start]
+            ids = block_ids[first : first + count * (end - start)]
+            yield (sub_block, count), ids, addresses[at + start : at + end]
         at += len(request.keys)
-        job = Job(request.job_id, state, Direction.LOAD, request.keys, [], blocks * per_block)
-        job.reads = reads
-        jobs.append(job)
-    if alike is not None:
-        runs.add_alike(spans, ids, shard_addresses, alike[0])
-    return jobs
 
 
 def _last_event(requests: Sequence[Load]) -> bytes:
